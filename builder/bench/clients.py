@@ -1,0 +1,246 @@
+"""Clients the load generator drives: gRPC streaming (tritonclient) and HTTP generate[_stream].
+
+Each client owns one connection (one gRPC stream) and sends one request at a time; the load
+generator runs one client per concurrent slot. Timestamps are taken with `time.perf_counter` the
+moment a response arrives (in tritonclient's callback thread for gRPC), never after parsing.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from builder.bench.records import RequestRecord
+from builder.bench.workloads import WorkItem
+
+_NUMPY_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64,
+                 "BOOL": np.bool_, "FP32": np.float32}
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The model's declared inputs (name -> (datatype, has batch dim)), from its metadata."""
+
+    inputs: dict[str, tuple[str, bool]]
+
+    def accepts(self, name: str) -> bool:
+        return name in self.inputs
+
+
+def fetch_model_inputs(url: str, model: str, protocol: str, timeout: float = 10.0) -> ModelInputs:
+    """Ask the server which inputs `model` takes (so optional ones are sent only when accepted)."""
+    if protocol == "grpc":
+        import tritonclient.grpc as grpcclient
+
+        with grpcclient.InferenceServerClient(url) as client:
+            meta = client.get_model_metadata(model, as_json=True, client_timeout=timeout)
+    else:
+        with urllib.request.urlopen(f"http://{url}/v2/models/{model}", timeout=timeout) as resp:
+            meta = json.loads(resp.read())
+    return ModelInputs({i["name"]: (i["datatype"], len(i["shape"]) > 1) for i in meta["inputs"]})
+
+
+def request_fields(item: WorkItem, inputs: ModelInputs, fixed_output: bool) -> dict[str, Any]:
+    """The tensors of one request. Fixed output length sends `min_tokens` == `max_tokens` so every
+    request generates exactly `max_tokens` tokens (ignore_eos style) and servers compare fairly."""
+    fields: dict[str, Any] = {"text_input": item.prompt, "max_tokens": item.max_tokens,
+                              "stream": item.stream}
+    if fixed_output and inputs.accepts("min_tokens"):
+        fields["min_tokens"] = item.max_tokens
+    if inputs.accepts("exclude_input_in_output"):
+        fields["exclude_input_in_output"] = True
+    return {k: v for k, v in fields.items() if inputs.accepts(k)}
+
+
+class Client(Protocol):
+    def send(self, item: WorkItem, index: int, level_start: float) -> RequestRecord: ...
+
+    def close(self) -> None: ...
+
+
+def _new_record(item: WorkItem, index: int) -> RequestRecord:
+    return RequestRecord(index=index, max_tokens=item.max_tokens, stream=item.stream,
+                         num_input_tokens=item.num_input_tokens)
+
+
+class GrpcStreamClient:
+    """One tritonclient gRPC stream (decoupled models need the streaming API even unstreamed)."""
+
+    def __init__(self, url: str, model: str, inputs: ModelInputs, fixed_output: bool,
+                 timeout_s: float) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self._url, self._model, self._inputs = url, model, inputs
+        self._fixed_output, self._timeout_s = fixed_output, timeout_s
+        self._client = grpcclient.InferenceServerClient(url)
+        self._start_stream()
+
+    def _start_stream(self) -> None:
+        responses: queue.Queue = queue.Queue()
+        self._responses = responses
+
+        def on_response(result: Any, error: Any) -> None:
+            responses.put((time.perf_counter(), result, error))
+
+        self._client.start_stream(callback=on_response)
+
+    def _tensors(self, item: WorkItem) -> list:
+        tensors = []
+        for name, value in request_fields(item, self._inputs, self._fixed_output).items():
+            datatype, batched = self._inputs.inputs[name]
+            shape = [1, 1] if batched else [1]
+            if datatype == "BYTES":
+                value = value.encode("utf-8")
+            array = np.array(value, dtype=_NUMPY_DTYPES[datatype]).reshape(shape)
+            tensor = self._grpc.InferInput(name, shape, datatype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        return tensors
+
+    def send(self, item: WorkItem, index: int, level_start: float) -> RequestRecord:
+        record = _new_record(item, index)
+        request_id = f"bench-{index}"
+        tensors = self._tensors(item)
+        sent = time.perf_counter()
+        record.start = sent - level_start
+        try:
+            self._client.async_stream_infer(self._model, tensors, request_id=request_id,
+                                            enable_empty_final_response=True)
+        except Exception as exc:  # tritonclient raises its own exception types for a dead stream
+            record.error = f"{type(exc).__name__}: {exc}"
+            self._restart()
+            return record
+        deadline = sent + self._timeout_s
+        while True:
+            try:
+                arrived, result, error = self._responses.get(
+                    timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                record.cancelled, record.error = True, f"timeout after {self._timeout_s:g}s"
+                self._restart()
+                return record
+            if error is not None:
+                record.error = str(error)
+                self._restart()  # the stream may be broken; a fresh one costs little
+                return record
+            response = result.get_response()
+            if response.id != request_id:  # late response of an earlier, abandoned request
+                continue
+            record.add_chunk(arrived - sent, _text(result.as_numpy("text_output")))
+            record.note_server_tokens(_int(result.as_numpy("num_output_tokens")))
+            if response.parameters["triton_final_response"].bool_param:
+                record.end = arrived - sent
+                return record
+
+    def _restart(self) -> None:
+        # Cancelling the stream cancels its requests on the server, freeing their slots.
+        self._client.stop_stream(cancel_requests=True)
+        self._start_stream()
+
+    def close(self) -> None:
+        try:
+            self._client.stop_stream(cancel_requests=True)
+        finally:
+            self._client.close()
+
+
+def _text(array: np.ndarray | None) -> str:
+    if array is None:
+        return ""
+    return "".join(v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+                   for v in array.reshape(-1))
+
+
+def _int(array: Any) -> int | None:
+    if array is None:
+        return None
+    if isinstance(array, np.ndarray):
+        return int(array.reshape(-1)[0]) if array.size else None
+    if isinstance(array, list):
+        return _int(np.array(array))
+    return int(array)
+
+
+class HttpGenerateClient:
+    """Triton's HTTP generate extension: `generate_stream` (SSE) or `generate` (one JSON)."""
+
+    def __init__(self, url: str, model: str, inputs: ModelInputs, fixed_output: bool,
+                 timeout_s: float) -> None:
+        host, _, port = url.rpartition(":")
+        self._host, self._port = host or "127.0.0.1", int(port)
+        self._model, self._inputs = model, inputs
+        self._fixed_output, self._timeout_s = fixed_output, timeout_s
+        self._conn = self._connect()
+
+    def _connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+
+    def send(self, item: WorkItem, index: int, level_start: float) -> RequestRecord:
+        record = _new_record(item, index)
+        endpoint = "generate_stream" if item.stream else "generate"
+        body = json.dumps(request_fields(item, self._inputs, self._fixed_output))
+        sent = time.perf_counter()
+        record.start = sent - level_start
+        try:
+            self._conn.request("POST", f"/v2/models/{self._model}/{endpoint}", body=body,
+                               headers={"Content-Type": "application/json"})
+            response = self._conn.getresponse()
+            if item.stream and response.status == 200:
+                self._read_events(response, record, sent)
+            else:
+                payload = json.loads(response.read() or b"{}")
+                self._take(payload, record, time.perf_counter() - sent)
+                if response.status != 200 and record.error is None:
+                    record.error = f"HTTP {response.status}"
+            if record.error is None:
+                record.end = time.perf_counter() - sent
+        except TimeoutError:
+            record.cancelled, record.error = True, f"timeout after {self._timeout_s:g}s"
+        except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        if record.error is not None:  # the connection's state is unknown: start afresh
+            self._conn.close()
+            self._conn = self._connect()
+        return record
+
+    def _read_events(self, response: http.client.HTTPResponse, record: RequestRecord,
+                     sent: float) -> None:
+        while True:
+            line = response.readline()
+            arrived = time.perf_counter()
+            if not line:
+                return
+            line = line.strip()
+            if line.startswith(b"data:"):
+                self._take(json.loads(line[5:]), record, arrived - sent)
+                if record.error is not None:
+                    response.read()
+                    return
+
+    @staticmethod
+    def _take(payload: dict, record: RequestRecord, elapsed: float) -> None:
+        if "error" in payload:
+            record.error = str(payload["error"])
+            return
+        text = payload.get("text_output", "")
+        record.add_chunk(elapsed, "".join(text) if isinstance(text, list) else str(text))
+        record.note_server_tokens(_int(payload.get("num_output_tokens")))
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def make_client(protocol: str, url: str, model: str, inputs: ModelInputs, fixed_output: bool,
+                timeout_s: float) -> Client:
+    if protocol == "grpc":
+        return GrpcStreamClient(url, model, inputs, fixed_output, timeout_s)
+    if protocol == "http":
+        return HttpGenerateClient(url, model, inputs, fixed_output, timeout_s)
+    raise ValueError(f"protocol must be grpc or http, got {protocol!r}")

@@ -1,0 +1,133 @@
+"""`forge bench`: measure a running Triton server (or two, side by side) with a workload."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from builder.bench.records import RequestRecord
+
+DEFAULT_OUT = "bench/latest"
+
+
+class _BadInput(click.ClickException):
+    exit_code = 2  # forge's exit code for bad input
+
+
+def _concurrencies(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise _BadInput(f"--concurrency must be a comma-separated list of integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise _BadInput(f"--concurrency values must be >= 1, got {text!r}")
+    return values
+
+
+def _targets(url: str, model: str, protocol: str, compare: tuple[str, str] | None,
+             baseline: str | None, labels: str | None, baseline_model: str | None) -> list:
+    from builder.bench.runner import Target
+
+    if compare and baseline:
+        raise _BadInput("give --compare A_URL B_URL or --baseline URL, not both")
+    if compare:
+        urls, names = list(compare), ["A", "B"]
+    elif baseline:
+        urls, names = [url, baseline], ["engine", "naive"]
+    else:
+        urls, names = [url], ["server"]
+    if labels:
+        names = [s.strip() for s in labels.split(",")]
+        if len(names) != len(urls) or not all(names) or len(set(names)) != len(names):
+            raise _BadInput(f"--labels needs {len(urls)} distinct names, got {labels!r}")
+    models = [model, baseline_model or model][:len(urls)]
+    return [Target(n, u, m, protocol) for n, u, m in zip(names, urls, models)]
+
+
+def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[RequestRecord], None]]:
+    def factory(description: str, total: int | None) -> Callable[[RequestRecord], None]:
+        task = progress.add_task(description, total=total)
+
+        def on_done(record: RequestRecord) -> None:
+            progress.advance(task)
+        return on_done
+    return factory
+
+
+@click.command("bench")
+@click.option("--url", default="localhost:8001", show_default=True,
+              help="Server endpoint host:port (gRPC port, or HTTP port with --protocol http).")
+@click.option("--model", default="ensemble", show_default=True, help="ensemble or tensorrt_llm_bls.")
+@click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
+@click.option("--workload", default="chat", show_default=True,
+              help="query-rewrite, voicebot, chat, or a JSONL file of {prompt, max_tokens}.")
+@click.option("--scale", type=float, default=1.0, show_default=True,
+              help="Shrink (or grow) the built-in workload's token lengths, e.g. 0.25 on a CPU.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated levels.")
+@click.option("--requests", "requests_", default=None,
+              help="Requests per level: N, or Kx for K times the concurrency (default 4x).")
+@click.option("--duration", type=float, default=None, help="Seconds per level instead of --requests.")
+@click.option("--rate", type=float, default=None, help="Poisson arrivals, requests/s (capped by concurrency).")
+@click.option("--stream/--no-stream", default=None, help="Override the workload's streaming mode.")
+@click.option("--fixed-output/--no-fixed-output", default=True, show_default=True,
+              help="Send min_tokens == max_tokens so every request generates max_tokens tokens.")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Engine dir (or tokenizer dir) to fit and count tokens exactly.")
+@click.option("--compare", nargs=2, default=None, metavar="A_URL B_URL",
+              help="Measure two servers on the same requests, alternating; prints A/B ratios.")
+@click.option("--baseline", default=None, metavar="URL",
+              help="Naive-baseline server to compare --url against (labels engine, naive).")
+@click.option("--baseline-model", default=None, help="Model name on the baseline (default --model).")
+@click.option("--labels", default=None, help="Names of the servers in the report, e.g. ours,naive.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed requests per server.")
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Seconds before a request is cancelled (counted as cancelled).")
+@click.option("--keep-text", is_flag=True, help="Store every output text in results.json.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=DEFAULT_OUT,
+              show_default=True)
+@click.option("--plots/--no-plots", default=True, show_default=True)
+def bench_command(url, model, protocol, workload, scale, seed, concurrency, requests_, duration,
+                  rate, stream, fixed_output, tokenizer, compare, baseline, baseline_model, labels,
+                  warmup, timeout, keep_text, out_dir, plots) -> None:
+    """Drive a running server with WORKLOAD at each concurrency; print a table, write
+    results.json (every request's timings) and PNG plots into --out."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from builder.bench import plots as plot_mod
+    from builder.bench.report import print_report, write_results
+    from builder.bench.runner import BenchSettings, run_bench
+    from builder.bench.workloads import build_workload, load_tokenizer
+
+    if requests_ is not None and duration is not None:
+        raise _BadInput("give --requests or --duration, not both")
+    levels = _concurrencies(concurrency)
+    settings = BenchSettings(levels, requests_ or (None if duration else "4x"), duration, rate,
+                             warmup, timeout, fixed_output, seed, keep_text)
+    targets = _targets(url, model, protocol, compare, baseline, labels, baseline_model)
+    console = Console()
+    try:
+        counts = [settings.num_requests(c) for c in levels]
+        num_items = max(counts) if duration is None else 256
+        tok = load_tokenizer(tokenizer) if tokenizer else None
+        wl = build_workload(workload, num_items, seed, scale, tok, stream)
+    except ValueError as exc:
+        raise _BadInput(str(exc))
+    console.print(f"[bold]forge bench[/] {wl.name}: {len(wl.items)} distinct requests, "
+                  f"levels {list(levels)} on {', '.join(t.label + '=' + t.url for t in targets)}")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        try:
+            result = run_bench(targets, wl, settings, tok, _progress_factory(progress))
+        except ValueError as exc:
+            raise _BadInput(str(exc))
+    out = Path(out_dir)
+    path = write_results(result, out)
+    print_report(result, console)
+    if plots:
+        for png in plot_mod.write_plots(result, out):
+            console.print(f"plot: {png}")
+    console.print(f"results: {path}")
