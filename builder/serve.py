@@ -1,0 +1,244 @@
+"""Find, start, probe and stop a `tritonserver` for a model repository.
+
+`forge serve`, `make demo`, the end-to-end tests and `forge bench` all start the server through
+`start_tritonserver`, so there is one launcher with one set of defaults.
+
+Where the server comes from, in order:
+1. a `tritonserver` on PATH (NVIDIA's Triton container on GPU hosts): used as is;
+2. the server bundled in the `nvidia-pytriton` wheel (CPU-only, with the Python backend). That
+   wheel ships one Python-backend stub per Python version, outside the backend directory, and its
+   shared libraries in `nvidia_pytriton.libs`. We assemble a private backend directory per server
+   (the wheel's backend files + the stub for the running Python) and put the bundled libraries on
+   `LD_LIBRARY_PATH`, leaving the installed wheel untouched.
+
+The stub embeds the Python whose `libpython` it finds first; we put the running interpreter's
+library directory first and its `bin` on PATH so the stub runs the same interpreter and sees the
+same site-packages as the process that started it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+STUB_NAME = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where a usable `tritonserver` lives and what it needs to run."""
+
+    binary: Path
+    backend_files: Path | None = None  # wheel layout: directory holding backends/python files
+    stub: Path | None = None           # wheel layout: the stub built for the running Python
+    library_dirs: tuple[Path, ...] = ()
+
+    @property
+    def from_wheel(self) -> bool:
+        return self.backend_files is not None
+
+
+def _wheel_install() -> TritonInstall | None:
+    try:
+        import pytriton  # noqa: F401  (only located, never imported for its API)
+    except ImportError:
+        return None
+    root = Path(sys.modules["pytriton"].__file__).resolve().parent / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    binary = root / "bin" / "tritonserver"
+    stub = root / "python_backend_stubs" / version / STUB_NAME
+    if not binary.is_file() or not stub.is_file():
+        return None
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(binary=binary, backend_files=root / "backends" / "python", stub=stub,
+                         library_dirs=(libs,) if libs.is_dir() else ())
+
+
+def find_tritonserver() -> TritonInstall:
+    """A `tritonserver` on PATH first, else the one bundled in the nvidia-pytriton wheel."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(binary=Path(on_path))
+    wheel = _wheel_install()
+    if wheel is not None:
+        return wheel
+    raise FileNotFoundError(
+        "tritonserver not found: put it on PATH (NVIDIA's Triton container) or install the serve "
+        "extra (pip install 'llm-forge[serve]', which brings nvidia-pytriton)")
+
+
+def _prepare_backend_dir(install: TritonInstall, workdir: Path) -> Path:
+    """Private `backends/` for a wheel install: the wheel's python backend plus our stub."""
+    python_dir = workdir / "backends" / "python"
+    python_dir.mkdir(parents=True)
+    for item in install.backend_files.iterdir():
+        if item.name != "__pycache__":
+            (python_dir / item.name).symlink_to(item)
+    shutil.copy2(install.stub, python_dir / STUB_NAME)
+    return python_dir.parent
+
+
+def server_environment(install: TritonInstall) -> dict[str, str]:
+    """Environment for the server and the stubs it spawns: same interpreter, bundled libraries."""
+    env = dict(os.environ)
+    lib_dirs = [str(d) for d in install.library_dirs]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        lib_dirs.insert(0, str(sysconfig.get_config_var("LIBDIR")))
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    if lib_dirs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver. Always `stop()` it (it is also a context manager)."""
+
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+    workdir: Path
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"{LOOPBACK}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{LOOPBACK}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def is_ready(self) -> bool:
+        return http_ok(f"http://{self.http_url}/v2/health/ready")
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the server answers ready; raise with the log tail if it dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL of the whole process group (the stubs too) after `timeout`."""
+        if self._stopped:
+            return self.process.returncode
+        self._stopped = True
+        try:
+            if self.is_alive():
+                _signal_group(self.process, signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    _signal_group(self.process, signal.SIGKILL)
+                    self.process.wait(timeout=10)
+            # Stubs of a killed server may outlive it for a moment; they share its group.
+            _signal_group(self.process, signal.SIGKILL)
+        finally:
+            shutil.rmtree(self.workdir / "backends", ignore_errors=True)
+        return self.process.returncode
+
+    def __enter__(self) -> "TritonServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def server_command(install: TritonInstall, repository: Path, ports: tuple[int, int, int],
+                   backend_dir: Path | None, log_verbose: int = 0) -> list[str]:
+    http_port, grpc_port, metrics_port = ports
+    cmd = [str(install.binary), f"--model-repository={repository}",
+           f"--http-address={LOOPBACK}", f"--http-port={http_port}",
+           f"--grpc-address={LOOPBACK}", f"--grpc-port={grpc_port}",
+           f"--metrics-address={LOOPBACK}", f"--metrics-port={metrics_port}",
+           "--allow-gpu-metrics=false", "--exit-timeout-secs=10",
+           f"--log-verbose={log_verbose}"]
+    if backend_dir is not None:
+        cmd.append(f"--backend-directory={backend_dir}")
+    return cmd
+
+
+def start_tritonserver(repository_dir: str | Path, *, http_port: int | None = None,
+                       grpc_port: int | None = None, metrics_port: int | None = None,
+                       ready_timeout: float = 180.0, log_path: str | Path | None = None,
+                       log_verbose: int = 0, install: TritonInstall | None = None) -> TritonServer:
+    """Start tritonserver on loopback for `repository_dir` and wait until it is ready.
+
+    Ports left as None are picked free. Returns a `TritonServer` with `.grpc_url`, `.http_url`,
+    `.metrics_url` and `.stop()`. On any failure the server is stopped before raising.
+    """
+    repository = Path(repository_dir).resolve()
+    if not repository.is_dir():
+        raise FileNotFoundError(f"--repository {repository}: no such directory")
+    install = install or find_tritonserver()
+    workdir = Path(tempfile.mkdtemp(prefix="forge-triton-"))
+    backend_dir = _prepare_backend_dir(install, workdir) if install.from_wheel else None
+    ports = (http_port or free_port(), grpc_port or free_port(), metrics_port or free_port())
+    log = Path(log_path) if log_path else workdir / "tritonserver.log"
+    with open(log, "ab") as sink:
+        process = subprocess.Popen(
+            server_command(install, repository, ports, backend_dir, log_verbose),
+            stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=server_environment(install), start_new_session=True)
+    server = TritonServer(process, *ports, log_path=log, workdir=workdir)
+    try:
+        server.wait_ready(ready_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server

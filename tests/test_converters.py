@@ -1,0 +1,174 @@
+"""Pure converters of the Triton models, without Triton: word lists, request parsing, response
+tensors, and the stateless incremental detokenizer (streamed chunks == the non-streamed text)."""
+import numpy as np
+import pytest
+
+from tests.triton_helpers import build_tiny_tokenizer
+from triton_backend.engine.config import Limits
+from triton_backend.engine.request import FinishReason, Response
+from triton_backend.models.detokenizer import (IncrementalDetokenizer, stop_strings_of,
+                                               text_delta, visible_text)
+from triton_backend.models.request_converter import RequestDefaults, RequestError, parse_request
+from triton_backend.models.response_converter import StreamState, build_outputs
+from triton_backend.models.text_request import check_max_tokens, tensorrt_llm_inputs, text_value
+from triton_backend.models.word_list import from_word_list, to_word_list
+
+LIMITS = Limits(max_batch_size=4, max_num_tokens=256, max_input_len=8, max_seq_len=20)
+
+
+def trt_inputs(**extra):
+    inputs = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]]),
+              "request_output_len": np.array([[4]], np.int32)}
+    inputs.update({k: np.array([[v]]) for k, v in extra.items()})
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(
+        str(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))))
+
+
+# -- word lists --------------------------------------------------------------------------------
+def test_word_list_round_trip_and_nvidia_layout():
+    array = to_word_list([[5, 6], [7]])
+    assert array.tolist() == [[5, 6, 7], [2, 3, -1]]
+    assert from_word_list(array[None], "stop_words_list") == [[5, 6], [7]]
+    assert from_word_list(to_word_list([]), "x") == []
+
+
+def test_word_list_rejects_bad_offsets_naming_the_field():
+    with pytest.raises(ValueError, match="bad_words_list: offsets"):
+        from_word_list(np.array([[1, 2], [3, -1]]), "bad_words_list")
+    with pytest.raises(ValueError, match=r"stop_words_list must have shape \[2, L\]"):
+        from_word_list(np.zeros((3, 2)), "stop_words_list")
+
+
+# -- request parsing -----------------------------------------------------------------------------
+def test_parse_request_builds_the_executor_request():
+    parsed = parse_request(trt_inputs(runtime_top_k=1, streaming=True, end_id=9),
+                           LIMITS, vocab_size=100)
+    request = parsed.request
+    assert request.input_token_ids == [5, 6, 7] and request.max_tokens == 4
+    assert request.streaming and request.end_ids == [9] and request.sampling.top_k == 1
+    assert parsed.exclude_input_in_output is True  # our default: count only generated tokens
+
+
+def test_defaults_apply_when_inputs_are_absent():
+    parsed = parse_request(trt_inputs(), LIMITS, 100, RequestDefaults(temperature=0.5, top_p=0.9))
+    assert parsed.request.sampling.temperature == 0.5 and parsed.request.sampling.top_p == 0.9
+    assert parsed.request.end_ids is None  # every EOS id of the checkpoint
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"request_output_len": 0}, r"request_output_len \(max_tokens\) must be >= 1, got 0"),
+    ({"request_output_len": -3}, r"must be >= 1, got -3"),
+    ({"request_output_len": 18}, r"exceeds the engine's max_seq_len 20 \(at most 17"),
+    ({"beam_width": 2}, r"beam_width must be 1 \(beam search is not supported\), got 2"),
+    ({"num_return_sequences": 3}, "num_return_sequences must be 1"),
+    ({"len_penalty": 0.5}, "len_penalty"),
+    ({"runtime_top_p": 0.0}, r"runtime_top_p \(top_p\) must be > 0.0"),
+    ({"runtime_top_k": -1}, r"runtime_top_k \(top_k\) must be an integer >= 0"),
+    ({"temperature": -1.0}, "temperature must be >= 0.0"),
+])
+def test_bad_inputs_are_refused_naming_the_field(change, message):
+    inputs = trt_inputs()
+    inputs.update({k: np.array([[v]]) for k, v in change.items()})
+    with pytest.raises(RequestError, match=message):
+        parse_request(inputs, LIMITS, 100)
+
+
+def test_prompt_limits_and_vocabulary():
+    with pytest.raises(RequestError, match="prompt has 9 tokens, over the engine's max_input_len 8"):
+        parse_request({**trt_inputs(), "input_ids": np.ones((1, 9), np.int32),
+                       "input_lengths": np.array([[9]])}, LIMITS, 100)
+    with pytest.raises(RequestError, match=r"token id 100 is outside the vocabulary \[0, 100\)"):
+        parse_request({**trt_inputs(), "input_ids": np.array([[1, 100, 2]])}, LIMITS, 100)
+    with pytest.raises(RequestError, match="batch size must be 1"):
+        parse_request({**trt_inputs(), "input_ids": np.ones((2, 3), np.int32)}, LIMITS, 100)
+
+
+def test_stop_request_needs_no_generation_inputs():
+    parsed = parse_request({"stop": np.array([[True]])}, LIMITS, 100)
+    assert parsed.stop and parsed.request is None
+
+
+def test_text_value_refuses_non_utf8_naming_the_field():
+    with pytest.raises(RequestError, match="text_input is not valid UTF-8"):
+        text_value({"text_input": np.array([[b"ok \xff\xfe"]], dtype=object)}, "text_input",
+                   "text_input")
+    with pytest.raises(RequestError, match="text_input is required"):
+        text_value({}, "text_input", "text_input")
+    with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
+        check_max_tokens(0, 3, LIMITS)
+
+
+def test_bls_builds_tensorrt_llm_inputs_with_nvidia_names():
+    tensors = tensorrt_llm_inputs({"top_k": np.array([[2]]), "stream": np.array([[True]])},
+                                  [1, 2], 5, [[3, 4]], [], streaming=True)
+    assert tensors["runtime_top_k"].dtype == np.int32 and tensors["runtime_top_k"][0, 0] == 2
+    assert tensors["stop_words_list"].shape == (1, 2, 2)
+    assert parse_request(tensors, LIMITS, 100).request.stop_token_sequences == [[3, 4]]
+
+
+# -- responses -------------------------------------------------------------------------------------
+def test_response_tensors_stream_with_a_preceding_window():
+    state = StreamState(input_ids=[5, 6], arrival_time_ns=1)
+    first = build_outputs(Response(1, [10, 11], False, num_output_tokens=2), state, now_ns=7)
+    last = build_outputs(Response(1, [12], True, FinishReason.END_ID, num_output_tokens=3),
+                         state, now_ns=9)
+    assert first["output_ids"].tolist() == [[[10, 11]]] and first["finish_reason"][0, 0] == b""
+    assert last["preceding_output_ids"].tolist() == [[10, 11]]
+    assert last["finish_reason"][0, 0] == b"end_id" and last["sequence_length"].tolist() == [[1]]
+    assert last["first_token_time_ns"][0, 0] == 7 and last["last_token_time_ns"][0, 0] == 9
+
+
+def test_input_leads_the_output_when_not_excluded():
+    state = StreamState(input_ids=[5, 6], exclude_input_in_output=False)
+    out = build_outputs(Response(1, [10], True, FinishReason.LENGTH), state, now_ns=1)
+    assert out["output_ids"].tolist() == [[[5, 6, 10]]]
+
+
+# -- detokenization ------------------------------------------------------------------------------
+def test_visible_text_hides_incomplete_characters_and_stop_prefixes():
+    assert visible_text("abc\ufffd", final=False) == "abc"
+    assert visible_text("abc\n", final=False, stop_strings=["\n\n"]) == "abc"
+    assert visible_text("abc\n\n", final=True, stop_strings=["\n\n"],
+                        finish_reason="stop_words") == "abc"
+    assert visible_text("abc\n", final=True, stop_strings=["\n\n"], finish_reason="length") \
+        == "abc\n"
+
+
+@pytest.mark.parametrize("text", ["Héllo wörld, ça va? Ünïcödé!", "日本語のテキスト 🙂🚀 end",
+                                  "The quick brown fox jumps over the lazy dog."])
+def test_streamed_chunks_concatenate_to_the_whole_text(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    whole = text_delta(tokenizer, [], ids, "length")
+    assert whole == text
+    for chunk_size in (1, 2, 3):
+        detok, pieces = IncrementalDetokenizer(tokenizer), []
+        for start in range(0, len(ids), chunk_size):
+            final = start + chunk_size >= len(ids)
+            pieces.append(detok.add(ids[start:start + chunk_size], "length" if final else ""))
+        assert "".join(pieces) == whole
+        assert all("\ufffd" not in piece for piece in pieces)  # no split characters
+
+
+def test_windowed_stateless_deltas_match_the_stateful_ones(tokenizer):
+    ids = tokenizer.encode("日本語 🙂 " * 30, add_special_tokens=False)
+    pieces = [text_delta(tokenizer, ids[:i], ids[i:i + 1], "length" if i == len(ids) - 1 else "")
+              for i in range(len(ids))]
+    assert "".join(pieces) == "日本語 🙂 " * 30
+
+
+def test_stop_string_is_trimmed_in_streams_too(tokenizer):
+    stop_ids = tokenizer.encode(" lazy", add_special_tokens=False)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy", add_special_tokens=False)
+    stops = stop_strings_of(tokenizer, [stop_ids])
+    detok = IncrementalDetokenizer(tokenizer, stops)
+    pieces = [detok.add([t], "stop_words" if i == len(ids) - 1 else "")
+              for i, t in enumerate(ids)]
+    assert "".join(pieces) == "The quick brown fox jumps over the"
+    assert text_delta(tokenizer, [], ids, "stop_words", stops) == "".join(pieces)

@@ -1,0 +1,84 @@
+"""Start and stop a real tritonserver on free loopback ports, for tests and benchmarks.
+
+Thin on purpose: the launcher is `builder.serve.start_tritonserver`; this module only adds the
+pytest-friendly pieces (a context manager and a readiness probe used after error matrices).
+
+    from tests.triton_helpers import running_tritonserver
+    with running_tritonserver(repo_dir) as server:
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+from builder.serve import TritonServer, free_port, start_tritonserver
+
+__all__ = ["TritonServer", "free_port", "running_tritonserver", "start_tritonserver"]
+
+
+@contextlib.contextmanager
+def running_tritonserver(repository_dir: str | Path, ready_timeout: float = 240.0,
+                         **kwargs) -> Iterator[TritonServer]:
+    """A ready server for the block's duration; stopped on exit, also when the block raises.
+
+    On failure inside the block the server log tail is attached to the exception as a note.
+    """
+    server = start_tritonserver(repository_dir, ready_timeout=ready_timeout, **kwargs)
+    try:
+        yield server
+    except BaseException as exc:
+        if hasattr(exc, "add_note"):
+            exc.add_note("tritonserver log tail:\n" + server.log_tail(3000))
+        raise
+    finally:
+        server.stop()
+
+
+# A tiny engine + repository for end-to-end tests: random weights, a real byte-level BPE tokenizer
+# (trained here, offline) whose vocabulary includes multi-byte characters split over tokens.
+TINY_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Héllo wörld, ça va? Ünïcödé!",
+               "日本語のテキストと中文文本", "emoji 🙂🚀 and more emoji 🎉", "0123456789 + - * / = ( )"]
+
+
+def build_tiny_tokenizer(target: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TINY_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(target))
+    return target
+
+
+def build_tiny_engine(workdir: Path, name: str = "tiny", max_batch_size: int = 16,
+                      num_kv_blocks: int = 128, seed: int = 0) -> Path:
+    """Random-weight Llama checkpoint -> engine dir (float32, CPU). Returns the engine dir."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from builder.engine_builder import build_engine
+    from builder.spec import spec_from_dict
+
+    hf_dir = build_tiny_tokenizer(workdir / f"{name}-hf")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
+    eos = [tokenizer.convert_tokens_to_ids("</s>"), tokenizer.convert_tokens_to_ids("<|end|>")]
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=0, eos_token_id=eos,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(str(hf_dir))
+    spec = spec_from_dict({
+        "name": name, "checkpoint": str(hf_dir), "dtype": "float32",
+        "output": str(workdir / "engines" / name),
+        "limits": {"max_batch_size": max_batch_size, "max_num_tokens": 256, "max_input_len": 64,
+                   "max_seq_len": 160},
+        "kv_cache": {"tokens_per_block": 16, "num_blocks": num_kv_blocks}})
+    return build_engine(spec, emit_repository=False)

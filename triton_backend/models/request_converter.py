@@ -1,0 +1,173 @@
+"""`tensorrt_llm` model inputs (NVIDIA's tensor names) -> an executor `Request`. Pure.
+
+Inputs arrive as numpy arrays with Triton's batch dimension first. One Triton request carries one
+sequence (batch 1); concurrent sequences come as concurrent requests, which the executor batches.
+Every problem is a `RequestError` naming the wire field and the limit; inputs we cannot honour
+(beam search, several return sequences, a length penalty) are refused, never ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from triton_backend.engine.config import Limits
+from triton_backend.engine.request import Request
+from triton_backend.engine.sampling_params import SamplingParams
+from triton_backend.models.word_list import from_word_list
+
+# SamplingParams field -> the tensorrt_llm input that carries it.
+SAMPLING_INPUTS = {
+    "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "seed": "seed",
+}
+
+
+class RequestError(ValueError):
+    """A request the model refuses; the message names the field and the limit."""
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """Repository-level defaults for inputs a request leaves out (config.pbtxt parameters)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    exclude_input_in_output: bool = True
+
+
+@dataclass
+class ParsedRequest:
+    """What the `tensorrt_llm` model needs to run and answer one Triton request."""
+
+    request: Request | None  # None for a `stop` request
+    stop: bool = False
+    exclude_input_in_output: bool = True
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_perf_metrics: bool = False
+    input_ids: list[int] = field(default_factory=list)
+
+
+def scalar(inputs: Mapping[str, np.ndarray], name: str):
+    """The single value of an optional scalar input, or None when absent."""
+    array = inputs.get(name)
+    if array is None:
+        return None
+    array = np.asarray(array)
+    if array.size != 1:
+        raise RequestError(f"{name} must hold exactly one value per request, "
+                           f"got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    return value.item() if hasattr(value, "item") else value
+
+
+def _flag(inputs: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
+    value = scalar(inputs, name)
+    return default if value is None else bool(value)
+
+
+def _input_ids(inputs: Mapping[str, np.ndarray], vocab_size: int) -> list[int]:
+    array = inputs.get("input_ids")
+    if array is None:
+        raise RequestError("input_ids is required")
+    array = np.asarray(array)
+    if array.ndim == 2 and array.shape[0] != 1:
+        raise RequestError(f"input_ids: batch size must be 1 per request, got {array.shape[0]} "
+                           "(send concurrent requests instead)")
+    ids = [int(i) for i in array.reshape(-1)]
+    length = scalar(inputs, "input_lengths")
+    if length is not None:
+        if not 0 <= length <= len(ids):
+            raise RequestError(f"input_lengths ({length}) must be within 0..{len(ids)} "
+                               "(the number of input_ids)")
+        ids = ids[:length]
+    if not ids:
+        raise RequestError("input_ids must hold at least one token (empty prompt)")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary "
+                           f"[0, {vocab_size})")
+    return ids
+
+
+def _check_lengths(num_input: int, max_tokens, limits: Limits) -> int:
+    if max_tokens is None:
+        raise RequestError("request_output_len (max_tokens) is required")
+    if max_tokens < 1:
+        raise RequestError(f"request_output_len (max_tokens) must be >= 1, got {max_tokens}")
+    if num_input > limits.max_input_len:
+        raise RequestError(f"input_ids: prompt has {num_input} tokens, over the engine's "
+                           f"max_input_len {limits.max_input_len}")
+    if num_input + max_tokens > limits.max_seq_len:
+        raise RequestError(
+            f"request_output_len (max_tokens) {max_tokens} + {num_input} prompt tokens exceeds "
+            f"the engine's max_seq_len {limits.max_seq_len} (at most "
+            f"{limits.max_seq_len - num_input} for this prompt)")
+    return int(max_tokens)
+
+
+def _refuse_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
+    beam_width = scalar(inputs, "beam_width")
+    if beam_width is not None and beam_width != 1:
+        raise RequestError(f"beam_width must be 1 (beam search is not supported), got {beam_width}")
+    num_sequences = scalar(inputs, "num_return_sequences")
+    if num_sequences is not None and num_sequences != 1:
+        raise RequestError(f"num_return_sequences must be 1, got {num_sequences}")
+    len_penalty = scalar(inputs, "len_penalty")
+    if len_penalty is not None and len_penalty != 1.0:
+        raise RequestError(f"len_penalty (length_penalty) only applies to beam search, which is "
+                           f"not supported: must be 1.0, got {len_penalty}")
+
+
+def _sampling(inputs: Mapping[str, np.ndarray], defaults: RequestDefaults) -> SamplingParams:
+    values = {"temperature": defaults.temperature, "top_k": defaults.top_k,
+              "top_p": defaults.top_p}
+    for param, wire in SAMPLING_INPUTS.items():
+        value = scalar(inputs, wire)
+        if value is not None:
+            values[param] = value
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        message = str(exc)
+        for param, wire in SAMPLING_INPUTS.items():
+            if message.startswith(param + " ") and wire != param:
+                message = f"{wire} ({param}){message[len(param):]}"
+                break
+        raise RequestError(message) from None
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: int,
+                  defaults: RequestDefaults = RequestDefaults()) -> ParsedRequest:
+    """Validate the inputs of one `tensorrt_llm` request and build the executor request."""
+    if _flag(inputs, "stop", False):
+        return ParsedRequest(request=None, stop=True)
+    _refuse_unsupported(inputs)
+    ids = _input_ids(inputs, vocab_size)
+    max_tokens = _check_lengths(len(ids), scalar(inputs, "request_output_len"), limits)
+    end_id = scalar(inputs, "end_id")
+    words = {}
+    for name in ("stop_words_list", "bad_words_list"):
+        try:
+            words[name] = ([] if inputs.get(name) is None
+                           else from_word_list(inputs[name], name))
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+    request = Request(
+        input_token_ids=ids, max_tokens=max_tokens, sampling=_sampling(inputs, defaults),
+        streaming=_flag(inputs, "streaming", False),
+        end_ids=None if end_id is None else [int(end_id)],
+        stop_token_sequences=words["stop_words_list"], bad_token_sequences=words["bad_words_list"],
+        return_log_probs=_flag(inputs, "return_log_probs", False))
+    return ParsedRequest(
+        request=request,
+        exclude_input_in_output=_flag(inputs, "exclude_input_in_output",
+                                      defaults.exclude_input_in_output),
+        return_num_input_tokens=_flag(inputs, "return_num_input_tokens", False),
+        return_num_output_tokens=_flag(inputs, "return_num_output_tokens", False),
+        return_perf_metrics=_flag(inputs, "return_perf_metrics", False),
+        input_ids=ids)

@@ -1,0 +1,78 @@
+"""Executor `Response` -> `tensorrt_llm` output tensors (NVIDIA's names and shapes). Pure.
+
+Every output has the batch dimension first (batch 1) and, where NVIDIA has one, a beam
+dimension (beam 1): `output_ids` [1, 1, L], `sequence_length` [1, 1], ... Streaming responses
+carry only the new tokens; `preceding_output_ids` carries a window of the tokens streamed before
+them and `stop_words_ids` echoes the request's stop words, so the stateless `postprocessing`
+model can continue the text exactly and trim stop strings (a Triton ensemble step cannot take
+inputs both from the request and from a decoupled model, so they travel through this model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from triton_backend.engine.request import Response
+from triton_backend.models.detokenizer import PRECEDING_WINDOW
+from triton_backend.models.word_list import to_word_list
+
+
+@dataclass
+class StreamState:
+    """What the model remembers about one running request between its responses."""
+
+    input_ids: list[int]
+    exclude_input_in_output: bool = True
+    arrival_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    streamed_ids: list[int] = field(default_factory=list)
+    input_sent: bool = False
+    stop_words: list[list[int]] = field(default_factory=list)
+
+
+def _i32(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+def _one(value, dtype) -> np.ndarray:
+    return np.asarray([[value]], dtype=dtype)
+
+
+def build_outputs(response: Response, state: StreamState, now_ns: int) -> dict[str, np.ndarray]:
+    """Output tensors for one executor response; advances `state` past it.
+
+    With `exclude_input_in_output` false the prompt ids lead the first response's `output_ids`.
+    `finish_reason` is "" while more responses follow and the executor's reason on the last one.
+    """
+    tokens = [int(t) for t in response.output_token_ids]
+    if tokens:
+        state.first_token_time_ns = state.first_token_time_ns or now_ns
+        state.last_token_time_ns = now_ns
+    log_probs = list(response.log_probs) if response.log_probs else [0.0] * len(tokens)
+    if not state.exclude_input_in_output and not state.input_sent:
+        tokens = list(state.input_ids) + tokens
+        log_probs = [0.0] * len(state.input_ids) + log_probs
+    state.input_sent = True
+    preceding = state.streamed_ids[-PRECEDING_WINDOW:]
+    state.streamed_ids.extend(tokens)
+    reason = ""
+    if response.is_final:
+        reason = response.finish_reason.value if response.finish_reason else "length"
+    return {
+        "output_ids": _i32(tokens).reshape(1, 1, len(tokens)),
+        "sequence_length": _i32([[len(tokens)]]),
+        "cum_log_probs": np.asarray([[response.cum_log_prob]], dtype=np.float32),
+        "output_log_probs": np.asarray(log_probs, dtype=np.float32).reshape(1, 1, len(tokens)),
+        "batch_index": _one(0, np.int32),
+        "sequence_index": _one(0, np.int32),
+        "num_input_tokens": _one(response.num_input_tokens or len(state.input_ids), np.int32),
+        "num_output_tokens": _one(response.num_output_tokens, np.int32),
+        "arrival_time_ns": _one(state.arrival_time_ns, np.int64),
+        "first_token_time_ns": _one(state.first_token_time_ns, np.int64),
+        "last_token_time_ns": _one(state.last_token_time_ns, np.int64),
+        "finish_reason": np.asarray([[reason.encode()]], dtype=object),
+        "preceding_output_ids": _i32(preceding).reshape(1, len(preceding)),
+        "stop_words_ids": to_word_list(state.stop_words)[None],
+    }

@@ -1,0 +1,135 @@
+"""The `tensorrt_llm_bls` Triton model: preprocessing, generation and postprocessing in one hop.
+
+Tokenization and detokenization run in-process; generation goes through the `tensorrt_llm`
+model with a BLS call, so both entry points share one executor (and its KV cache and batch).
+`execute` hands each request to a worker thread and returns None; a worker streams its inner
+request, sends the text chunks (FINAL on the last) and, when its client cancels, sends the inner
+model a `stop` request with the inner request's id (NVIDIA's cancellation convention).
+"""
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from transformers import AutoTokenizer
+
+from triton_backend.engine.config import EngineConfig
+from triton_backend.models.detokenizer import IncrementalDetokenizer, stop_strings_of
+from triton_backend.models.model_params import ModelParams
+from triton_backend.models.request_converter import RequestError, scalar
+from triton_backend.models.text_request import (PASSTHROUGH_INPUTS, check_max_tokens,
+                                                 encode_words, prompt_ids, tensorrt_llm_inputs,
+                                                 text_list, text_value)
+from triton_backend.models.triton_io import FINAL, make_response, read_inputs, send_error
+
+INPUT_NAMES = ("text_input", "max_tokens", "bad_words", "stop_words", "stream",
+               *PASSTHROUGH_INPUTS)
+PASSED_OUTPUTS = ("cum_log_probs", "batch_index", "sequence_index", "num_input_tokens",
+                  "num_output_tokens", "arrival_time_ns", "first_token_time_ns",
+                  "last_token_time_ns", "finish_reason")
+INNER_OUTPUTS = ("output_ids", "output_log_probs", *PASSED_OUTPUTS)
+
+
+class BlsModel:
+    def initialize(self, args):
+        params = ModelParams(args)
+        self.decoupled = params.decoupled
+        self.limits = EngineConfig.load(params.path("engine_dir")).limits
+        self.tokenizer = AutoTokenizer.from_pretrained(str(params.path("tokenizer_dir")))
+        self.add_special_tokens = params.flag("add_special_tokens", True)
+        self.skip_special_tokens = params.flag("skip_special_tokens", True)
+        self.inner_model = params.text("tensorrt_llm_model_name", "tensorrt_llm")
+        self.workers = ThreadPoolExecutor(params.integer("max_concurrent_requests", 64),
+                                          thread_name_prefix="bls")
+
+    def execute(self, requests):
+        for request in requests:
+            self.workers.submit(self._serve, request, request.get_response_sender())
+        return None
+
+    def finalize(self):
+        self.workers.shutdown(wait=True, cancel_futures=True)
+
+    # -- one request, in a worker thread ------------------------------------------------------
+    def _serve(self, request, sender) -> None:
+        try:
+            inputs = read_inputs(request, INPUT_NAMES)
+            stream = bool(scalar(inputs, "stream") or False)
+            if stream and not self.decoupled:
+                raise RequestError("stream needs the decoupled tensorrt_llm_bls model; this "
+                                   "repository was emitted with decoupled: false")
+            inner, detokenizer = self._inner_request(inputs)
+            self._relay(inner, detokenizer, sender, stream)
+        except RequestError as exc:
+            send_error(sender, str(exc))
+        except Exception as exc:  # keep serving everyone else; tell this client why
+            send_error(sender, f"tensorrt_llm_bls: {type(exc).__name__}: {exc}")
+
+    def _inner_request(self, inputs: dict):
+        ids = prompt_ids(self.tokenizer, text_value(inputs, "text_input", "text_input"),
+                         self.add_special_tokens, self.limits)
+        max_tokens = check_max_tokens(scalar(inputs, "max_tokens"), len(ids), self.limits)
+        stop = encode_words(self.tokenizer, text_list(inputs, "stop_words", "stop_words"),
+                            "stop_words")
+        bad = encode_words(self.tokenizer, text_list(inputs, "bad_words", "bad_words"),
+                           "bad_words")
+        # The inner request streams whenever it can: chunks are where cancellation is checked.
+        tensors = tensorrt_llm_inputs(inputs, ids, max_tokens, stop, bad,
+                                      streaming=self.decoupled)
+        inner = pb_utils.InferenceRequest(
+            model_name=self.inner_model, request_id=f"bls-{uuid.uuid4().hex}",
+            inputs=[pb_utils.Tensor(name, value) for name, value in tensors.items()],
+            requested_output_names=list(INNER_OUTPUTS))
+        # Stop strings as the ensemble's postprocessing sees them: the text of the stop ids.
+        stop_strings = stop_strings_of(self.tokenizer, stop, self.skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, stop_strings,
+                                             self.skip_special_tokens)
+        return inner, detokenizer
+
+    def _relay(self, inner, detokenizer, sender, stream: bool) -> None:
+        stop_sent, pieces, log_probs = False, [], []
+        responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
+        for response in responses:
+            if response.has_error():
+                send_error(sender, response.error().message())
+                return
+            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            if "output_ids" not in outputs:
+                continue  # an empty closing response
+            reason = outputs["finish_reason"].reshape(-1)[0].decode()
+            text = detokenizer.add(outputs["output_ids"].reshape(-1).tolist(), reason)
+            if not stop_sent and sender.is_cancelled():
+                self._stop_inner(inner.request_id())
+                stop_sent = True
+            chunk_log_probs = outputs["output_log_probs"].reshape(-1).tolist()
+            if stream:
+                self._send(sender, text, chunk_log_probs, outputs, bool(reason))
+            else:
+                pieces.append(text)
+                log_probs.extend(chunk_log_probs)
+                if reason:
+                    self._send(sender, "".join(pieces), log_probs, outputs, True)
+
+    def _send(self, sender, text: str, log_probs: list, outputs: dict, final: bool) -> None:
+        tensors = {name: outputs[name] for name in PASSED_OUTPUTS if name in outputs}
+        tensors["text_output"] = np.asarray([[text.encode("utf-8")]], dtype=object)
+        tensors["output_log_probs"] = np.asarray([[log_probs]], dtype=np.float32).reshape(
+            1, 1, len(log_probs))
+        try:
+            sender.send(make_response(tensors), flags=FINAL if final else 0)
+        except Exception:
+            pass  # the client went away; the inner request is stopped on the next chunk
+
+    def _stop_inner(self, inner_id: str) -> None:
+        tensors = {"input_ids": np.asarray([[0]], dtype=np.int32),
+                   "input_lengths": np.asarray([[1]], dtype=np.int32),
+                   "request_output_len": np.asarray([[1]], dtype=np.int32),
+                   "stop": np.asarray([[True]], dtype=np.bool_)}
+        stop = pb_utils.InferenceRequest(
+            model_name=self.inner_model, request_id=inner_id,
+            inputs=[pb_utils.Tensor(name, value) for name, value in tensors.items()],
+            requested_output_names=[])
+        for _ in stop.exec(decoupled=True):
+            pass

@@ -1,0 +1,122 @@
+"""Text-level request handling shared by `preprocessing` and `tensorrt_llm_bls`. Pure.
+
+Turns the ensemble's inputs (`text_input`, `max_tokens`, `stop_words`, ...) into token ids and,
+for the BLS model, into the `tensorrt_llm` model's inputs. Errors are `RequestError`s naming the
+ensemble field (and the preprocessing tensor that carries it).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence
+
+import numpy as np
+
+from triton_backend.engine.config import Limits
+from triton_backend.models.request_converter import RequestError, scalar
+from triton_backend.models.word_list import to_word_list
+
+# Ensemble / BLS optional inputs passed straight to the tensorrt_llm model (ensemble input_map).
+PASSTHROUGH_INPUTS = {
+    "exclude_input_in_output": ("exclude_input_in_output", np.bool_),
+    "end_id": ("end_id", np.int32), "pad_id": ("pad_id", np.int32),
+    "top_k": ("runtime_top_k", np.int32), "top_p": ("runtime_top_p", np.float32),
+    "temperature": ("temperature", np.float32), "length_penalty": ("len_penalty", np.float32),
+    "repetition_penalty": ("repetition_penalty", np.float32),
+    "min_tokens": ("min_tokens", np.int32), "presence_penalty": ("presence_penalty", np.float32),
+    "frequency_penalty": ("frequency_penalty", np.float32), "seed": ("seed", np.uint64),
+    "return_log_probs": ("return_log_probs", np.bool_),
+    "return_perf_metrics": ("return_perf_metrics", np.bool_),
+    "return_num_input_tokens": ("return_num_input_tokens", np.bool_),
+    "return_num_output_tokens": ("return_num_output_tokens", np.bool_),
+    "beam_width": ("beam_width", np.int32),
+    "num_return_sequences": ("num_return_sequences", np.int32),
+}
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+def _utf8(value: object, field: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{field} is not valid UTF-8 (byte {exc.start}: "
+                           f"{exc.object[exc.start:exc.start + 4]!r})") from None
+
+
+def text_value(inputs: Mapping[str, np.ndarray], name: str, field: str) -> str:
+    """The one string of a required string input, strictly UTF-8."""
+    array = inputs.get(name)
+    if array is None:
+        raise RequestError(f"{field} is required")
+    array = np.asarray(array, dtype=object).reshape(-1)
+    if array.size != 1:
+        raise RequestError(f"{field} must hold exactly one string per request, "
+                           f"got {array.size} (batch size must be 1)")
+    return _utf8(array[0], field)
+
+
+def text_list(inputs: Mapping[str, np.ndarray], name: str, field: str) -> list[str]:
+    """All strings of an optional string-list input (one word each); [] when absent."""
+    array = inputs.get(name)
+    if array is None:
+        return []
+    return [_utf8(item, field) for item in np.asarray(array, dtype=object).reshape(-1)]
+
+
+def encode_words(tokenizer: TextTokenizer, words: Sequence[str], field: str) -> list[list[int]]:
+    """Token ids of each word, without special tokens (as they appear inside generated text)."""
+    encoded = []
+    for word in words:
+        ids = list(tokenizer.encode(word, add_special_tokens=False))
+        if word and not ids:
+            raise RequestError(f"{field}: {word!r} encodes to no tokens")
+        if ids:
+            encoded.append(ids)
+    return encoded
+
+
+def prompt_ids(tokenizer: TextTokenizer, text: str, add_special_tokens: bool,
+               limits: Limits) -> list[int]:
+    """Tokenize the prompt and check it against the engine's max_input_len."""
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    if not ids:
+        raise RequestError("text_input must not be empty")
+    if len(ids) > limits.max_input_len:
+        raise RequestError(f"text_input has {len(ids)} tokens, over the engine's "
+                           f"max_input_len {limits.max_input_len}")
+    return ids
+
+
+def check_max_tokens(max_tokens, num_input: int, limits: Limits) -> int:
+    """`max_tokens` must be >= 1 and fit in max_seq_len together with the prompt."""
+    if max_tokens is None:
+        raise RequestError("max_tokens is required")
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    if num_input + max_tokens > limits.max_seq_len:
+        raise RequestError(f"max_tokens {max_tokens} + {num_input} prompt tokens exceeds the "
+                           f"engine's max_seq_len {limits.max_seq_len} (at most "
+                           f"{limits.max_seq_len - num_input} for this prompt)")
+    return int(max_tokens)
+
+
+def tensorrt_llm_inputs(inputs: Mapping[str, np.ndarray], ids: list[int], max_tokens: int,
+                        stop_words: list[list[int]], bad_words: list[list[int]],
+                        streaming: bool) -> dict[str, np.ndarray]:
+    """The `tensorrt_llm` model's inputs for one BLS request (batch dimension 1)."""
+    tensors = {
+        "input_ids": np.asarray([ids], dtype=np.int32),
+        "input_lengths": np.asarray([[len(ids)]], dtype=np.int32),
+        "request_output_len": np.asarray([[max_tokens]], dtype=np.int32),
+        "stop_words_list": to_word_list(stop_words)[None],
+        "bad_words_list": to_word_list(bad_words)[None],
+        "streaming": np.asarray([[streaming]], dtype=np.bool_),
+    }
+    for name, (target, dtype) in PASSTHROUGH_INPUTS.items():
+        value = scalar(inputs, name)
+        if value is not None:
+            tensors[target] = np.asarray([[value]], dtype=dtype)
+    return tensors

@@ -1,0 +1,29 @@
+"""Small helpers between Triton's Python-backend objects and plain numpy dicts."""
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def read_inputs(request, names) -> dict:
+    """{name: numpy array} of the inputs present in `request` (absent optional ones left out)."""
+    inputs = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            inputs[name] = tensor.as_numpy()
+    return inputs
+
+
+def make_response(outputs: dict) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
+
+
+def error_response(message: str) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+
+
+def send_error(sender, message: str) -> None:
+    sender.send(error_response(message), flags=FINAL)
