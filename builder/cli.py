@@ -1,0 +1,21 @@
+"""`forge`: the command line. Each command lives in its own module; this file only gathers them.
+
+Exit codes: 0 ok, 1 internal error, 2 bad input (the message names the field and the limit),
+3 quality gate failed.
+"""
+from __future__ import annotations
+
+import click
+
+from builder import __version__
+from builder.cli_engine import engine_command, generate_command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="forge")
+def main() -> None:
+    """llm-forge: build an LLM engine and a Triton model repository from one spec, then serve it."""
+
+
+main.add_command(engine_command)
+main.add_command(generate_command)

@@ -1,0 +1,142 @@
+"""`forge engine`: spec -> checkpoint -> engine directory (-> repository), one visible step at a time."""
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from rich.console import Console
+from safetensors.torch import save_file
+
+from builder import convert
+from builder.checkpoint import resolve_checkpoint
+from builder.manifest import write_manifest
+from builder.spec import BuildSpec
+from triton_backend.engine.config import (TOKENIZER_DIR, WEIGHTS_FILE, EngineConfig, QuantConfig,
+                                          TokenizerInfo)
+from triton_backend.engine.weights import TORCH_DTYPES
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
+                   "generation_config.json")
+
+
+class BuildSteps:
+    """Numbered, timed build steps on the console."""
+
+    def __init__(self, total: int, console: Console | None = None) -> None:
+        self.total, self.index = total, 0
+        self.console = console or Console(stderr=True)
+
+    @contextmanager
+    def step(self, title: str) -> Iterator[Callable[[str], None]]:
+        self.index += 1
+        self.console.print(f"[bold cyan][{self.index}/{self.total}][/] {title}")
+        start = time.perf_counter()
+        yield lambda message: self.console.print(f"      {message}")
+        self.console.print(f"      [green]done[/] in {time.perf_counter() - start:.1f}s")
+
+
+def engine_config_for(spec: BuildSpec, hf_dir: Path, hf_config: dict) -> EngineConfig:
+    shape = convert.model_shape_from_hf(hf_config)
+    tokenizer = TokenizerInfo(dir=TOKENIZER_DIR, eos_token_ids=convert.eos_token_ids(hf_dir, hf_config),
+                              bos_token_id=hf_config.get("bos_token_id"),
+                              pad_token_id=hf_config.get("pad_token_id"),
+                              has_chat_template=_has_chat_template(hf_dir))
+    quant = QuantConfig(weights=spec.quantization.weights, kv_cache=spec.quantization.kv_cache,
+                        group_size=spec.quantization.group_size,
+                        exclude_modules=list(spec.quantization.exclude_modules))
+    return EngineConfig(name=spec.name, target=spec.target, dtype=spec.dtype, model=shape,
+                        limits=spec.limits, kv_cache=spec.kv_cache, quantization=quant,
+                        tokenizer=tokenizer, hardware=spec.hardware)
+
+
+def _has_chat_template(hf_dir: Path) -> bool:
+    if (hf_dir / "chat_template.jinja").is_file():
+        return True
+    config = hf_dir / "tokenizer_config.json"
+    return config.is_file() and '"chat_template"' in config.read_text()
+
+
+def copy_tokenizer(hf_dir: Path, engine_dir: Path) -> None:
+    target = engine_dir / TOKENIZER_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied and "vocab.json" not in copied:
+        raise ValueError(f"checkpoint: {hf_dir} has no tokenizer files")
+    for name in copied:
+        shutil.copy2(hf_dir / name, target / name)
+
+
+def build_engine(spec: BuildSpec, console: Console | None = None, emit_repository: bool = True,
+                 repository_dir: Path | None = None) -> Path:
+    """Build `spec` into its engine directory and (unless told not to) its Triton repository at
+    `repository_dir` (default model_repository/<name>); returns the engine directory."""
+    steps = BuildSteps(total=5 if emit_repository else 4, console=console)
+    engine_dir = spec.output_dir
+    with steps.step(f"checkpoint {spec.checkpoint}") as log:
+        hf_dir = resolve_checkpoint(spec.checkpoint, log)
+        hf_config = convert.read_hf_config(hf_dir)
+        config = engine_config_for(spec, hf_dir, hf_config)
+        m = config.model
+        log(f"{m.architecture}: {m.num_hidden_layers} layers, hidden {m.hidden_size}, "
+            f"heads {m.num_attention_heads}/{m.num_key_value_heads} (q/kv), vocab {m.vocab_size}")
+    tmp_dir = engine_dir.with_name(engine_dir.name + ".partial")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    with steps.step(f"weights -> {spec.dtype}, fused QKV and gate/up") as log:
+        state = convert.convert_state_dict(convert.load_hf_state_dict(hf_dir), config.model,
+                                           TORCH_DTYPES[spec.dtype])
+        save_file(state, str(tmp_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+        log(f"{sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters, "
+            f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB")
+    with steps.step("tokenizer, config.json, manifest.json") as log:
+        copy_tokenizer(hf_dir, tmp_dir)
+        config.save(tmp_dir)
+        write_manifest(tmp_dir, spec, hf_dir)
+        log(f"eos ids {config.tokenizer.eos_token_ids}, chat template: "
+            f"{config.tokenizer.has_chat_template}")
+    shutil.rmtree(engine_dir, ignore_errors=True)
+    tmp_dir.rename(engine_dir)
+    with steps.step("check: prefill logits vs transformers") as log:
+        log(check_against_transformers(engine_dir, hf_dir))
+    if emit_repository:
+        with steps.step("Triton model repository") as log:
+            target = repository_dir or Path("model_repository") / spec.name
+            log(f"written to {emit_repository_for(spec, engine_dir, target)}")
+    return engine_dir
+
+
+def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:
+    from builder.repository import RepositoryOptions, emit_repository
+
+    try:
+        options = RepositoryOptions(**spec.repository)
+    except TypeError as exc:
+        raise ValueError(f"repository: {exc}") from None
+    return emit_repository(engine_dir, output, options)
+
+
+def check_against_transformers(engine_dir: Path, hf_dir: Path) -> str:
+    """A quick build-time check: the engine's prefill logits vs transformers' at the same dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from triton_backend.engine.offline import prefill_logits
+    from triton_backend.engine.tokenizer import load_tokenizer
+    from triton_backend.engine.weights import runtime_dtype
+
+    config = EngineConfig.load(engine_dir)
+    tokenizer = load_tokenizer(engine_dir, config)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. Paris is the capital of")
+    ours = prefill_logits(engine_dir, ids)
+    dtype = runtime_dtype(config, torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0].float()
+    diff = (ours - theirs).abs().max().item()
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    return (f"max |logit diff| {diff:.3g} ({config.dtype}), top-1 agreement {agree:.0%} "
+            f"over {len(ids)} positions")

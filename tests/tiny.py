@@ -1,0 +1,92 @@
+"""Tiny random-weight checkpoints of the Llama family, made with transformers, and engines built
+from them. Shared by the test modules (import it as `tiny`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+          "Streams of tokens flow through the paged cache while the scheduler batches requests. "
+          "Bonjour, ça va? Grüße aus München! 日本語のテキストも少し。 Emoji 🚀 too. ") * 8
+
+SHAPES = {
+    # name: (transformers config class name, kwargs)
+    "llama_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=False)),
+    "llama_mha_rope_scaled": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        max_position_embeddings=512)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1,
+                                      sliding_window=None, tie_word_embeddings=False)),
+    "qwen2_bias_tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                            tie_word_embeddings=True)),
+}
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a small built-in corpus, saved as HF files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_checkpoint(out_dir: Path, shape: str, seed: int = 0, init_std: float = 0.15) -> Path:
+    """Save a random-weight checkpoint of `shape` (+ tokenizer) to `out_dir`.
+
+    A larger init std than transformers' 0.02 makes the logits peaked, so greedy argmaxes are not
+    near-ties that float rounding could flip."""
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(out_dir)
+    class_name, kwargs = SHAPES[shape]
+    kwargs = dict(kwargs)
+    kwargs.setdefault("max_position_embeddings", 256)
+    config = getattr(transformers, class_name)(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        head_dim=16, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, initializer_range=init_std, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if class_name == "Qwen2Config":  # biases start at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(p, std=init_std)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def build_engine(tmp: Path, shape: str = "llama_gqa", dtype: str = "float32",
+                 repository: bool = False, **spec_overrides) -> Path:
+    """Checkpoint + engine under `tmp`; returns the engine dir. Overrides go to the spec sections."""
+    from rich.console import Console
+
+    from builder.engine_builder import build_engine as _build
+    from builder.spec import spec_from_dict
+
+    checkpoint = make_checkpoint(tmp / f"hf-{shape}", shape)
+    spec = {"name": f"tiny-{shape}".replace("_", "-"), "checkpoint": str(checkpoint),
+            "dtype": dtype, "output": str(tmp / f"engine-{shape}"),
+            "limits": {"max_batch_size": 16, "max_num_tokens": 256, "max_input_len": 128,
+                       "max_seq_len": 256},
+            "kv_cache": {"tokens_per_block": 8, "num_blocks": 256}}
+    for key, value in spec_overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return _build(spec_from_dict(spec), console=Console(quiet=True), emit_repository=repository,
+                  repository_dir=tmp / "model_repository")

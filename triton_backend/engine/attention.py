@@ -1,0 +1,73 @@
+"""Attention over a paged KV cache with packed (unpadded) tokens.
+
+All tokens of a step are packed into one flat tensor [T, ...]. Decodes (one new token each) are
+attended in one batched call over their gathered keys; prefill chunks are attended one sequence at a
+time with a causal mask offset by the tokens already in the cache. The metadata is built once per
+step by the model runner and passed explicitly (no hidden global context).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from triton_backend.engine.kv_cache import PagedKVCache
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's new tokens [q_start, q_end) in the packed tensor, after `num_cached` tokens."""
+
+    q_start: int
+    q_end: int
+    num_cached: int
+    key_slots: torch.Tensor | None  # slots of all num_cached + q_len keys; None when num_cached == 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                  # [T] where each new token's K/V is written
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_token_index: torch.Tensor | None = None  # [n] positions of decode tokens in the packed tensor
+    decode_key_slots: torch.Tensor | None = None    # [n, max_k] slots of each decode's keys (padded)
+    decode_key_mask: torch.Tensor | None = None     # [n, 1, 1, max_k] True where a key is real
+
+
+def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, Hq, D]."""
+    cache.write(layer, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    for chunk in meta.prefills:
+        out[chunk.q_start:chunk.q_end] = _prefill(layer, q, k, v, cache, chunk, scale)
+    if meta.decode_token_index is not None:
+        out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale)
+    return out
+
+
+def _prefill(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+             chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    qs = q[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    if chunk.key_slots is None:
+        ks, vs = k[chunk.q_start:chunk.q_end], v[chunk.q_start:chunk.q_end]
+        mask, causal = None, True
+    else:
+        ks, vs = cache.gather(layer, chunk.key_slots, q.dtype)
+        q_len, k_len = chunk.q_end - chunk.q_start, chunk.key_slots.numel()
+        rows = torch.arange(q_len).unsqueeze(1) + chunk.num_cached
+        mask, causal = torch.arange(k_len).unsqueeze(0) <= rows, False
+    ks = ks.transpose(0, 1).unsqueeze(0)
+    vs = vs.transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _decode(layer: int, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    qd = q[meta.decode_token_index].unsqueeze(2)            # [n, Hq, 1, D]
+    ks, vs = cache.gather(layer, meta.decode_key_slots, q.dtype)  # [n, max_k, Hkv, D]
+    o = F.scaled_dot_product_attention(qd, ks.transpose(1, 2), vs.transpose(1, 2),
+                                       attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)

@@ -1,0 +1,151 @@
+"""The executor: the engine on a background loop, with TensorRT-LLM executor verbs.
+
+`enqueue_request`, `cancel_request`, `await_responses`, `get_stats` and `shutdown` are
+thread-safe. Requests join the running batch at the next step; cancellations take effect between
+steps (the sequence's blocks are freed before the next step runs). Every accepted request ends
+with exactly one final response: output, an error, or a cancellation.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from pathlib import Path
+
+from triton_backend.engine.llm_engine import LLMEngine
+from triton_backend.engine.request import FinishReason, Request, Response
+
+log = logging.getLogger(__name__)
+
+
+class Executor:
+    def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, device: str = "cpu") -> None:
+        self.engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes, device=device)
+        self.config = self.engine.config
+        self.tokenizer_dir = self.engine.tokenizer_dir
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._responses_ready = threading.Condition(self._lock)
+        self._pending: list[Request] = []
+        self._pending_ids: list[int] = []
+        self._cancels: set[int] = set()
+        self._responses: dict[int, collections.deque[Response]] = collections.defaultdict(
+            collections.deque)
+        self._next_id = 1
+        self._shutdown = False
+        self._stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._loop, name="llm-forge-executor", daemon=True)
+        self._thread.start()
+
+    # -- client verbs -------------------------------------------------------------------------
+    def enqueue_request(self, request: Request) -> int:
+        """Validate and queue `request`; returns its id. Raises ValueError naming the bad field."""
+        self.engine.validate(request)
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("executor is shut down")
+            request_id = self._next_id
+            self._next_id += 1
+            self._pending.append(request)
+            self._pending_ids.append(request_id)
+            self._wakeup.notify()
+        return request_id
+
+    def cancel_request(self, request_id: int) -> None:
+        with self._lock:
+            self._cancels.add(request_id)
+            self._wakeup.notify()
+
+    def await_responses(self, request_id: int | None = None, timeout: float | None = None
+                        ) -> list[Response]:
+        """Responses ready for `request_id` (or for every request when None); waits up to
+        `timeout` seconds for at least one (forever when None). May return an empty list."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not self._has_responses(request_id):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if (remaining is not None and remaining <= 0) or (self._shutdown and
+                                                                  not self._thread.is_alive()):
+                    return []
+                self._responses_ready.wait(remaining if remaining is not None else 1.0)
+            return self._take_responses(request_id)
+
+    def get_stats(self) -> dict:
+        """Counters as of the end of the last step (the engine is only touched by the loop)."""
+        with self._lock:
+            return dict(self._stats, num_queued_requests=len(self._pending))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight end with a CANCELLED final response."""
+        with self._lock:
+            self._shutdown = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    # -- loop ---------------------------------------------------------------------------------
+    def _has_responses(self, request_id: int | None) -> bool:
+        if request_id is None:
+            return any(self._responses.values())
+        return bool(self._responses.get(request_id))
+
+    def _take_responses(self, request_id: int | None) -> list[Response]:
+        ids = list(self._responses) if request_id is None else [request_id]
+        taken = []
+        for rid in ids:
+            queue = self._responses.pop(rid, None)
+            if queue:
+                taken.extend(queue)
+        return taken
+
+    def _publish(self, responses: list[Response]) -> None:
+        stats = self.engine.get_stats()
+        with self._lock:
+            self._stats = stats
+            for response in responses:
+                self._responses[response.request_id].append(response)
+            if responses:
+                self._responses_ready.notify_all()
+
+    def _admit(self) -> bool:
+        """Move queued requests and cancellations into the engine. False when shutting down."""
+        with self._lock:
+            while not (self._pending or self._cancels or self._shutdown or self.engine.has_work()):
+                self._wakeup.wait()
+            pending = list(zip(self._pending_ids, self._pending))
+            self._pending.clear()
+            self._pending_ids.clear()
+            cancels, self._cancels = self._cancels, set()
+            shutting_down = self._shutdown
+        for request_id, request in pending:
+            self.engine.add_request(request, request_id=request_id)
+        finals = [r for rid in cancels if (r := self.engine.abort(rid)) is not None]
+        self._publish(finals)
+        return not shutting_down
+
+    def _loop(self) -> None:
+        try:
+            while self._admit():
+                self._publish(self.engine.step())
+        except Exception as exc:  # the loop must not die silently: fail every request in flight
+            log.exception("executor loop failed")
+            self._fail_all(f"internal error in the engine loop: {exc}", FinishReason.ERROR)
+            return
+        self._fail_all("the executor was shut down", FinishReason.CANCELLED)
+
+    def _fail_all(self, message: str, reason: FinishReason) -> None:
+        finals = []
+        for seq_id in list(self.engine.sequences):
+            response = self.engine.abort(seq_id)
+            if response is not None:
+                response.finish_reason = reason
+                response.error = message if reason == FinishReason.ERROR else None
+                finals.append(response)
+        with self._lock:
+            self._shutdown = True
+            pending, self._pending, self._pending_ids = self._pending_ids, [], []
+        finals += [Response(rid, [], True, reason, error=message if reason == FinishReason.ERROR
+                            else None) for rid in pending]
+        self._publish(finals)

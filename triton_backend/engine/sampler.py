@@ -1,0 +1,91 @@
+"""Choosing each sequence's next token from its logits.
+
+Order of operations (as TensorRT-LLM and transformers apply them): bad words and min_tokens masks,
+repetition / presence / frequency penalties, temperature, top-k, top-p, then greedy argmax or a
+draw from the request's own generator (seeded per request, so a request samples the same tokens
+whatever else shares its batch).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from triton_backend.engine.scheduler import ScheduledChunk
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                 eos_ids: dict[int, frozenset[int]]) -> list[tuple[int, float]]:
+        """logits [n, V] float32, one row per chunk -> (token id, log prob) per chunk."""
+        results = []
+        for row, chunk in zip(logits, chunks):
+            row = self._mask(row.clone(), chunk, eos_ids[chunk.seq_id])
+            params = chunk.request.sampling
+            if params.has_penalties:
+                row = _apply_penalties(row, chunk)
+            if params.greedy:
+                log_probs = torch.log_softmax(row, dim=-1)
+                token = int(torch.argmax(row))
+            else:
+                row = row / params.temperature
+                log_probs = torch.log_softmax(row, dim=-1)
+                token = self._draw(_top_k_top_p(row, params.top_k, params.top_p), chunk)
+            results.append((token, float(log_probs[token])))
+        return results
+
+    def _mask(self, row: torch.Tensor, chunk: ScheduledChunk, eos: frozenset[int]) -> torch.Tensor:
+        request = chunk.request
+        generated = len(chunk.token_ids) - chunk.num_prompt_tokens
+        if generated < request.sampling.min_tokens and eos and not request.ignore_eos:
+            row[list(eos)] = float("-inf")
+        for bad in request.bad_token_sequences:
+            prefix = bad[:-1]
+            if not prefix or chunk.token_ids[len(chunk.token_ids) - len(prefix):] == prefix:
+                row[bad[-1]] = float("-inf")
+        return row
+
+    def _draw(self, row: torch.Tensor, chunk: ScheduledChunk) -> int:
+        generator = self._generators.get(chunk.seq_id)
+        if generator is None:
+            seed = chunk.request.sampling.seed
+            generator = torch.Generator().manual_seed(seed if seed is not None
+                                                      else random.getrandbits(63))
+            self._generators[chunk.seq_id] = generator
+        probs = torch.softmax(row, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _apply_penalties(row: torch.Tensor, chunk: ScheduledChunk) -> torch.Tensor:
+    params = chunk.request.sampling
+    if params.repetition_penalty != 1.0:
+        # As transformers: over prompt and output; divide positive logits, multiply negative ones.
+        seen = torch.tensor(sorted(set(chunk.token_ids)), dtype=torch.long)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                values * params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        generated = chunk.token_ids[chunk.num_prompt_tokens:]
+        if generated:
+            ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+            row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+    return row
+
+
+def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < row.numel():
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the best token).
+        remove = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        row = row.scatter(0, order, sorted_logits.masked_fill(remove, float("-inf")))
+    return row

@@ -1,0 +1,72 @@
+"""A request's state inside the engine: its tokens, how many are in the KV cache, its blocks."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from triton_backend.engine.request import FinishReason, Request
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """`token_ids` = prompt + generated. The engine catches `num_computed_tokens` up with
+    `num_tokens`; when they meet, the step samples a new token (prefill and decode alike)."""
+
+    seq_id: int
+    request: Request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    eos_ids: frozenset[int]
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    log_probs: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_sent_tokens: int = 0  # generated tokens already handed out in streaming responses
+
+    @classmethod
+    def from_request(cls, seq_id: int, request: Request, eos_ids: frozenset[int]) -> "Sequence":
+        return cls(seq_id=seq_id, request=request, token_ids=list(request.input_token_ids),
+                   num_prompt_tokens=len(request.input_token_ids), eos_ids=eos_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, log_prob: float) -> None:
+        self.token_ids.append(token_id)
+        self.log_probs.append(log_prob)
+        self.finish_reason = self._check_stop(token_id)
+
+    def _check_stop(self, token_id: int) -> FinishReason | None:
+        request = self.request
+        generated = self.num_generated_tokens
+        below_min = generated < request.sampling.min_tokens
+        if not below_min and not request.ignore_eos and token_id in self.eos_ids:
+            return FinishReason.END_ID
+        if not below_min:
+            for stop in request.stop_token_sequences:
+                if stop and generated >= len(stop) and self.token_ids[-len(stop):] == stop:
+                    return FinishReason.STOP_WORDS
+        if generated >= request.max_tokens:
+            return FinishReason.LENGTH
+        return None
