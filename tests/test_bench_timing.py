@@ -13,7 +13,7 @@ import pytest
 from builder.bench.clients import fetch_model_inputs, make_client
 from builder.bench.loadgen import LevelPlan, run_level
 from builder.bench.workloads import WorkItem
-from fake_models.server import start_server
+from triton_helpers import start_tritonserver
 
 FIRST_S, NEXT_S = 0.4, 0.15
 NUM_TOKENS = 6
@@ -30,9 +30,11 @@ def server(tmp_path_factory):
     config = repo / MODEL / "config.pbtxt"
     text = config.read_text().replace('"0.4"', f'"{FIRST_S}"').replace('"0.15"', f'"{NEXT_S}"')
     config.write_text(text)
-    running = start_server(repo, work)
-    yield running
-    running.stop()
+    running = start_tritonserver(repo, ready_timeout=120)
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
 def _run(server, protocol, stream, concurrency, num_requests):

@@ -53,8 +53,9 @@ def request_fields(item: WorkItem, inputs: ModelInputs, fixed_output: bool) -> d
                               "stream": item.stream}
     if fixed_output and inputs.accepts("min_tokens"):
         fields["min_tokens"] = item.max_tokens
-    if inputs.accepts("exclude_input_in_output"):
-        fields["exclude_input_in_output"] = True
+    # Count only generated tokens, and let the server say how many it generated.
+    for flag in ("exclude_input_in_output", "return_num_output_tokens"):
+        fields[flag] = True
     return {k: v for k, v in fields.items() if inputs.accepts(k)}
 
 

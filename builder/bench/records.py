@@ -5,9 +5,10 @@ Definitions (the ones genai-perf and vLLM's benchmark_serving use):
 - ITL: per request, the mean time between output tokens after the first one,
   (last text response - first text response) / (output tokens - 1); streamed requests only.
 - E2E: from sending the request to its final response.
-Output tokens are counted by re-tokenizing the output text with the engine's tokenizer when one is
-given (both servers are counted the same way), else from the server's `num_output_tokens`, else
-one per text response.
+Output tokens: the server's own count when it returns `num_output_tokens` (llm-forge reports the
+running total of generated tokens, so the largest value seen is the request's count); else the
+output text re-tokenized with the engine's tokenizer (as genai-perf does; it over-counts text
+that does not re-tokenize the way it was generated); else one per text response.
 """
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ class RequestRecord:
             self.server_output_tokens = max(value, self.server_output_tokens or 0)
 
     def count_output_tokens(self, tokenizer: Any | None) -> None:
-        """Set `output_tokens` from the text (tokenizer), the server's count, or the chunks."""
-        if tokenizer is not None:
-            self.output_tokens = len(tokenizer.encode(self.text, add_special_tokens=False))
-            self.output_tokens_source = "tokenizer"
-        elif self.server_output_tokens is not None:
+        """Set `output_tokens` from the server's count, the text (tokenizer), or the chunks."""
+        if self.server_output_tokens is not None:
             self.output_tokens = self.server_output_tokens
             self.output_tokens_source = "server"
+        elif tokenizer is not None:
+            self.output_tokens = len(tokenizer.encode(self.text, add_special_tokens=False))
+            self.output_tokens_source = "tokenizer"
         else:
             self.output_tokens = len(self.chunk_times)
             self.output_tokens_source = "chunks"

@@ -7,17 +7,11 @@ TTFT ~= first_token_delay_s and ITL ~= inter_token_delay_s. Each request runs in
 whole sequence. The final response is empty and carries only the FINAL flag.
 """
 import json
-import os
-import sys
 import threading
 import time
 
-# The backend stub's embedded interpreter ignores PYTHONPATH; honour it so numpy comes from the
-# environment that started the server.
-sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
 
 def _scalar(request, name, default):

@@ -1,0 +1,223 @@
+"""`forge bench` without a server: workloads, timing definitions, statistics, the load generator
+(with an in-process fake client), comparisons, the report, plots and the command line."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import tiny
+from builder.bench.loadgen import LevelPlan, run_level
+from builder.bench.records import RequestRecord
+from builder.bench.report import markdown_comparison, print_report, write_results
+from builder.bench.runner import BenchSettings, compare_levels
+from builder.bench.stats import percentiles, summarize
+from builder.bench.workloads import WorkItem, build_workload
+from builder.cli_bench import bench_command
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return tiny.make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# -- workloads -------------------------------------------------------------------------------
+def test_builtin_workloads_are_seeded_and_prefix_stable(tokenizer):
+    a = build_workload("chat", 6, seed=3, scale=0.1, tokenizer=tokenizer)
+    b = build_workload("chat", 9, seed=3, scale=0.1, tokenizer=tokenizer)
+    c = build_workload("chat", 6, seed=4, scale=0.1, tokenizer=tokenizer)
+    assert a.items == b.items[:6]
+    assert a.items != c.items
+
+
+def test_chat_lengths_are_fitted_with_the_tokenizer(tokenizer):
+    wl = build_workload("chat", 20, scale=0.25, tokenizer=tokenizer)
+    for item in wl.items:
+        assert item.stream
+        assert len(tokenizer.encode(item.prompt, add_special_tokens=False)) == item.num_input_tokens
+        assert 16 - 2 <= item.num_input_tokens <= 256
+        assert 4 <= item.max_tokens <= 64
+    assert len({i.num_input_tokens for i in wl.items}) > 5  # mixed lengths
+
+
+def test_voicebot_shares_one_system_prompt_and_query_rewrite_is_short(tokenizer):
+    vb = build_workload("voicebot", 4, scale=0.05, tokenizer=tokenizer)
+    prefixes = {i.prompt.split("\nCaller:")[0] for i in vb.items}
+    assert len(prefixes) == 1
+    system_tokens = len(tokenizer.encode(prefixes.pop(), add_special_tokens=False))
+    assert abs(system_tokens - 95) <= 2
+    assert all(i.stream and 8 <= i.max_tokens <= 11 for i in vb.items)
+    qr = build_workload("query-rewrite", 10, tokenizer=tokenizer)
+    for item in qr.items:
+        assert not item.stream
+        assert 8 <= item.num_input_tokens <= 20 and 10 <= item.max_tokens <= 20
+
+
+def test_jsonl_workload_and_its_errors(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "hello there", "max_tokens": 5}\n\n'
+                    '{"prompt": "again", "max_tokens": 2, "stream": false}\n')
+    wl = build_workload(str(path), 1)
+    assert [(i.prompt, i.max_tokens, i.stream) for i in wl.items] == [
+        ("hello there", 5, True), ("again", 2, False)]
+    assert all(not i.stream for i in build_workload(str(path), 1, stream=False).items)
+    path.write_text('{"prompt": "x", "max_tokens": 0}\n')
+    with pytest.raises(ValueError, match=":1: max_tokens"):
+        build_workload(str(path), 1)
+    with pytest.raises(ValueError, match="workload must be one of"):
+        build_workload("no-such-workload", 1)
+
+
+# -- records and stats -----------------------------------------------------------------------
+def _record(index=0, chunks=(0.5, 0.7, 0.9), end=1.0, server_tokens=None, stream=True, **kw):
+    r = RequestRecord(index=index, max_tokens=3, stream=stream, **kw)
+    for t in chunks:
+        r.add_chunk(t, "x")
+    r.note_server_tokens(server_tokens)
+    r.end = end
+    r.count_output_tokens(None)
+    return r
+
+
+def test_ttft_itl_e2e_definitions():
+    r = _record(chunks=(0.5, 0.7, 0.9), end=1.0)
+    assert r.ttft == 0.5 and r.e2e == 1.0
+    assert r.itl == pytest.approx(0.2)
+    # Two chunks carrying 5 tokens: ITL spreads the gap over the tokens after the first.
+    r = _record(chunks=(0.5, 0.9), end=1.0, server_tokens=5)
+    assert r.output_tokens == 5 and r.output_tokens_source == "server"
+    assert r.itl == pytest.approx(0.1)
+    assert _record(stream=False, chunks=(0.8,), end=0.8).itl is None
+    r.add_chunk(1.5, "")  # empty responses are not tokens
+    assert len(r.chunk_times) == 2
+    failed = _record()
+    failed.error = "boom"
+    assert failed.ttft is None and failed.e2e is None and not failed.ok
+
+
+def test_percentiles_and_summary():
+    p = percentiles([1, 2, 3, 4, None], (50, 99))
+    assert p["p50"] == 2.5 and p["p99"] == pytest.approx(3.97) and p["mean"] == 2.5
+    assert percentiles([], (50,)) == {"p50": None, "mean": None}
+    records = [_record(i, server_tokens=3) for i in range(3)]
+    records[2].error = "bad"
+    cancelled = _record(3)
+    cancelled.cancelled, cancelled.error = True, "timeout"
+    s = summarize(records + [cancelled], wall_s=2.0, concurrency=2)
+    assert (s["requests"], s["completed"], s["errors"], s["cancelled"]) == (4, 2, 1, 1)
+    assert s["output_tokens"] == 6 and s["output_tokens_per_s"] == 3.0
+    assert s["requests_per_s"] == 1.0 and s["ttft_s"]["p50"] == 0.5
+
+
+# -- load generator --------------------------------------------------------------------------
+class FakeClient:
+    """Answers instantly-ish; records how many requests were in flight at once."""
+
+    in_flight = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def send(self, item, index, level_start):
+        with FakeClient.lock:
+            FakeClient.in_flight += 1
+            FakeClient.peak = max(FakeClient.peak, FakeClient.in_flight)
+        sent = time.perf_counter()
+        time.sleep(0.01)
+        with FakeClient.lock:
+            FakeClient.in_flight -= 1
+        return _record(index, chunks=(0.005,), end=time.perf_counter() - sent,
+                       start=sent - level_start)
+
+    def close(self):
+        pass
+
+
+def test_closed_loop_respects_concurrency_and_count():
+    FakeClient.peak = 0
+    items = [WorkItem(f"p{i}", 3, True) for i in range(4)]
+    run = run_level([FakeClient() for _ in range(3)], items, LevelPlan(3, num_requests=10))
+    assert [r.index for r in run.records] == list(range(10))
+    assert FakeClient.peak == 3
+    assert run.wall_s >= max(r.start for r in run.records)
+
+
+def test_poisson_rate_never_starts_early_and_duration_stops():
+    import random
+
+    plan = LevelPlan(2, num_requests=6, rate=50.0, seed=1)
+    run = run_level([FakeClient(), FakeClient()], [WorkItem("p", 3, True)], plan)
+    rng, arrival = random.Random("arrivals:1"), 0.0
+    for record in run.records:
+        arrival += rng.expovariate(50.0)
+        assert record.start >= arrival - 1e-6
+    run = run_level([FakeClient()], [WorkItem("p", 3, True)], LevelPlan(1, duration_s=0.1))
+    assert 1 <= len(run.records) < 1000
+
+
+def test_plan_and_settings_validation():
+    with pytest.raises(ValueError, match="exactly one"):
+        LevelPlan(1)
+    with pytest.raises(ValueError, match="concurrency"):
+        LevelPlan(0, num_requests=1)
+    settings = BenchSettings((1, 4), requests="2x")
+    assert [settings.num_requests(c) for c in (1, 4)] == [2, 8]
+    assert BenchSettings((1,), requests="5").plan(4).num_requests == 5
+    assert BenchSettings((1,), duration_s=3.0).plan(2).duration_s == 3.0
+
+
+# -- comparison, report, plots, CLI ----------------------------------------------------------
+def _result():
+    def level(c, tps, ttft):
+        records = [_record(i, server_tokens=3) for i in range(2)]
+        s = summarize(records, 1.0, c)
+        s.update(output_tokens_per_s=tps)
+        s["ttft_s"]["p99"] = ttft
+        return s
+
+    a = [level(1, 100.0, 0.05), level(4, 300.0, 0.08)]
+    b = [level(1, 50.0, 0.10), level(4, 60.0, 0.40)]
+    return {"workload": {"name": "chat", "seed": 0, "scale": 1.0, "input_tokens": None,
+                         "max_tokens": None, "stream": True},
+            "settings": {"concurrencies": [1, 4], "fixed_output": True},
+            "targets": [{"label": "ours", "url": "h:1", "model": "ensemble", "protocol": "grpc",
+                         "fixed_output_honoured": True, "levels": a},
+                        {"label": "naive", "url": "h:2", "model": "ensemble", "protocol": "grpc",
+                         "fixed_output_honoured": True, "levels": b}],
+            "comparison": compare_levels(a, b)}
+
+
+def test_comparison_ratios_report_and_plots(tmp_path):
+    from rich.console import Console
+
+    result = _result()
+    rows = result["comparison"]
+    assert rows[0]["output_tokens_per_s_ratio"] == 2.0 and rows[1]["output_tokens_per_s_ratio"] == 5.0
+    assert rows[1]["ttft_p99_ratio"] == pytest.approx(0.2)
+    console = Console(record=True, width=160)
+    print_report(result, console)
+    text = console.export_text()
+    assert "ours vs naive" in text and "5.00x" in text
+    assert "| 4 | 300.0 | 60.0 | 5.00x | 80 | 400 |" in markdown_comparison(result)
+    path = write_results(result, tmp_path)
+    assert json.loads(path.read_text())["comparison"][0]["concurrency"] == 1
+    from builder.bench.plots import write_plots
+
+    for png in write_plots(result, tmp_path):
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "1,x"], "--concurrency"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--requests", "3", "--duration", "2"], "not both"),
+    (["--workload", "nope"], "workload must be one of"),
+    (["--compare", "a:1", "b:2", "--baseline", "c:3"], "not both"),
+    (["--compare", "a:1", "b:2", "--labels", "x"], "--labels"),
+])
+def test_cli_bad_input_exits_2(args, message):
+    result = CliRunner().invoke(bench_command, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
