@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from builder import __version__
+from builder.cli_bench import bench_command
 from builder.cli_engine import engine_command, generate_command
 
 
@@ -19,3 +20,4 @@ def main() -> None:
 
 main.add_command(engine_command)
 main.add_command(generate_command)
+main.add_command(bench_command)
