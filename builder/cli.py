@@ -10,6 +10,7 @@ import click
 from builder import __version__
 from builder.cli_bench import bench_command
 from builder.cli_engine import engine_command, generate_command
+from builder.cli_quant import check_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,3 +22,4 @@ def main() -> None:
 main.add_command(engine_command)
 main.add_command(generate_command)
 main.add_command(bench_command)
+main.add_command(check_command)

@@ -1,0 +1,180 @@
+"""The quality gate: a quantized engine against its unquantized source, on held-out text.
+
+Metrics (reference = transformers in float32 on the source checkpoint; candidate = the engine):
+- `perplexity_increase_pct`: 100 * (ppl_engine / ppl_reference - 1) over the held-out windows;
+- `top1_agreement`: share of positions where both predict the same next token;
+- `logit_cosine`: mean cosine similarity of the two logit vectors per position;
+- `greedy_agreement`: per prompt, the share of a greedy continuation generated before the engine
+  first departs from the reference (the engine decodes through its own, possibly quantized, KV
+  cache), averaged over the prompts.
+
+The held-out text is never the calibration text (builder/data keeps the two files disjoint).
+`run_quality_gate` writes `quality.json` into the engine and raises `QualityGateError` naming the
+metric and its threshold when one is crossed (`forge` exits with code 3).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from builder.errors import QualityGateError
+from builder.quantize import calibration
+from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
+
+QUALITY_FILE = "quality.json"
+Progress = Callable[[str], None]
+
+
+@dataclass
+class QualityThresholds:
+    """The spec's `quantization.quality` section. Limits are inclusive; None disables one."""
+
+    max_perplexity_increase_pct: float | None = 25.0
+    min_top1_agreement: float | None = 0.80
+    min_logit_cosine: float | None = 0.95
+    min_greedy_agreement: float | None = None  # reported; gated only when set
+    dataset: str = "builtin:heldout"
+    windows: int = 8          # held-out windows of `seq_len` tokens
+    seq_len: int = 128
+    prompts: int = 8          # greedy prompts (the first `prompt_len` tokens of windows)
+    prompt_len: int = 32
+    greedy_tokens: int = 16
+    enabled: bool = True
+
+    @classmethod
+    def from_spec(cls, section: dict | None) -> "QualityThresholds":
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in section or {}:
+            if key not in known:
+                raise ValueError(f"quantization.quality.{key}: unknown key (known: {sorted(known)})")
+        return cls(**(section or {}))
+
+
+@dataclass
+class QualityReport:
+    reference_perplexity: float
+    engine_perplexity: float
+    perplexity_increase_pct: float
+    top1_agreement: float
+    logit_cosine: float
+    greedy_agreement: float
+    num_tokens: int
+    dataset: str
+    reference: str
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def _check(report: QualityReport, thresholds: QualityThresholds) -> list[str]:
+    rules = (("perplexity_increase_pct", thresholds.max_perplexity_increase_pct, "<="),
+             ("top1_agreement", thresholds.min_top1_agreement, ">="),
+             ("logit_cosine", thresholds.min_logit_cosine, ">="),
+             ("greedy_agreement", thresholds.min_greedy_agreement, ">="))
+    failures = []
+    for metric, limit, op in rules:
+        value = getattr(report, metric)
+        if limit is None:
+            continue
+        ok = value <= limit if op == "<=" else value >= limit
+        if not ok or math.isnan(value):
+            failures.append(f"{metric} = {value:.4g} violates threshold {op} {limit:g}")
+    return failures
+
+
+def evaluation_windows(tokenizer, thresholds: QualityThresholds, max_len: int) -> torch.Tensor:
+    seq_len = min(thresholds.seq_len, max_len)
+    texts = calibration.load_texts(thresholds.dataset)
+    return calibration.token_windows(tokenizer, texts, thresholds.windows, seq_len)
+
+
+def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresholds,
+            progress: Progress) -> dict:
+    """The four metrics of `engine` against `reference` (both with .logits(ids) and .greedy)."""
+    nll_ref = nll_eng = 0.0
+    agree = cosine = count = 0.0
+    for i, window in enumerate(windows.tolist()):
+        ref, eng = reference.logits(window), engine.logits(window)
+        targets = torch.tensor(window[1:])
+        nll_ref += F.cross_entropy(ref[:-1], targets, reduction="sum").item()
+        nll_eng += F.cross_entropy(eng[:-1], targets, reduction="sum").item()
+        agree += (ref.argmax(-1) == eng.argmax(-1)).sum().item()
+        cosine += F.cosine_similarity(ref, eng, dim=-1).sum().item()
+        count += len(window)
+        progress(f"evaluation window {i + 1}/{len(windows)}")
+    predicted = count - len(windows)
+    greedy = []
+    for i, window in enumerate(windows.tolist()[:thresholds.prompts]):
+        prompt = window[:thresholds.prompt_len]
+        ours = engine.greedy(prompt, thresholds.greedy_tokens)
+        theirs = reference.greedy(prompt, thresholds.greedy_tokens)
+        same = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs))
+        greedy.append(same / len(theirs))
+        progress(f"greedy prompt {i + 1}/{min(thresholds.prompts, len(windows))}")
+    ppl_ref, ppl_eng = math.exp(nll_ref / predicted), math.exp(nll_eng / predicted)
+    return {"reference_perplexity": ppl_ref, "engine_perplexity": ppl_eng,
+            "perplexity_increase_pct": 100.0 * (ppl_eng / ppl_ref - 1.0),
+            "top1_agreement": agree / count, "logit_cosine": cosine / count,
+            "greedy_agreement": sum(greedy) / max(1, len(greedy)), "num_tokens": int(count)}
+
+
+def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: QualityThresholds,
+             progress: Progress | None = None) -> QualityReport:
+    """Measure (never raise on a threshold): the report carries the failures."""
+    from transformers import AutoTokenizer
+
+    from builder.quality_eval import EngineModel, ReferenceModel
+
+    progress = progress or (lambda message: None)
+    config = EngineConfig.load(engine_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(engine_dir) / TOKENIZER_DIR))
+    windows = evaluation_windows(tokenizer, thresholds, config.limits.max_input_len)
+    engine = EngineModel(engine_dir, windows.shape[1] + thresholds.greedy_tokens)
+    metrics = compare(ReferenceModel(reference_hf_dir), engine, windows, thresholds, progress)
+    report = QualityReport(dataset=thresholds.dataset, reference=str(reference_hf_dir), **metrics)
+    report.failures = _check(report, thresholds)
+    return report
+
+
+def format_table(report: QualityReport, thresholds: QualityThresholds) -> str:
+    """A plain-text table of the metrics, their thresholds and pass/fail."""
+    rows = [("perplexity (reference)", f"{report.reference_perplexity:.3f}", "", ""),
+            ("perplexity (engine)", f"{report.engine_perplexity:.3f}", "", "")]
+    for metric, limit, op in (
+            ("perplexity_increase_pct", thresholds.max_perplexity_increase_pct, "<="),
+            ("top1_agreement", thresholds.min_top1_agreement, ">="),
+            ("logit_cosine", thresholds.min_logit_cosine, ">="),
+            ("greedy_agreement", thresholds.min_greedy_agreement, ">=")):
+        failed = any(f.startswith(metric + " ") for f in report.failures)
+        rows.append((metric, f"{getattr(report, metric):.4f}",
+                     "" if limit is None else f"{op} {limit:g}",
+                     "" if limit is None else ("FAIL" if failed else "ok")))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'metric':<{width}}  {'value':>10}  {'threshold':>10}  result",
+             f"{'-' * width}  {'-' * 10}  {'-' * 10}  ------"]
+    lines += [f"{a:<{width}}  {b:>10}  {c:>10}  {d}" for a, b, c, d in rows]
+    lines.append(f"({report.num_tokens} held-out tokens of {report.dataset!r})")
+    return "\n".join(lines)
+
+
+def run_quality_gate(engine_dir: str | Path, reference_hf_dir: str | Path,
+                     thresholds: QualityThresholds, progress: Progress | None = None,
+                     echo: Callable[[str], None] = print) -> QualityReport:
+    """Evaluate, print the table, write `quality.json`; raise QualityGateError on a failure."""
+    report = evaluate(engine_dir, reference_hf_dir, thresholds, progress)
+    echo(format_table(report, thresholds))
+    payload = {"passed": report.passed, "thresholds": dataclasses.asdict(thresholds),
+               **dataclasses.asdict(report)}
+    (Path(engine_dir) / QUALITY_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    if not report.passed:
+        raise QualityGateError("; ".join(report.failures))
+    return report

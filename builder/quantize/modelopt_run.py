@@ -1,0 +1,144 @@
+"""Calibrate and quantize a Hugging Face model with NVIDIA ModelOpt (what TensorRT-LLM uses).
+
+- `int4_awq`: ModelOpt's `INT4_AWQ_CFG` (awq_lite): per linear, a search over the smoothing exponent
+  alpha of s = act_scale^alpha / weight_scale^(1-alpha) minimising the output error on calibration
+  activations; weights then symmetric INT4 per group with the pre-quant scale kept.
+- `int4_rtn`: the same INT4 format with `max` calibration (round-to-nearest, no smoothing).
+- `fp8`: `FP8_DEFAULT_CFG` (e4m3 weights and static per-tensor activation scales).
+- `kv_cache` fp8 / int8: ModelOpt's K/V BMM quantizers record per-layer amax on calibration data.
+
+Calibration runs in float32 on a CPU: bfloat16 matmuls are far slower there and gain nothing.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from builder.quantize.options import QuantizeOptions
+from triton_backend.engine.quant import int4
+
+Progress = Callable[[str], None]
+
+# HF module -> the runtime module (TensorRT-LLM name with gate/up fused) it is part of.
+_RUNTIME_NAMES = {"self_attn.q_proj": "attention.qkv", "self_attn.k_proj": "attention.qkv",
+                  "self_attn.v_proj": "attention.qkv", "self_attn.o_proj": "attention.dense",
+                  "mlp.gate_proj": "mlp.gate_up", "mlp.up_proj": "mlp.gate_up",
+                  "mlp.down_proj": "mlp.proj"}
+# Linears that read the same input must share one AWQ pre-quant scale to be fused at run time.
+_SHARED_INPUT_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                        ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def require_modelopt():
+    """Import ModelOpt or explain how to get it (the `quant` extra)."""
+    try:
+        import modelopt.torch.quantization as mtq  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError("quantization needs NVIDIA ModelOpt: pip install 'llm-forge[quant]' "
+                           "(or `make setup`)") from exc
+    return mtq
+
+
+def runtime_name(hf_name: str) -> str | None:
+    """`model.layers.3.mlp.up_proj` -> `transformer.layers.3.mlp.gate_up`; `lm_head` -> `lm_head`."""
+    if hf_name == "lm_head":
+        return "lm_head"
+    parts = hf_name.split(".")
+    if len(parts) == 5 and parts[:2] == ["model", "layers"]:
+        suffix = _RUNTIME_NAMES.get(".".join(parts[3:]))
+        return f"transformer.layers.{parts[2]}.{suffix}" if suffix else None
+    return None
+
+
+def is_excluded(name: str, patterns: list[str]) -> bool:
+    """The runtime's rule (layers.make_linear): a pattern excludes every module whose name contains it."""
+    return any(pattern in name for pattern in patterns)
+
+
+def quantized_linears(model: nn.Module, options: QuantizeOptions) -> dict[str, nn.Linear]:
+    """HF name -> linear for every projection that will be quantized (exclusions applied)."""
+    found = {}
+    for name, module in model.named_modules():
+        target = runtime_name(name)
+        if isinstance(module, nn.Linear) and target and target != "lm_head":
+            if not is_excluded(target, options.exclude_modules):
+                found[name] = module
+    return found
+
+
+def check_group_size(model: nn.Module, options: QuantizeOptions) -> None:
+    """Before any calibration: every INT4 linear's input size must divide by the group size."""
+    if options.weights not in ("int4_awq", "int4_rtn"):
+        return
+    for name, linear in quantized_linears(model, options).items():
+        int4.check_group_size(linear.in_features, options.group_size, runtime_name(name))
+
+
+def modelopt_config(model: nn.Module, options: QuantizeOptions) -> dict:
+    """The ModelOpt quantization config for `options` (a deep copy of its preset, adjusted)."""
+    mtq = require_modelopt()
+    presets = {"int4_awq": mtq.INT4_AWQ_CFG, "int4_rtn": mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
+               "fp8": mtq.FP8_DEFAULT_CFG}
+    if options.weights in presets:
+        config = copy.deepcopy(presets[options.weights])
+    else:  # KV cache only: every weight stays as it is
+        config = {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"}
+    for entry in config["quant_cfg"]:
+        block_sizes = entry.get("cfg", {}).get("block_sizes") if isinstance(entry, dict) else None
+        if block_sizes and entry.get("quantizer_name") == "*weight_quantizer":
+            entry["cfg"]["block_sizes"] = {-1: options.group_size, "type": "static"}
+    for name, module in model.named_modules():
+        target = runtime_name(name)
+        if isinstance(module, nn.Linear) and target and is_excluded(target, options.exclude_modules):
+            config["quant_cfg"].append({"quantizer_name": f"{name}.*", "enable": False})
+    if options.kv_cache != "none":
+        bits = (4, 3) if options.kv_cache == "fp8" else 8
+        config["quant_cfg"].append({"quantizer_name": "*[kv]_bmm_quantizer",
+                                    "cfg": {"num_bits": bits, "axis": None}})
+    return config
+
+
+def calibrate(model: nn.Module, options: QuantizeOptions, batches: torch.Tensor,
+              progress: Progress) -> nn.Module:
+    """Quantize `model` in place with ModelOpt, feeding `batches` [n, seq_len] through it."""
+    mtq = require_modelopt()
+    check_group_size(model, options)
+    config = modelopt_config(model, options)
+    batch_size = options.calibration.batch_size
+    passes = 2 if options.weights == "int4_awq" else 1  # awq_lite: statistics, then the search
+    total = -(-len(batches) // batch_size) * passes
+    done = [0]
+
+    def forward_loop(m: nn.Module) -> None:
+        with torch.no_grad():
+            for start in range(0, len(batches), batch_size):
+                m(batches[start:start + batch_size])
+                done[0] += 1
+                progress(f"calibration batch {done[0]}/{total}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ModelOpt warns about CUDA extensions absent on a CPU
+        mtq.quantize(model, config, forward_loop)
+    if options.weights == "int4_awq":
+        share_prequant_scales(model)
+    return model
+
+
+def share_prequant_scales(model: nn.Module) -> None:
+    """Give linears that read one input (QKV; gate/up) one pre-quant scale, re-quantizing their
+    weights for it (ModelOpt's resmoothing), so the runtime can run them as one fused GEMM."""
+    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
+
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[:2] != ["model", "layers"]:
+            continue
+        for group in _SHARED_INPUT_GROUPS:
+            linears = [module.get_submodule(n) for n in group]
+            if all(getattr(lin, "input_quantizer", None) is not None and
+                   lin.input_quantizer.pre_quant_scale is not None for lin in linears):
+                preprocess_linear_fusion(linears, resmooth_only=True)

@@ -1,0 +1,73 @@
+"""What to quantize and how: the build spec's `quantization` section, validated and defaulted."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+WEIGHT_MODES = ("none", "int4_awq", "int4_rtn", "fp8")
+KV_CACHE_MODES = ("none", "fp8", "int8")
+CALIBRATION_KEYS = ("dataset", "samples", "seq_len", "batch_size")
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key}: must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass
+class CalibrationOptions:
+    """Calibration text: `builtin` (shipped with llm-forge) or a .txt / .jsonl path."""
+
+    dataset: str = "builtin"
+    # 16 x 128 tokens: AWQ's search costs ~11 forward passes per linear per token on a CPU.
+    samples: int = 16       # sequences of `seq_len` tokens fed through the model
+    seq_len: int = 128
+    batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        for key in ("samples", "seq_len", "batch_size"):
+            _positive_int(f"quantization.calibration.{key}", getattr(self, key))
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ValueError(f"quantization.calibration.dataset: 'builtin' or a path, "
+                             f"got {self.dataset!r}")
+
+
+@dataclass
+class QuantizeOptions:
+    """One quantization run. `weights`/`kv_cache` name the modes; `exclude_modules` are patterns
+    matched against TensorRT-LLM module names (e.g. `lm_head`, `*.mlp.proj`)."""
+
+    weights: str = "none"
+    kv_cache: str = "none"
+    group_size: int = 128
+    exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"quantization.weights: must be one of {list(WEIGHT_MODES)}, "
+                             f"got {self.weights!r}")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"quantization.kv_cache: must be one of {list(KV_CACHE_MODES)}, "
+                             f"got {self.kv_cache!r}")
+        _positive_int("quantization.group_size", self.group_size)
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights != "none" or self.kv_cache != "none"
+
+    @classmethod
+    def from_spec(cls, section: Any) -> "QuantizeOptions":
+        """From the build spec's `quantization` section (a dataclass or a mapping)."""
+        get = section.get if isinstance(section, dict) else lambda k, d=None: getattr(section, k, d)
+        calibration = dict(get("calibration") or {})
+        unknown = sorted(set(calibration) - set(CALIBRATION_KEYS))
+        if unknown:
+            raise ValueError(f"quantization.calibration.{unknown[0]}: unknown key "
+                             f"(known: {list(CALIBRATION_KEYS)})")
+        excludes = get("exclude_modules")
+        return cls(weights=get("weights", "none"), kv_cache=get("kv_cache", "none"),
+                   group_size=get("group_size", 128),
+                   exclude_modules=list(["lm_head"] if excludes is None else excludes),
+                   calibration=CalibrationOptions(**calibration))

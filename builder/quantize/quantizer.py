@@ -1,0 +1,137 @@
+"""One quantization run: HF checkpoint -> TensorRT-LLM checkpoint + the runtime's weights.
+
+    hf_dir ──ModelOpt (calibrate)──► engine_dir/trtllm_checkpoint/{config.json, rank0.safetensors}
+                                            │ repack (fuse gate/up, drop tied lm_head)
+                                            ▼
+                                     engine_dir/model.safetensors  + QuantizationResult
+                                     (the builder records result in the engine's config.json)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from builder.quantize import calibration, modelopt_run, repack, trtllm_checkpoint
+from builder.quantize.options import QuantizeOptions
+from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig, QuantConfig
+
+Progress = Callable[[str], None]
+_QUANT_SUFFIXES = ("weights_scaling_factor", "prequant_scaling_factor", "activation_scaling_factor")
+
+
+@dataclass
+class QuantizationResult:
+    """What the builder records: the config sections and the measured weight sizes."""
+
+    quantization: QuantConfig
+    kv_cache_dtype: str                      # EngineConfig.kv_cache.dtype: auto | fp8 | int8
+    extra: dict = field(default_factory=dict)  # EngineConfig.extra["quantization"]
+    quantized_linear_bytes: int = 0           # quantized linears' weights + scales, as stored
+    quantized_linear_bf16_bytes: int = 0      # the same linears at 16 bits
+
+    @property
+    def linear_size_ratio(self) -> float | None:
+        if not self.quantized_linear_bf16_bytes:
+            return None
+        return self.quantized_linear_bytes / self.quantized_linear_bf16_bytes
+
+    def apply(self, config: EngineConfig) -> None:
+        """Record this result in an engine config (the single source of truth for the runtime)."""
+        config.quantization = self.quantization
+        config.kv_cache.dtype = self.kv_cache_dtype
+        config.extra["quantization"] = self.extra
+
+
+def linear_bytes(state: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(stored bytes, 16-bit bytes) of the quantized linears in a runtime/TRT-LLM state dict."""
+    modules = {key.rsplit(".", 1)[0] for key in state if key.endswith(".weights_scaling_factor")}
+    stored = bf16 = 0
+    for module in modules:
+        weight = state[f"{module}.weight"]
+        # INT4 packs two rows per byte; its scales keep one row per output channel.
+        rows = (state[f"{module}.weights_scaling_factor"].shape[0] if weight.dtype == torch.int8
+                else weight.shape[0])
+        bf16 += rows * weight.shape[1] * 2
+        stored += weight.numel() * weight.element_size()
+        stored += sum(state[f"{module}.{s}"].numel() * state[f"{module}.{s}"].element_size()
+                      for s in _QUANT_SUFFIXES if f"{module}.{s}" in state)
+    return stored, bf16
+
+
+def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: QuantizeOptions,
+                        dtype: torch.dtype = torch.bfloat16,
+                        progress: Progress | None = None) -> QuantizationResult:
+    """Calibrate and quantize `hf_dir` per `options`; write `engine_dir/trtllm_checkpoint/` and
+    `engine_dir/model.safetensors` (unquantized tensors in `dtype`). The caller records the
+    returned result in the engine config (`result.apply(config)`) and writes config.json.
+
+    Raises ValueError (bad group size, too little calibration text) before any long work.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress = progress or (lambda message: None)
+    hf_dir, engine_dir = Path(hf_dir), Path(engine_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    modelopt_run.check_group_size(model, options)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    cal = options.calibration
+    batches = calibration.token_windows(tokenizer, calibration.load_texts(cal.dataset),
+                                        cal.samples, cal.seq_len)
+    progress(f"calibrating {options.weights} weights / {options.kv_cache} KV cache on "
+             f"{len(batches)} x {cal.seq_len} tokens of {cal.dataset!r}")
+    start = time.perf_counter()
+    modelopt_run.calibrate(model, options, batches, progress)
+    seconds = time.perf_counter() - start
+    ckpt_dir = engine_dir / trtllm_checkpoint.CHECKPOINT_DIR
+    trtllm_checkpoint.export(model, model.config.to_dict(), dtype, ckpt_dir)
+    ckpt_config, tensors = trtllm_checkpoint.read(ckpt_dir)
+    state, kv_scales = repack.to_runtime_weights(ckpt_config, tensors,
+                                                 bool(model.config.tie_word_embeddings))
+    save_file(state, str(engine_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    stored, bf16 = linear_bytes(state)
+    progress(f"calibrated in {seconds:.0f}s; quantized linears {stored / 2**20:.1f} MiB "
+             f"({stored / bf16:.0%} of 16-bit)" if bf16 else f"calibrated in {seconds:.0f}s")
+    return QuantizationResult(
+        quantization=QuantConfig(weights=options.weights, kv_cache=options.kv_cache,
+                                 group_size=options.group_size,
+                                 exclude_modules=list(options.exclude_modules)),
+        kv_cache_dtype="auto" if options.kv_cache == "none" else options.kv_cache,
+        extra=_extra(options, ckpt_config, kv_scales, len(batches), seconds),
+        quantized_linear_bytes=stored, quantized_linear_bf16_bytes=bf16)
+
+
+def _extra(options: QuantizeOptions, ckpt_config: dict, kv_scales: dict, samples: int,
+           seconds: float) -> dict:
+    import modelopt
+
+    quant_algo, kv_algo = trtllm_checkpoint.checkpoint_quant_modes(ckpt_config)
+    extra = {"tool": f"nvidia-modelopt {modelopt.__version__}",
+             "trtllm_checkpoint": trtllm_checkpoint.CHECKPOINT_DIR,
+             "quant_algo": quant_algo, "kv_cache_quant_algo": kv_algo,
+             "calibration": {"dataset": options.calibration.dataset, "samples": samples,
+                             "seq_len": options.calibration.seq_len,
+                             "seconds": round(seconds, 1)}}
+    if kv_scales:
+        extra["kv_cache_scales"] = kv_scales
+    return extra
+
+
+def quantize_engine(engine_dir: str | Path, hf_dir: str | Path, options: QuantizeOptions,
+                    progress: Progress | None = None) -> QuantizationResult:
+    """Quantize a built (unquantized) engine in place from its source checkpoint: replaces
+    model.safetensors, adds trtllm_checkpoint/, records the result in config.json."""
+    from triton_backend.engine.weights import TORCH_DTYPES
+
+    config = EngineConfig.load(engine_dir)
+    if config.quantization.weights != "none" or config.kv_cache.dtype != "auto":
+        raise ValueError(f"{engine_dir}: already quantized ({config.quantization.weights} weights, "
+                         f"{config.kv_cache.dtype} KV cache); rebuild it from the checkpoint")
+    result = quantize_checkpoint(hf_dir, engine_dir, options, TORCH_DTYPES[config.dtype], progress)
+    result.apply(config)
+    config.save(engine_dir)
+    return result

@@ -1,0 +1,137 @@
+"""The runtime half of quantization: INT4 packing, quantized linears, the one-byte KV cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_backend.engine.config import EngineConfig, ModelShape
+from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.quant import (Fp8Linear, Int4WeightOnlyLinear, make_quantized_kv_cache,
+                                         quantized_kv_bytes_per_token)
+from triton_backend.engine.quant import int4
+from triton_backend.engine.quant.kv_cache import dequantize_kv, quantize_kv
+
+
+def test_int4_pack_unpack_round_trip_is_exact():
+    q = torch.randint(-8, 8, (64, 48), dtype=torch.int8)
+    packed = int4.pack(q)
+    assert packed.dtype == torch.int8 and packed.shape == (32, 48)
+    assert torch.equal(int4.unpack(packed), q)
+
+
+def test_int4_packing_puts_even_rows_in_the_low_nibble():
+    q = torch.tensor([[1], [-2]], dtype=torch.int8)  # rows 0 and 1 of one input column
+    byte = int(int4.pack(q).view(torch.uint8)[0, 0])
+    assert byte & 0x0F == 1 and byte >> 4 == 0xE  # -2 as a 4-bit two's complement
+
+
+def test_int4_packing_matches_modelopt_export():
+    quant_utils = pytest.importorskip("modelopt.torch.export.quant_utils",
+                                      reason="nvidia-modelopt is the `quant` extra")
+    w = torch.randn(32, 64)
+    q, scales = int4.quantize_rtn(w, 32)
+    theirs = quant_utils.pack_int4_in_uint8(w, scales, 32)
+    assert torch.equal(int4.pack(q).view(torch.uint8), theirs.view(torch.uint8))
+
+
+def test_group_size_that_does_not_divide_names_the_layer():
+    with pytest.raises(ValueError, match=r"group_size 128 does not divide the input size 576 of "
+                                         r"transformer.layers.0.attention.qkv.*64"):
+        int4.check_group_size(576, 128, "transformer.layers.0.attention.qkv")
+
+
+def _int4_linear(out_f: int, in_f: int, group: int, prequant: bool, bias: bool):
+    w = torch.randn(out_f, in_f)
+    q, scales = int4.quantize_rtn(w, group)
+    pre = torch.rand(in_f) + 0.5 if prequant else None
+    b = torch.randn(out_f) if bias else None
+    linear = Int4WeightOnlyLinear(in_f, out_f, bias, group, "test")
+    state = {"weight": int4.pack(q), "weights_scaling_factor": scales}
+    if pre is not None:
+        state["prequant_scaling_factor"] = pre
+    if b is not None:
+        state["bias"] = b
+    linear.load_state_dict(state, strict=True)
+    return linear, int4.dequantize(q, scales), pre, b
+
+
+@pytest.mark.parametrize("out_f,kernel", [(96, "cpu_int4pack"), (40, "dequant")])
+def test_int4_linear_matches_dequantized_reference(out_f, kernel):
+    torch.manual_seed(0)
+    linear, w_ref, pre, b = _int4_linear(out_f, 64, 32, prequant=True, bias=True)
+    assert linear.kernel == kernel
+    x = torch.randn(5, 64)
+    ref = torch.nn.functional.linear(x * pre, w_ref, b)
+    for dtype, tol in ((torch.float32, 0.05), (torch.bfloat16, 0.05)):
+        y = linear(x.to(dtype)).float()
+        assert (y - ref).abs().max() / ref.abs().max() < tol
+    assert torch.allclose(linear.dequantized_weight(), w_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_int4_linear_rejects_a_mis_shaped_checkpoint():
+    linear = Int4WeightOnlyLinear(64, 32, False, 32, "test")
+    state = {"weight": torch.zeros(32, 64, dtype=torch.int8),
+             "weights_scaling_factor": torch.ones(32, 2)}
+    with pytest.raises(RuntimeError, match=r"weight: expected shape \(16, 64\)"):
+        linear.load_state_dict(state)
+
+
+@pytest.mark.parametrize("per_row_scale", [False, True])
+def test_fp8_linear_matches_dequantized_reference(per_row_scale):
+    torch.manual_seed(0)
+    w = torch.randn(32, 64)
+    w_scale = (w.abs().amax(dim=1) if per_row_scale else w.abs().amax().reshape(1)) / 448
+    scale = w_scale[:, None] if per_row_scale else w_scale
+    w8 = (w / scale).to(torch.float8_e4m3fn)
+    x = torch.randn(4, 64)
+    linear = Fp8Linear(64, 32, False, "test")
+    linear.load_state_dict({"weight": w8, "weights_scaling_factor": w_scale,
+                            "activation_scaling_factor": (x.abs().amax() / 448).reshape(1)})
+    assert linear.kernel == ("dequant" if per_row_scale else linear.kernel)
+    ref = x @ (w8.float() * scale).t()
+    y = linear(x.to(torch.bfloat16)).float()
+    assert (y - ref).abs().max() / ref.abs().max() < 0.08
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [("fp8", 0.07), ("int8", 0.01)])
+def test_kv_quantize_round_trip(kv_dtype, tol):
+    x = torch.randn(10, 2, 16)
+    scale = 1.0 if kv_dtype == "fp8" else float(x.abs().max() / 127)
+    stored = quantize_kv(x, scale, kv_dtype)
+    assert stored.element_size() == 1
+    back = dequantize_kv(stored, scale, torch.float32)
+    assert (back - x).abs().max() <= tol * x.abs().max()
+
+
+def _config(kv_dtype: str) -> EngineConfig:
+    shape = ModelShape("llama", 128, 64, 128, 2, 4, 2, 16)
+    data = {"name": "t", "target": "torch", "dtype": "bfloat16", "model": shape,
+            "extra": {"quantization": {"kv_cache_scales": {"k": [1.0, 2.0], "v": [1.0, 0.5]}}}}
+    config = EngineConfig(**data)
+    config.kv_cache.dtype = kv_dtype
+    return config
+
+
+def test_one_byte_kv_cache_holds_twice_the_tokens_of_bf16():
+    config = _config("fp8")
+    bf16 = PagedKVCache.bytes_per_token(config.model, torch.bfloat16)
+    assert bf16 / quantized_kv_bytes_per_token(config) == 2
+
+
+def test_quantized_kv_cache_writes_and_gathers_with_layer_scales():
+    config = _config("int8")
+    cache = make_quantized_kv_cache(config, num_blocks=2, device="cpu")
+    assert cache.k.dtype == torch.int8
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    slots = torch.tensor([0, 5, 17])
+    cache.write(1, slots, k, v)
+    gk, gv = cache.gather(1, slots, torch.float32)
+    assert (gk - k).abs().max() <= 1.0 and (gv - v).abs().max() <= 0.25  # half a step each
+    assert torch.equal(cache.k[1][slots], quantize_kv(k, 2.0, "int8"))
+
+
+def test_kv_cache_without_scales_names_the_missing_field():
+    config = _config("fp8")
+    config.extra = {}
+    with pytest.raises(ValueError, match="extra.quantization.kv_cache_scales"):
+        make_quantized_kv_cache(config, num_blocks=1)

@@ -1,0 +1,74 @@
+"""Symmetric group-wise INT4 weights in TensorRT-LLM's `W4A16_AWQ` checkpoint layout.
+
+The checkpoint layout (what ModelOpt exports and `trtllm-build` reads) for a linear [out, in]:
+
+- `weight`: int8 [out/2, in]; each byte holds two signed int4 values of *adjacent output rows*
+  of the same input column: low nibble = even row 2r, high nibble = odd row 2r+1.
+- `weights_scaling_factor`: float32 [out, in/group_size]; w = q * scale, q in [-8, 7].
+- `prequant_scaling_factor`: [in]; the AWQ smoothing applied to the activations (x * s) before the
+  matmul. Absent (or all ones) for round-to-nearest.
+
+These helpers are pure tensor functions so the offline half (builder) and the runtime half share one
+definition of the format; tests pin it against ModelOpt's own packer.
+"""
+from __future__ import annotations
+
+import torch
+
+INT4_MIN, INT4_MAX = -8, 7
+
+
+def check_group_size(in_features: int, group_size: int, name: str = "linear") -> None:
+    """Raise a ValueError naming the layer when `group_size` does not divide its input size."""
+    if group_size <= 0 or in_features % group_size != 0:
+        raise ValueError(f"quantization.group_size {group_size} does not divide the input size "
+                         f"{in_features} of {name}; pick a group size that divides it "
+                         f"(e.g. {largest_dividing_group(in_features)})")
+
+
+def largest_dividing_group(in_features: int) -> int:
+    """The largest of the usual group sizes (128, 64, 32) that divides `in_features` (0: none)."""
+    return next((g for g in (128, 64, 32) if in_features % g == 0), 0)
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest: weight [out, in] -> (q int8 [out, in] in [-8, 7], scales f32 [out, in/g]).
+
+    The scale is the group's absmax / 7, as ModelOpt computes it for `W4A16_AWQ`.
+    """
+    out_features, in_features = weight.shape
+    check_group_size(in_features, group_size)
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    scales = groups.abs().amax(dim=-1) / INT4_MAX
+    scales[scales == 0] = 1.0  # an all-zero group: any scale reproduces it
+    q = (groups / scales[..., None]).round().clamp(INT4_MIN, INT4_MAX)
+    return q.reshape(out_features, in_features).to(torch.int8), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+    """q int8 [out, in] (unpacked) and scales [out, in/g] -> weight [out, in] in `dtype`."""
+    out_features, in_features = q.shape
+    groups = scales.shape[1]
+    w = q.float().reshape(out_features, groups, in_features // groups) * scales.float()[..., None]
+    return w.reshape(out_features, in_features).to(dtype)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Unpacked int4 values int8 [out, in] -> the checkpoint's packed int8 [out/2, in]."""
+    if q.shape[0] % 2:
+        raise ValueError(f"INT4 packing needs an even number of output rows, got {q.shape[0]}")
+    low = q[0::2].to(torch.int16) & 0x0F
+    high = q[1::2].to(torch.int16) & 0x0F
+    return (low | (high << 4)).to(torch.uint8).view(torch.int8)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's packed int8 [out/2, in] -> int8 [out, in] with values in [-8, 7]."""
+    raw = packed.view(torch.uint8).to(torch.int16)
+    low, high = raw & 0x0F, raw >> 4
+    # Sign-extend the 4-bit two's complement values.
+    low = torch.where(low >= 8, low - 16, low)
+    high = torch.where(high >= 8, high - 16, high)
+    out = torch.stack((low, high), dim=1)  # [out/2, 2, in]
+    return out.reshape(-1, packed.shape[1]).to(torch.int8)

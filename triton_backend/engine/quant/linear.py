@@ -1,0 +1,201 @@
+"""Runtime quantized linears. They consume TensorRT-LLM checkpoint names and repack at load.
+
+`Int4WeightOnlyLinear` (W4A16_AWQ): keys `weight` (packed int8 [out/2, in]),
+`weights_scaling_factor` [out, in/g], `prequant_scaling_factor` [in], optional `bias`. On a CPU it
+repacks once for torch's packed-int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations);
+elsewhere, or for shapes that kernel refuses, it dequantizes per call (keeping 4-bit residency).
+
+`Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
+per output row [out]), `activation_scaling_factor` [1], optional `bias`. It uses `torch._scaled_mm`
+(static per-tensor activation scale, as TensorRT-LLM's FP8 GEMM) when the device runs it, else
+dequantizes per call.
+
+Both replace their checkpoint tensors by the runtime form when loaded, so a loaded module's
+`state_dict()` is not a checkpoint; nothing in the runtime saves one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from triton_backend.engine.quant import int4
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _take(state_dict: dict, prefix: str, name: str, missing: list[str]) -> torch.Tensor | None:
+    key = prefix + name
+    if key not in state_dict:
+        missing.append(key)
+        return None
+    return state_dict[key]
+
+
+def _check_shape(key: str, tensor: torch.Tensor, shape: tuple[int, ...], errors: list[str]) -> bool:
+    if tuple(tensor.shape) != shape:
+        errors.append(f"{key}: expected shape {shape}, got {tuple(tensor.shape)}")
+        return False
+    return True
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = (x * prequant_scale) @ dequant(W).T + b, with W symmetric INT4 per `group_size` group."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
+                 name: str = "linear") -> None:
+        super().__init__()
+        int4.check_group_size(in_features, group_size, name)
+        if out_features % 2:
+            raise ValueError(f"{name}: INT4 needs an even output size, got {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = group_size
+        self.has_bias = bias
+        self.kernel = "unloaded"
+        # Runtime tensors are non-persistent buffers: they follow .to() but are never saved.
+        for buffer in ("packed_weight", "scales", "scales_and_zeros", "prequant", "bias"):
+            self.register_buffer(buffer, None, persistent=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        out_f, in_f, groups = self.out_features, self.in_features, self.in_features // self.group_size
+        packed = _take(state_dict, prefix, "weight", missing_keys)
+        scales = _take(state_dict, prefix, "weights_scaling_factor", missing_keys)
+        prequant = state_dict.get(prefix + "prequant_scaling_factor")
+        bias = _take(state_dict, prefix, "bias", missing_keys) if self.has_bias else None
+        if packed is None or scales is None:
+            return
+        ok = _check_shape(prefix + "weight", packed, (out_f // 2, in_f), error_msgs)
+        ok &= _check_shape(prefix + "weights_scaling_factor", scales, (out_f, groups), error_msgs)
+        if prequant is not None:
+            ok &= _check_shape(prefix + "prequant_scaling_factor", prequant, (in_f,), error_msgs)
+        if ok:
+            self.load_quantized(packed, scales, prequant, bias)
+
+    def load_quantized(self, packed: torch.Tensor, scales: torch.Tensor,
+                       prequant: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+        """Take checkpoint tensors and build the runtime form (kernel repack or dequant fallback)."""
+        unit = prequant is None or bool((prequant == 1).all())
+        self.prequant = None if unit else prequant  # round-to-nearest carries no smoothing
+        self.bias = bias
+        q = int4.unpack(packed)
+        if packed.device.type == "cpu" and self._pack_for_cpu_kernel(q, scales):
+            return
+        self.kernel = "dequant"
+        self.packed_weight, self.scales = packed, scales.float()
+
+    def _pack_for_cpu_kernel(self, q: torch.Tensor, scales: torch.Tensor) -> bool:
+        # The kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero = 0.
+        if self.out_features % 16 or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+            return False
+        try:
+            packed = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+        except RuntimeError:
+            return False
+        scale_t = scales.t().to(torch.bfloat16)
+        self.scales_and_zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
+        self.packed_weight, self.kernel = packed, "cpu_int4pack"
+        return True
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this module multiplies by, as a dense [out, in] tensor (for tests and checks)."""
+        if self.kernel == "cpu_int4pack":
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+            dense = torch._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
+                                                      self.scales_and_zeros)
+            return dense.t().to(dtype)
+        return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.prequant is not None:
+            x2 = x2 * self.prequant.to(x2.dtype)
+        if self.kernel == "cpu_int4pack":
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(),
+                                                  self.packed_weight, self.group_size,
+                                                  self.scales_and_zeros).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantized_weight(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ (W_fp8 * weight_scale).T + b; activations quantized statically when `_scaled_mm` runs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, name: str = "linear") -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.has_bias = bias
+        self.kernel = "unloaded"
+        for buffer in ("weight", "weight_scale", "activation_scale", "bias"):
+            self.register_buffer(buffer, None, persistent=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        weight = _take(state_dict, prefix, "weight", missing_keys)
+        w_scale = _take(state_dict, prefix, "weights_scaling_factor", missing_keys)
+        a_scale = _take(state_dict, prefix, "activation_scaling_factor", missing_keys)
+        bias = _take(state_dict, prefix, "bias", missing_keys) if self.has_bias else None
+        if weight is None or w_scale is None or a_scale is None:
+            return
+        ok = _check_shape(prefix + "weight", weight, (self.out_features, self.in_features), error_msgs)
+        if w_scale.numel() not in (1, self.out_features):
+            error_msgs.append(f"{prefix}weights_scaling_factor: expected 1 or {self.out_features} "
+                              f"values, got shape {tuple(w_scale.shape)}")
+            ok = False
+        if weight.dtype != torch.float8_e4m3fn:
+            error_msgs.append(f"{prefix}weight: expected float8_e4m3fn, got {weight.dtype}")
+            ok = False
+        if ok:
+            self.load_quantized(weight, w_scale, a_scale, bias)
+
+    def load_quantized(self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> None:
+        """Take checkpoint tensors; pick `_scaled_mm` if it runs here with a per-tensor scale."""
+        self.weight = weight
+        self.bias = bias
+        self.weight_scale = w_scale.float().reshape(-1)
+        self.activation_scale = a_scale.float().reshape(())
+        self.kernel = "scaled_mm" if self._scaled_mm_runs() else "dequant"
+
+    def _scaled_mm_runs(self) -> bool:
+        if self.weight_scale.numel() != 1 or not hasattr(torch, "_scaled_mm"):
+            return False
+        try:
+            probe = torch.zeros(16, self.in_features, dtype=torch.float8_e4m3fn,
+                                device=self.weight.device)
+            self._scaled_mm(probe, torch.bfloat16)
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
+
+    def _scaled_mm(self, xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=self.activation_scale,
+                                scale_b=self.weight_scale.reshape(()), out_dtype=dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale = self.weight_scale if self.weight_scale.numel() == 1 else self.weight_scale[:, None]
+        return (self.weight.float() * scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "scaled_mm":
+            xq = (x2.float() / self.activation_scale).clamp(-FP8_MAX, FP8_MAX)
+            out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16
+            y = self._scaled_mm(xq.to(torch.float8_e4m3fn), out_dtype).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantized_weight(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
