@@ -10,6 +10,7 @@ import click
 from builder import __version__
 from builder.cli_bench import bench_command
 from builder.cli_engine import engine_command, generate_command
+from builder.cli_serve import query_command, repository_command, serve_command
 from builder.cli_quant import check_command
 
 
@@ -23,3 +24,6 @@ main.add_command(engine_command)
 main.add_command(generate_command)
 main.add_command(bench_command)
 main.add_command(check_command)
+main.add_command(repository_command)
+main.add_command(serve_command)
+main.add_command(query_command)

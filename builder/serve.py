@@ -206,7 +206,7 @@ def server_command(install: TritonInstall, repository: Path, ports: tuple[int, i
            f"--http-address={LOOPBACK}", f"--http-port={http_port}",
            f"--grpc-address={LOOPBACK}", f"--grpc-port={grpc_port}",
            f"--metrics-address={LOOPBACK}", f"--metrics-port={metrics_port}",
-           "--allow-gpu-metrics=false", "--exit-timeout-secs=10",
+           "--allow-gpu-metrics=false", "--exit-timeout-secs=5",
            f"--log-verbose={log_verbose}"]
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")

@@ -58,7 +58,7 @@ def build_tiny_tokenizer(target: Path) -> Path:
 
 
 def build_tiny_engine(workdir: Path, name: str = "tiny", max_batch_size: int = 16,
-                      num_kv_blocks: int = 128, seed: int = 0) -> Path:
+                      num_kv_blocks: int = 256, max_seq_len: int = 160, seed: int = 0) -> Path:
     """Random-weight Llama checkpoint -> engine dir (float32, CPU). Returns the engine dir."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -71,7 +71,7 @@ def build_tiny_engine(workdir: Path, name: str = "tiny", max_batch_size: int = 1
     eos = [tokenizer.convert_tokens_to_ids("</s>"), tokenizer.convert_tokens_to_ids("<|end|>")]
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=0, eos_token_id=eos,
+                         max_position_embeddings=max(512, max_seq_len), bos_token_id=0, eos_token_id=eos,
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(str(hf_dir))
@@ -79,6 +79,6 @@ def build_tiny_engine(workdir: Path, name: str = "tiny", max_batch_size: int = 1
         "name": name, "checkpoint": str(hf_dir), "dtype": "float32",
         "output": str(workdir / "engines" / name),
         "limits": {"max_batch_size": max_batch_size, "max_num_tokens": 256, "max_input_len": 64,
-                   "max_seq_len": 160},
+                   "max_seq_len": max_seq_len},
         "kv_cache": {"tokens_per_block": 16, "num_blocks": num_kv_blocks}})
     return build_engine(spec, emit_repository=False)

@@ -1,0 +1,139 @@
+"""A small client for the emitted repository, on `tritonclient` (gRPC and HTTP) and on Triton's
+HTTP `generate` / `generate_stream` endpoints. Used by `forge query`, `make demo` and the tests.
+
+Inputs are given with the ensemble's names (`text_input`, `max_tokens`, `stream`, `top_k`, ...);
+`text_inputs()` turns keyword values into typed arrays with the contract's dtypes.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from typing import Iterator
+
+import numpy as np
+
+# The ensemble / BLS inputs and their numpy dtypes (the contract in docs/triton_contract.md).
+INPUT_DTYPES = {
+    "text_input": np.object_, "max_tokens": np.int32, "bad_words": np.object_,
+    "stop_words": np.object_, "exclude_input_in_output": np.bool_, "end_id": np.int32,
+    "pad_id": np.int32, "top_k": np.int32, "top_p": np.float32, "temperature": np.float32,
+    "length_penalty": np.float32, "repetition_penalty": np.float32, "min_tokens": np.int32,
+    "presence_penalty": np.float32, "frequency_penalty": np.float32, "seed": np.uint64,
+    "return_log_probs": np.bool_, "return_perf_metrics": np.bool_,
+    "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
+    "beam_width": np.int32, "stream": np.bool_, "num_return_sequences": np.int32,
+}
+LIST_INPUTS = ("bad_words", "stop_words")
+
+
+def text_inputs(**values) -> dict[str, np.ndarray]:
+    """Typed [1, n] arrays for the given ensemble inputs (None values are left out)."""
+    arrays = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        dtype = INPUT_DTYPES.get(name)
+        if dtype is None:
+            raise ValueError(f"{name}: not an input of the ensemble (known: {sorted(INPUT_DTYPES)})")
+        items = list(value) if name in LIST_INPUTS else [value]
+        if dtype is np.object_:
+            items = [v.encode("utf-8") if isinstance(v, str) else v for v in items]
+        arrays[name] = np.array([items], dtype=dtype)
+    return arrays
+
+
+def _triton_dtype(array: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return np_to_triton_dtype(array.dtype)
+
+
+def decode_text(outputs: dict) -> str:
+    value = outputs["text_output"].reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id: str = "",
+                timeout: float = 120.0) -> Iterator[dict]:
+    """Stream one request over gRPC; yields each response's outputs; raises on an error response.
+
+    The stream is closed (and the request cancelled if still running) when the caller stops
+    iterating early.
+    """
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.is_server_live()
+    except Exception as exc:
+        client.close()
+        raise ConnectionError(f"{url}: server not reachable ({exc})") from None
+    tensors = []
+    for name, array in inputs.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), _triton_dtype(array))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    finished = False
+    try:
+        client.async_stream_infer(model, tensors, request_id=request_id,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                finished = True
+                raise RuntimeError(str(error))
+            response = result.get_response()
+            final = response.parameters.get("triton_final_response")
+            if response.outputs:
+                yield {o.name: result.as_numpy(o.name) for o in response.outputs}
+            if final is not None and final.bool_param:
+                finished = True
+                return
+    finally:
+        client.stop_stream(cancel_requests=not finished)
+        client.close()
+
+
+def infer_http(url: str, model: str, inputs: dict[str, np.ndarray], timeout: float = 120.0) -> dict:
+    """One non-streaming request over HTTP (tritonclient); raises with the server's message."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url, network_timeout=timeout,
+                                              connection_timeout=timeout)
+    try:
+        tensors = []
+        for name, array in inputs.items():
+            tensor = httpclient.InferInput(name, list(array.shape), _triton_dtype(array))
+            tensor.set_data_from_numpy(array, binary_data=False)
+            tensors.append(tensor)
+        result = client.infer(model, tensors)
+        return {o["name"]: result.as_numpy(o["name"])
+                for o in result.get_response()["outputs"]}
+    finally:
+        client.close()
+
+
+def generate_http(url: str, model: str, payload: dict, stream: bool = False,
+                  timeout: float = 120.0) -> list[dict]:
+    """POST to /generate (one JSON object) or /generate_stream (server-sent events)."""
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}",
+                                     data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            body = reply.read().decode("utf-8")
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(exc.read().decode("utf-8", errors="replace")) from None
+    if not stream:
+        return [json.loads(body)]
+    events = [json.loads(line[len("data:"):]) for line in body.splitlines()
+              if line.startswith("data:")]
+    for event in events:
+        if "error" in event:
+            raise RuntimeError(event["error"])
+    return events
