@@ -1,0 +1,104 @@
+"""The threaded executor: concurrent clients, streaming, cancellation, bad input, stats."""
+import threading
+
+import pytest
+
+from triton_backend.engine import FinishReason, Request, SamplingParams
+from triton_backend.engine.executor import Executor
+from triton_backend.engine.llm_engine import LLMEngine
+from triton_backend.engine.offline import generate
+
+
+def collect(executor: Executor, request_id: int, timeout: float = 60.0):
+    responses = []
+    while not (responses and responses[-1].is_final):
+        got = executor.await_responses(request_id, timeout=timeout)
+        assert got, f"no response for request {request_id} within {timeout}s"
+        responses.extend(got)
+    return responses
+
+
+@pytest.fixture
+def executor(tiny_engines):
+    ex = Executor(tiny_engines("llama_gqa"), num_kv_blocks=128)
+    yield ex
+    ex.shutdown()
+
+
+@pytest.mark.parametrize("make_request, message", [
+    (lambda: Request([], 4), "input_token_ids: the prompt is empty"),
+    (lambda: Request(list(range(1, 130)), 4), "more than max_input_len=128"),
+    (lambda: Request([5], 0), "max_tokens must be an integer >= 1, got 0"),
+    (lambda: Request([5], -3), "max_tokens must be an integer >= 1, got -3"),
+    (lambda: Request([5] * 100, 200), "exceeds max_seq_len=256; max_tokens may be at most 156"),
+    (lambda: Request([5, 99999], 4), "input_token_ids: token ids must be in [0, "),
+    (lambda: Request([5], 4, stop_token_sequences=[[]]), "stop_words: each entry"),
+    (lambda: Request([5], 4, SamplingParams(top_p=0.0)), "top_p must be > 0.0, got 0.0"),
+    (lambda: Request([5], 4, SamplingParams(top_p=1.5)), "top_p must be <= 1.0, got 1.5"),
+    (lambda: Request([5], 4, SamplingParams(temperature=-1)), "temperature must be >= 0.0"),
+    (lambda: Request([5], 4, SamplingParams(beam_width=2)), "beam_width must be 1"),
+    (lambda: Request([5], 4, SamplingParams(top_k=-1)), "top_k must be an integer >= 0"),
+])
+def test_bad_requests_are_refused_and_the_executor_keeps_serving(executor, make_request, message):
+    with pytest.raises(ValueError) as err:
+        executor.enqueue_request(make_request())
+    assert message in str(err.value)
+    rid = executor.enqueue_request(Request([5, 6, 7], 3, ignore_eos=True))
+    final = collect(executor, rid)[-1]
+    assert final.is_final and final.num_output_tokens == 3
+
+
+def test_kv_budget_too_small_for_one_request_is_refused(tiny_engines):
+    ex = Executor(tiny_engines("llama_gqa"), num_kv_blocks=4)  # 4 blocks x 8 tokens
+    try:
+        with pytest.raises(ValueError, match="needs 5 KV blocks but the cache holds 4"):
+            ex.enqueue_request(Request([5] * 20, 20))
+    finally:
+        ex.shutdown()
+
+
+def test_sixteen_concurrent_clients_get_their_solo_ids(tiny_engines, executor):
+    prompts = [list(range(3 + i, 10 + 3 * i)) for i in range(16)]
+    requests = [Request(p, 8 + i, streaming=i % 2 == 0, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+    solo = LLMEngine(tiny_engines("llama_gqa"))
+    expected = [generate(solo, [r])[0].output_ids for r in requests]
+    results: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        rid = executor.enqueue_request(requests[i])
+        responses = collect(executor, rid)
+        results[i] = [t for r in responses for t in r.output_token_ids]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results[i] for i in range(16)] == expected
+    stats = executor.get_stats()
+    assert stats["max_num_seqs_in_step"] > 1
+    assert stats["num_used_blocks"] == 0 and stats["num_completed_requests"] == 16
+
+
+def test_cancel_streaming_request(executor):
+    rid = executor.enqueue_request(Request([5, 6, 7], 200, streaming=True, ignore_eos=True))
+    first = executor.await_responses(rid, timeout=30)
+    assert first and not first[-1].is_final
+    executor.cancel_request(rid)
+    final = collect(executor, rid)[-1]
+    assert final.finish_reason == FinishReason.CANCELLED and final.num_output_tokens < 200
+    other = executor.enqueue_request(Request([9, 10], 4, ignore_eos=True))
+    assert collect(executor, other)[-1].finish_reason == FinishReason.LENGTH
+    assert executor.get_stats()["num_used_blocks"] == 0
+
+
+def test_shutdown_ends_requests_in_flight_with_a_final_response(tiny_engines):
+    ex = Executor(tiny_engines("llama_gqa"), num_kv_blocks=128)
+    rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
+    assert ex.await_responses(rid, timeout=30)
+    ex.shutdown()
+    final = [r for r in ex.await_responses(rid, timeout=5) if r.is_final]
+    assert final and final[0].finish_reason == FinishReason.CANCELLED
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.enqueue_request(Request([5], 2))
