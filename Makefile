@@ -5,8 +5,10 @@ FORGE := $(VENV)/bin/forge
 SPEC ?= examples/smollm2-135m.yaml
 ENGINE ?= engines/smollm2-135m
 REPO ?= model_repository/smollm2-135m
-PROMPT ?= Explain in one sentence what an inference server does.
+PROMPT ?= An inference server is a program that
 PYTEST_ARGS ?=
+BENCH_OUT ?= bench/latest
+BENCH_ARGS ?=
 
 .PHONY: setup engine serve demo test bench lint
 
@@ -32,3 +34,7 @@ test: setup
 
 lint: setup
 	$(PY) -m compileall -q builder triton_backend scripts tests
+
+# Our engine vs the naive baseline on the demo model (chat workload); report in $(BENCH_OUT).
+bench: setup
+	$(PY) scripts/bench_compare.py --spec $(SPEC) --out $(BENCH_OUT) $(BENCH_ARGS)
