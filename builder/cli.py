@@ -27,3 +27,7 @@ main.add_command(check_command)
 main.add_command(repository_command)
 main.add_command(serve_command)
 main.add_command(query_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -113,11 +113,7 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:
     from builder.repository import RepositoryOptions, emit_repository
 
-    try:
-        options = RepositoryOptions(**spec.repository)
-    except TypeError as exc:
-        raise ValueError(f"repository: {exc}") from None
-    return emit_repository(engine_dir, output, options)
+    return emit_repository(engine_dir, output, RepositoryOptions.from_dict(spec.repository))
 
 
 def check_against_transformers(engine_dir: Path, hf_dir: Path) -> str:

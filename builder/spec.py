@@ -111,6 +111,19 @@ def _build_section(key: str, klass: type, raw: Any) -> Any:
                         else f"{key}: {message}") from None
 
 
+def _check_repository(raw: Any) -> None:
+    from builder.repository import RepositoryOptions
+
+    if not isinstance(raw, dict):
+        raise SpecError("repository: must be a mapping")
+    try:
+        RepositoryOptions.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        raise SpecError(message if message.startswith("repository") else f"repository: {message}") \
+            from None
+
+
 def spec_from_dict(data: dict, source: Path | None = None) -> BuildSpec:
     if not isinstance(data, dict):
         raise SpecError("spec: the top level must be a mapping")
@@ -125,8 +138,8 @@ def spec_from_dict(data: dict, source: Path | None = None) -> BuildSpec:
     for key, klass in _SECTIONS.items():
         if key in kwargs:
             kwargs[key] = _build_section(key, klass, kwargs[key] or {})
-    if "repository" in kwargs and not isinstance(kwargs["repository"], dict):
-        raise SpecError("repository: must be a mapping")
+    if "repository" in kwargs:
+        _check_repository(kwargs["repository"])
     return BuildSpec(source=source, **kwargs)
 
 

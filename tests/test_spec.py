@@ -26,6 +26,7 @@ BASE = {"name": "m", "checkpoint": "some/dir"}
     ({"quantization": {"weights": "int2"}}, "quantization.weights: must be one of"),
     ({"quantization": {"kv_cache": "fp4"}}, "quantization.kv_cache: must be one of"),
     ({"quantization": {"mystery": 1}}, "quantization.mystery: unknown key"),
+    ({"repository": {"instances": 2}}, "repository: unknown key(s) instances"),
 ])
 def test_bad_specs_name_the_key(patch, message):
     with pytest.raises(SpecError) as err:

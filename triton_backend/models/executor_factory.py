@@ -1,7 +1,8 @@
 """Pick the executor for an engine by its `config.target`; all offer the same verbs.
 
-`torch` -> the project's runtime; `naive` -> the reference executor; `trtllm` -> an adapter over
-TensorRT-LLM's executor bindings (GPU hosts only; imported only when asked for).
+`torch` -> the project's runtime; `naive` -> the reference executor (transformers, one request at
+a time). `trtllm` engines are not built by llm-forge yet, so none can reach this point; an engine
+directory that claims the target is refused by name rather than half-served.
 """
 from __future__ import annotations
 
@@ -22,8 +23,4 @@ def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
         from triton_backend.naive.executor import NaiveExecutor
 
         return NaiveExecutor(engine_dir)
-    if config.target == "trtllm":
-        from triton_backend.models.trtllm_executor import TrtllmExecutor
-
-        return TrtllmExecutor(engine_dir, kv_cache_memory_bytes=kv_cache_memory_bytes)
     raise ValueError(f"{engine_dir}: target {config.target!r} has no executor")
