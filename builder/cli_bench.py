@@ -97,7 +97,7 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from builder.bench import plots as plot_mod
-    from builder.bench.report import print_report, write_results
+    from builder.bench.report import markdown_comparison, print_report, write_results
     from builder.bench.runner import BenchSettings, run_bench
     from builder.bench.workloads import build_workload, load_tokenizer
 
@@ -121,11 +121,14 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         try:
-            result = run_bench(targets, wl, settings, tok, _progress_factory(progress))
+            result = run_bench(targets, wl, settings, tok, _progress_factory(progress),
+                               on_level=lambda partial: write_results(partial, Path(out_dir)))
         except ValueError as exc:
             raise _BadInput(str(exc))
     out = Path(out_dir)
     path = write_results(result, out)
+    if "comparison" in result:
+        (out / "summary.md").write_text(markdown_comparison(result))
     print_report(result, console)
     if plots:
         for png in plot_mod.write_plots(result, out):

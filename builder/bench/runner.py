@@ -93,38 +93,48 @@ def _run_one(target: Target, inputs: ModelInputs, workload: Workload, plan: Leve
 
 
 def run_bench(targets: list[Target], workload: Workload, settings: BenchSettings,
-              tokenizer: Any | None = None, progress: ProgressFactory | None = None
-              ) -> dict[str, Any]:
-    """Measure every level on every target; returns the `results.json` document."""
+              tokenizer: Any | None = None, progress: ProgressFactory | None = None,
+              on_level: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure every level on every target; returns the `results.json` document.
+
+    `on_level` gets the document so far after every level (to save partial results: an
+    interrupted run still leaves the levels it finished)."""
     if not 1 <= len(targets) <= 2:
         raise ValueError(f"bench compares one or two servers, got {len(targets)}")
     inputs = {t.label: fetch_model_inputs(t.url, t.model, t.protocol) for t in targets}
     for target in targets:
-        _missing = [n for n in ("text_input", "max_tokens") if not inputs[target.label].accepts(n)]
-        if _missing:
-            raise ValueError(f"{target.label}: model {target.model!r} has no input {_missing[0]}")
+        missing = [n for n in ("text_input", "max_tokens") if not inputs[target.label].accepts(n)]
+        if missing:
+            raise ValueError(f"{target.label}: model {target.model!r} has no input {missing[0]}")
         _warmup(target, inputs[target.label], workload, settings)
-    levels: dict[str, list[dict]] = {t.label: [] for t in targets}
+    result = _document(targets, inputs, workload, settings)
+    levels = {t["label"]: t["levels"] for t in result["targets"]}
     for n, concurrency in enumerate(settings.concurrencies):
         order = targets if n % 2 == 0 else list(reversed(targets))
         for target in order:
             levels[target.label].append(_run_one(target, inputs[target.label], workload,
                                                  settings.plan(concurrency), settings,
                                                  tokenizer, progress))
-    result = {
+            if len(targets) == 2:
+                result["comparison"] = compare_levels(levels[targets[0].label],
+                                                      levels[targets[1].label])
+            if on_level is not None:
+                on_level(result)
+    return result
+
+
+def _document(targets: list[Target], inputs: dict[str, ModelInputs], workload: Workload,
+              settings: BenchSettings) -> dict[str, Any]:
+    return {
         "tool": "forge bench",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "python": platform.python_version(),
                  "cpus": os.cpu_count()},
         "workload": workload.describe(),
         "settings": {**asdict(settings), "concurrencies": list(settings.concurrencies)},
-        "targets": [{**asdict(t),
-                     "fixed_output_honoured": inputs[t.label].accepts("min_tokens"),
-                     "levels": levels[t.label]} for t in targets],
+        "targets": [{**asdict(t), "fixed_output_honoured": inputs[t.label].accepts("min_tokens"),
+                     "levels": []} for t in targets],
     }
-    if len(targets) == 2:
-        result["comparison"] = compare_levels(levels[targets[0].label], levels[targets[1].label])
-    return result
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -134,7 +144,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def compare_levels(a_levels: list[dict], b_levels: list[dict]) -> list[dict[str, Any]]:
     """Per concurrency: A/B ratios (throughput > 1 means A is faster; TTFT < 1 means A is faster)."""
     rows = []
-    for a, b in zip(a_levels, b_levels):
+    for a, b in zip(a_levels, b_levels):  # zip: a partial run may have one level more on A
         rows.append({
             "concurrency": a["concurrency"],
             "output_tokens_per_s_ratio": _ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
