@@ -55,7 +55,7 @@ def check_command(engine_dir, data, reference, overrides) -> None:
             key, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"--threshold {item!r}: expected KEY=VALUE")
-            section[key] = yaml.safe_load(value)
+            section[key] = None if value.lower() == "none" else yaml.safe_load(value)
         if data:
             section["dataset"] = data
         thresholds = QualityThresholds.from_spec(section)

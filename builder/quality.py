@@ -48,6 +48,17 @@ class QualityThresholds:
     greedy_tokens: int = 16
     enabled: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("max_perplexity_increase_pct", "min_top1_agreement", "min_logit_cosine",
+                     "min_greedy_agreement"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"quantization.quality.{name}: a number or null, got {value!r}")
+        for name in ("windows", "seq_len", "prompts", "prompt_len", "greedy_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"quantization.quality.{name}: an integer >= 1, got {value!r}")
+
     @classmethod
     def from_spec(cls, section: dict | None) -> "QualityThresholds":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -128,8 +139,9 @@ def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresho
 
 
 def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: QualityThresholds,
-             progress: Progress | None = None) -> QualityReport:
-    """Measure (never raise on a threshold): the report carries the failures."""
+             progress: Progress | None = None, reference=None) -> QualityReport:
+    """Measure (never raise on a threshold): the report carries the failures. `reference` may be
+    a `ReferenceModel` of `reference_hf_dir` to reuse across engines."""
     from transformers import AutoTokenizer
 
     from builder.quality_eval import EngineModel, ReferenceModel
@@ -139,7 +151,8 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     tokenizer = AutoTokenizer.from_pretrained(str(Path(engine_dir) / TOKENIZER_DIR))
     windows = evaluation_windows(tokenizer, thresholds, config.limits.max_input_len)
     engine = EngineModel(engine_dir, windows.shape[1] + thresholds.greedy_tokens)
-    metrics = compare(ReferenceModel(reference_hf_dir), engine, windows, thresholds, progress)
+    reference = reference or ReferenceModel(reference_hf_dir)
+    metrics = compare(reference, engine, windows, thresholds, progress)
     report = QualityReport(dataset=thresholds.dataset, reference=str(reference_hf_dir), **metrics)
     report.failures = _check(report, thresholds)
     return report

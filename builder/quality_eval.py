@@ -13,23 +13,33 @@ from triton_backend.engine.config import EngineConfig
 
 
 class ReferenceModel:
-    """The unquantized HF checkpoint in float32 (full recompute; no cache to quantize)."""
+    """The unquantized HF checkpoint in float32. Answers are memoized, so one instance can serve
+    several engines (the benchmark compares every variant against the same reference)."""
 
     def __init__(self, hf_dir: str | Path) -> None:
         from transformers import AutoModelForCausalLM
 
+        self.hf_dir = Path(hf_dir)
         self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+        self._greedy: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     @torch.inference_mode()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([token_ids])).logits[0].float()
+        key = tuple(token_ids)
+        if key not in self._logits:
+            self._logits[key] = self.model(torch.tensor([token_ids])).logits[0].float()
+        return self._logits[key]
 
     @torch.inference_mode()
     def greedy(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        ids = list(token_ids)
-        for _ in range(num_tokens):
-            ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids[len(token_ids):]
+        key = (tuple(token_ids), num_tokens)
+        if key not in self._greedy:
+            out = self.model.generate(torch.tensor([token_ids]), do_sample=False,
+                                      max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                      pad_token_id=self.model.config.eos_token_id)
+            self._greedy[key] = out[0, len(token_ids):].tolist()
+        return self._greedy[key]
 
 
 class EngineModel:

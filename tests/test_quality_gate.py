@@ -1,0 +1,114 @@
+"""The quality gate really gates: a sound quantization passes, a deliberately damaged one makes
+`forge check` exit with code 3 naming the metric and its threshold; quality.json records both."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is the `quant` extra")
+
+import tiny  # noqa: E402
+from builder.cli import main  # noqa: E402
+from builder.quality import QualityThresholds, compare  # noqa: E402
+from builder.quantize import CalibrationOptions, QuantizeOptions, quantize_engine  # noqa: E402
+
+THRESHOLDS = ["max_perplexity_increase_pct=10", "min_logit_cosine=0.8", "min_top1_agreement=none",
+              "windows=4", "seq_len=64", "prompts=2", "greedy_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(sound int4_rtn engine, the same with every weight scale inflated 4x, source checkpoint)."""
+    tmp = tmp_path_factory.mktemp("gate")
+    good = tiny.build_engine(tmp, "llama_gqa", dtype="bfloat16")
+    hf_dir = tmp / "hf-llama_gqa"
+    options = QuantizeOptions(weights="int4_rtn", group_size=32,
+                              calibration=CalibrationOptions(samples=4, seq_len=32))
+    quantize_engine(good, hf_dir, options)
+    bad = tmp / "damaged"
+    shutil.copytree(good, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    for key in [k for k in state if k.endswith("weights_scaling_factor")]:
+        state[key] = state[key] * 4.0
+    save_file(state, str(bad / "model.safetensors"))
+    return good, bad, hf_dir
+
+
+def _check(engine_dir, hf_dir):
+    args = ["check", "--engine", str(engine_dir), "--reference", str(hf_dir)]
+    for item in THRESHOLDS:
+        args += ["--threshold", item]
+    return CliRunner().invoke(main, args)
+
+
+def test_sound_quantization_passes_and_records_quality_json(engines):
+    good, _, hf_dir = engines
+    result = _check(good, hf_dir)
+    assert result.exit_code == 0, result.output
+    assert "perplexity_increase_pct" in result.output and "quality gate: passed" in result.output
+    quality = json.loads((good / "quality.json").read_text())
+    assert quality["passed"] is True and quality["failures"] == []
+    assert quality["thresholds"]["max_perplexity_increase_pct"] == 10
+    assert quality["dataset"] == "builtin:heldout"
+
+
+def test_damaged_quantization_fails_with_exit_code_3_naming_the_metric(engines):
+    _, bad, hf_dir = engines
+    result = _check(bad, hf_dir)
+    assert result.exit_code == 3, result.output
+    assert "quality gate failed" in result.output
+    # A random-weight model's perplexity says little (it is near the vocabulary size either way);
+    # the logits' direction is what the damage destroys.
+    assert "logit_cosine" in result.output and ">= 0.8" in result.output
+    quality = json.loads((bad / "quality.json").read_text())
+    assert quality["passed"] is False
+    assert any(f.startswith("logit_cosine") for f in quality["failures"])
+
+
+def test_check_uses_the_users_data(engines, tmp_path):
+    good, _, hf_dir = engines
+    data = tmp_path / "mine.jsonl"
+    data.write_text("\n".join(json.dumps({"text": tiny.CORPUS}) for _ in range(2)))
+    result = CliRunner().invoke(main, ["check", "--engine", str(good), "--reference", str(hf_dir),
+                                       "--data", str(data), "--threshold", "windows=2",
+                                       "--threshold", "seq_len=32"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((good / "quality.json").read_text())["dataset"] == str(data)
+
+
+class _Fixed:
+    """A model that returns given logits and a given greedy continuation."""
+
+    def __init__(self, logits: torch.Tensor, greedy: list[int]) -> None:
+        self._logits, self._greedy = logits, greedy
+
+    def logits(self, ids):
+        return self._logits[:len(ids)]
+
+    def greedy(self, ids, n):
+        return self._greedy[:n]
+
+
+def test_metrics_on_known_logits():
+    torch.manual_seed(0)
+    ref = torch.randn(8, 16)
+    windows = torch.randint(0, 16, (1, 8))
+    same = compare(_Fixed(ref, [1, 2, 3, 4]), _Fixed(ref.clone(), [1, 2, 3, 4]), windows,
+                   QualityThresholds(prompts=1, greedy_tokens=4), lambda m: None)
+    assert same["perplexity_increase_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert same["top1_agreement"] == 1.0 and same["logit_cosine"] == pytest.approx(1.0)
+    assert same["greedy_agreement"] == 1.0
+    diverged = compare(_Fixed(ref, [1, 2, 3, 4]), _Fixed(-ref, [1, 2, 9, 4]), windows,
+                       QualityThresholds(prompts=1, greedy_tokens=4), lambda m: None)
+    assert diverged["top1_agreement"] == 0.0 and diverged["logit_cosine"] == pytest.approx(-1.0)
+    assert diverged["greedy_agreement"] == 0.5  # departs at the third of four tokens
+
+
+def test_unknown_quality_key_is_named():
+    with pytest.raises(ValueError, match=r"quantization\.quality\.max_ppl: unknown key"):
+        QualityThresholds.from_spec({"max_ppl": 3})
