@@ -1,6 +1,7 @@
 """`forge bench`: measure a running Triton server (or two, side by side) with a workload."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,8 +78,11 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
               help="Engine dir (or tokenizer dir) to fit and count tokens exactly.")
 @click.option("--compare", nargs=2, default=None, metavar="A_URL B_URL",
               help="Measure two servers on the same requests, alternating; prints A/B ratios.")
-@click.option("--baseline", default=None, metavar="URL",
-              help="Naive-baseline server to compare --url against (labels engine, naive).")
+@click.option("--baseline", default=None, metavar="URL|naive",
+              help="Baseline server to compare --url against (labels engine, naive); `naive` "
+                   "builds and serves the naive baseline of --engine's checkpoint for the run.")
+@click.option("--engine", "engine_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The engine served at --url: its tokenizer, and the model of --baseline naive.")
 @click.option("--baseline-model", default=None, help="Model name on the baseline (default --model).")
 @click.option("--labels", default=None, help="Names of the servers in the report, e.g. ours,naive.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed requests per server.")
@@ -89,43 +93,63 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
               show_default=True)
 @click.option("--plots/--no-plots", default=True, show_default=True)
 def bench_command(url, model, protocol, workload, scale, seed, concurrency, requests_, duration,
-                  rate, stream, fixed_output, tokenizer, compare, baseline, baseline_model, labels,
-                  warmup, timeout, keep_text, out_dir, plots) -> None:
+                  rate, stream, fixed_output, tokenizer, compare, baseline, engine_dir,
+                  baseline_model, labels, warmup, timeout, keep_text, out_dir, plots) -> None:
     """Drive a running server with WORKLOAD at each concurrency; print a table, write
     results.json (every request's timings) and PNG plots into --out."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from builder.bench import plots as plot_mod
-    from builder.bench.report import markdown_comparison, print_report, write_results
-    from builder.bench.runner import BenchSettings, run_bench
+    from builder.bench.runner import BenchSettings
     from builder.bench.workloads import build_workload, load_tokenizer
 
     if requests_ is not None and duration is not None:
         raise _BadInput("give --requests or --duration, not both")
+    if baseline == "naive" and not engine_dir:
+        raise _BadInput("--baseline naive needs --engine DIR (the engine served at --url)")
     levels = _concurrencies(concurrency)
     settings = BenchSettings(levels, requests_ or (None if duration else "4x"), duration, rate,
                              warmup, timeout, fixed_output, seed, keep_text)
-    targets = _targets(url, model, protocol, compare, baseline, labels, baseline_model)
+    _targets(url, model, protocol, compare, baseline, labels, baseline_model)  # validate early
     console = Console()
     try:
         counts = [settings.num_requests(c) for c in levels]
         num_items = max(counts) if duration is None else 256
+        tokenizer = tokenizer or engine_dir
         tok = load_tokenizer(tokenizer) if tokenizer else None
         wl = build_workload(workload, num_items, seed, scale, tok, stream)
     except ValueError as exc:
         raise _BadInput(str(exc))
+    with contextlib.ExitStack() as stack:
+        if baseline == "naive":
+            from builder.bench.baseline import serve_naive_baseline
+
+            try:
+                server = stack.enter_context(serve_naive_baseline(engine_dir, console.print))
+            except ValueError as exc:
+                raise _BadInput(str(exc))
+            baseline = server.grpc_url if protocol == "grpc" else server.http_url
+        targets = _targets(url, model, protocol, compare, baseline, labels, baseline_model)
+        _run_and_report(console, targets, wl, settings, tok, Path(out_dir), plots)
+
+
+def _run_and_report(console: Any, targets: list, wl: Any, settings: Any, tok: Any, out: Path,
+                    plots: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from builder.bench import plots as plot_mod
+    from builder.bench.report import markdown_comparison, print_report, write_results
+    from builder.bench.runner import run_bench
+
     console.print(f"[bold]forge bench[/] {wl.name}: {len(wl.items)} distinct requests, "
-                  f"levels {list(levels)} on {', '.join(t.label + '=' + t.url for t in targets)}")
+                  f"levels {list(settings.concurrencies)} on {', '.join(t.label + '=' + t.url for t in targets)}")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         try:
             result = run_bench(targets, wl, settings, tok, _progress_factory(progress),
-                               on_level=lambda partial: write_results(partial, Path(out_dir)))
+                               on_level=lambda partial: write_results(partial, out))
         except ValueError as exc:
             raise _BadInput(str(exc))
-    out = Path(out_dir)
     path = write_results(result, out)
     if "comparison" in result:
         (out / "summary.md").write_text(markdown_comparison(result))

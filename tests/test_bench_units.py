@@ -221,3 +221,8 @@ def test_cli_bad_input_exits_2(args, message):
     result = CliRunner().invoke(bench_command, args)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_cli_baseline_naive_needs_an_engine():
+    result = CliRunner().invoke(bench_command, ["--baseline", "naive"])
+    assert result.exit_code == 2 and "--engine" in result.output
