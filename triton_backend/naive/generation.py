@@ -24,9 +24,10 @@ def generation_config(request: Request, eos_ids: list[int], pad_id: int | None) 
         max_new_tokens=request.max_tokens,
         min_new_tokens=s.min_tokens if s.min_tokens and eos_ids else None,
         do_sample=sample,
-        temperature=s.temperature if sample else 1.0,
-        top_k=s.top_k if sample else 0,
-        top_p=s.top_p if sample else 1.0,
+        # Greedy leaves the sampling knobs unset: transformers warns about any it would ignore.
+        temperature=s.temperature if sample else None,
+        top_k=s.top_k if sample else None,
+        top_p=s.top_p if sample else None,
         repetition_penalty=s.repetition_penalty,
         bad_words_ids=[list(w) for w in request.bad_token_sequences] or None,
         eos_token_id=list(eos_ids) or None,
