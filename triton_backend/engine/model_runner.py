@@ -65,41 +65,47 @@ class ModelRunner:
         return RunnerOutput({c.seq_id: p for c, p in zip(sampling_chunks, picks)}, all_logits)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
-        ids, positions, slots, sample_rows = [], [], [], []
-        prefills, decode_index, decode_slots = [], [], []
+        ids, positions, new_slots, sample_rows = [], [], [], []
+        prefills, decodes = [], []
         for chunk in chunks:
             start, q_len = chunk.num_computed_tokens, len(chunk.new_token_ids)
             q_start = len(ids)
             ids.extend(chunk.new_token_ids)
             positions.extend(range(start, start + q_len))
-            key_slots = [self._slot(chunk.block_table, p) for p in range(start + q_len)]
-            slots.extend(key_slots[start:])
+            new_slots.append(self._slots(chunk.block_table, start, start + q_len))
             if q_len == 1 and start > 0:
-                decode_index.append(q_start)
-                decode_slots.append(key_slots)
+                decodes.append((q_start, chunk))
             else:
-                cached = torch.tensor(key_slots, device=self.device) if start > 0 else None
+                cached = self._slots(chunk.block_table, 0, start + q_len) if start > 0 else None
                 prefills.append(PrefillChunk(q_start, q_start + q_len, start, cached))
             if chunk.needs_sample:
                 sample_rows.append(len(ids) - 1)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device),
+        meta = AttentionMetadata(slot_mapping=torch.cat(new_slots).to(self.device),
                                  prefills=prefills)
-        if decode_index:
-            self._add_decodes(meta, decode_index, decode_slots)
+        if decodes:
+            self._add_decodes(meta, decodes)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), meta, sample_rows
 
-    def _add_decodes(self, meta: AttentionMetadata, index: list[int], slots: list[list[int]]) -> None:
-        max_k = max(len(s) for s in slots)
-        padded = torch.zeros(len(slots), max_k, dtype=torch.long)
-        mask = torch.zeros(len(slots), 1, 1, max_k, dtype=torch.bool)
-        for i, row in enumerate(slots):
-            padded[i, :len(row)] = torch.tensor(row)
-            mask[i, ..., :len(row)] = True
-        meta.decode_token_index = torch.tensor(index, device=self.device)
-        meta.decode_key_slots = padded.to(self.device)
-        meta.decode_key_mask = mask.to(self.device)
+    def _slots(self, block_table: list[int], begin: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [begin, end) of a sequence with `block_table`."""
+        positions = torch.arange(begin, end)
+        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.tokens_per_block]
+        return (blocks * self.tokens_per_block + positions % self.tokens_per_block).to(self.device)
 
-    def _slot(self, block_table: list[int], position: int) -> int:
-        block = block_table[position // self.tokens_per_block]
-        return block * self.tokens_per_block + position % self.tokens_per_block
+    def _add_decodes(self, meta: AttentionMetadata, decodes: list[tuple[int, ScheduledChunk]]) -> None:
+        """Padded key slots [n, max_k] and a mask of the real keys for all decodes at once."""
+        tpb = self.tokens_per_block
+        key_lens = torch.tensor([c.num_computed_tokens + 1 for _, c in decodes])
+        max_k = int(key_lens.max())
+        max_blocks = -(-max_k // tpb)
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for i, (_, chunk) in enumerate(decodes):
+            table = chunk.block_table[:max_blocks]
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        positions = torch.arange(max_k)
+        slots = tables[:, positions // tpb] * tpb + positions % tpb
+        mask = (positions.unsqueeze(0) < key_lens.unsqueeze(1))[:, None, None, :]
+        meta.decode_token_index = torch.tensor([q for q, _ in decodes], device=self.device)
+        meta.decode_key_slots = slots.to(self.device)
+        meta.decode_key_mask = mask.to(self.device)
