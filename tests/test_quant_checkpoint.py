@@ -4,6 +4,7 @@ loading the result."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -195,3 +196,20 @@ def test_jsonl_calibration_data(tmp_path):
     path.write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match=r"data.jsonl:1: expected a JSON object with a 'text' field"):
         calibration.load_texts(str(path))
+
+
+def test_fp8_kv_cache_doubles_the_tokens_in_one_budget(awq, tmp_path):
+    """The block manager's own count, for the same memory budget, bf16 cache vs fp8 cache."""
+    from triton_backend.engine.llm_engine import LLMEngine
+
+    engine_dir = awq[0]
+    budget = 1 << 20
+    quantized = LLMEngine(engine_dir, kv_cache_memory_bytes=budget).block_manager.num_blocks
+    unquantized_dir = tmp_path / "bf16-kv"
+    shutil.copytree(engine_dir, unquantized_dir)
+    config = EngineConfig.load(unquantized_dir)
+    config.kv_cache.dtype = "auto"
+    config.save(unquantized_dir)
+    baseline = LLMEngine(unquantized_dir, kv_cache_memory_bytes=budget).block_manager.num_blocks
+    assert quantized >= 1.9 * baseline
+
