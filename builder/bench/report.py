@@ -78,6 +78,12 @@ def write_results(result: dict[str, Any], out_dir: Path) -> Path:
 def markdown_comparison(result: dict[str, Any]) -> str:
     """The comparison as a Markdown table (for notes and docs)."""
     a, b = result["targets"]
+    wl, settings = result["workload"], result["settings"]
+    header = (f"Workload `{wl['name']}` (seed {wl['seed']}, scale {wl['scale']}; input tokens "
+              f"{wl['input_tokens']}, max_tokens {wl['max_tokens']}), fixed output length "
+              f"{settings['fixed_output']}, requests per level {settings.get('requests')}, "
+              f"measured {result.get('created', '?')}. Ratio = {a['label']}/{b['label']} "
+              "output tokens/s.\n\n")
     lines = [f"| concurrency | {a['label']} out tok/s | {b['label']} out tok/s | ratio | "
              f"{a['label']} TTFT p99 ms | {b['label']} TTFT p99 ms |", "|---:|---:|---:|---:|---:|---:|"]
     for row, la, lb in zip(result["comparison"], a["levels"], b["levels"]):
@@ -85,4 +91,4 @@ def markdown_comparison(result: dict[str, Any]) -> str:
                      f"{_num(lb['output_tokens_per_s'])} | "
                      f"{_num(row['output_tokens_per_s_ratio'], '{:.2f}x')} | "
                      f"{_ms(la['ttft_s']['p99'])} | {_ms(lb['ttft_s']['p99'])} |")
-    return "\n".join(lines) + "\n"
+    return header + "\n".join(lines) + "\n"
