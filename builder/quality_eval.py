@@ -35,10 +35,15 @@ class ReferenceModel:
     def greedy(self, token_ids: list[int], num_tokens: int) -> list[int]:
         key = (tuple(token_ids), num_tokens)
         if key not in self._greedy:
-            out = self.model.generate(torch.tensor([token_ids]), do_sample=False,
-                                      max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                                      pad_token_id=self.model.config.eos_token_id)
-            self._greedy[key] = out[0, len(token_ids):].tolist()
+            # A plain loop: `generate(min_new_tokens=...)` would mask EOS, which the engine (with
+            # ignore_eos) may still pick.
+            out = self.model(torch.tensor([token_ids]), use_cache=True)
+            tokens = [int(out.logits[0, -1].argmax())]
+            for _ in range(num_tokens - 1):
+                out = self.model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                                 use_cache=True)
+                tokens.append(int(out.logits[0, -1].argmax()))
+            self._greedy[key] = tokens
         return self._greedy[key]
 
 
