@@ -176,6 +176,29 @@ def test_group_size_is_checked_before_calibration(tmp_path):
         quantize_checkpoint(hf_dir, tmp_path / "engine", options)
 
 
+def test_exclusion_that_matches_nothing_is_refused(tmp_path):
+    from builder.quantize import quantize_checkpoint
+
+    hf_dir = tiny.make_checkpoint(tmp_path / "hf", "llama_gqa")
+    options = QuantizeOptions(weights="fp8", exclude_modules=["lm_head", "q_proj"])
+    with pytest.raises(ValueError, match=r"exclude_modules: 'q_proj' matches no module"):
+        quantize_checkpoint(hf_dir, tmp_path / "engine", options)
+
+
+def test_excluded_modules_stay_unquantized(tmp_path):
+    from safetensors.torch import load_file
+
+    engine_dir = tiny.build_engine(tmp_path, "llama_gqa", dtype="bfloat16")
+    options = QuantizeOptions(weights="fp8", exclude_modules=["lm_head", "layers.1.mlp.proj"],
+                              calibration=CALIBRATION)
+    quantize_engine(engine_dir, tmp_path / "hf-llama_gqa", options)
+    state = load_file(str(engine_dir / "model.safetensors"))
+    assert state["transformer.layers.1.mlp.proj.weight"].dtype == torch.bfloat16
+    assert state["transformer.layers.0.mlp.proj.weight"].dtype == torch.float8_e4m3fn
+    logits = prefill_logits(engine_dir, list(range(5, 20)))  # the runtime agrees on what is excluded
+    assert torch.isfinite(logits).all()
+
+
 def test_repack_refuses_unshared_prequant_scales():
     fc = {"weight": torch.zeros(2, 4, dtype=torch.int8), "prequant_scaling_factor": torch.ones(4)}
     gate = {"weight": torch.zeros(2, 4, dtype=torch.int8), "prequant_scaling_factor": torch.full((4,), 2.0)}

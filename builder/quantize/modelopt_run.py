@@ -70,6 +70,16 @@ def quantized_linears(model: nn.Module, options: QuantizeOptions) -> dict[str, n
     return found
 
 
+def check_exclusions(model: nn.Module, options: QuantizeOptions) -> None:
+    """Every `exclude_modules` pattern must name something: a typo would quantize silently."""
+    names = {runtime_name(name) for name, _ in model.named_modules()} - {None}
+    for pattern in options.exclude_modules:
+        if not any(pattern in name for name in names):
+            raise ValueError(f"quantization.exclude_modules: {pattern!r} matches no module (names "
+                             f"look like transformer.layers.0.attention.qkv, .attention.dense, "
+                             f".mlp.gate_up, .mlp.proj, lm_head)")
+
+
 def check_group_size(model: nn.Module, options: QuantizeOptions) -> None:
     """Before any calibration: every INT4 linear's input size must divide by the group size."""
     if options.weights not in ("int4_awq", "int4_rtn"):

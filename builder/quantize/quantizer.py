@@ -77,6 +77,7 @@ def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: Qua
     progress = progress or (lambda message: None)
     hf_dir, engine_dir = Path(hf_dir), Path(engine_dir)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    modelopt_run.check_exclusions(model, options)
     modelopt_run.check_group_size(model, options)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     cal = options.calibration
