@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-WEIGHT_MODES = ("none", "int4_awq", "int4_rtn", "fp8")
-KV_CACHE_MODES = ("none", "fp8", "int8")
+from triton_backend.engine.quant import KV_CACHE_MODES, WEIGHT_MODES  # one list for both halves
+
 CALIBRATION_KEYS = ("dataset", "samples", "seq_len", "batch_size")
 
 

@@ -1,0 +1,38 @@
+"""The spec's `quantization` section -> QuantizeOptions: defaults and errors naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from builder.quantize import QuantizeOptions
+
+
+def test_defaults_from_an_empty_section():
+    options = QuantizeOptions.from_spec({})
+    assert (options.weights, options.kv_cache, options.group_size) == ("none", "none", 128)
+    assert options.exclude_modules == ["lm_head"] and not options.enabled
+    assert options.calibration.dataset == "builtin"
+
+
+def test_from_a_spec_dataclass_like_section():
+    class Section:  # what builder.spec.QuantizationSpec carries
+        weights, kv_cache, group_size = "int4_awq", "fp8", 64
+        exclude_modules = ["lm_head"]
+        calibration = {"dataset": "data.jsonl", "samples": 8}
+        quality = {}
+
+    options = QuantizeOptions.from_spec(Section())
+    assert (options.weights, options.kv_cache, options.group_size) == ("int4_awq", "fp8", 64)
+    assert (options.calibration.dataset, options.calibration.samples) == ("data.jsonl", 8)
+    assert options.enabled
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"weights": "int3"}, r"quantization\.weights: must be one of"),
+    ({"kv_cache": "fp16"}, r"quantization\.kv_cache: must be one of"),
+    ({"group_size": 0}, r"quantization\.group_size: must be an integer >= 1"),
+    ({"calibration": {"samples": 0}}, r"quantization\.calibration\.samples: must be an integer"),
+    ({"calibration": {"size": 3}}, r"quantization\.calibration\.size: unknown key"),
+])
+def test_errors_name_the_field(section, message):
+    with pytest.raises(ValueError, match=message):
+        QuantizeOptions.from_spec(section)
