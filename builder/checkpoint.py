@@ -45,7 +45,7 @@ def find_packaged_gguf(package: str) -> Path:
     return Path(dist.locate_file(ggufs[0])).resolve()
 
 
-def _file_digest(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -55,7 +55,7 @@ def _file_digest(path: Path) -> str:
 
 def convert_gguf(gguf_path: Path, log: Callable[[str], None] = print) -> Path:
     """Dequantize a GGUF into a normal HF checkpoint under the cache, once per file content."""
-    target = cache_root() / "checkpoints" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:12]}"
+    target = cache_root() / "checkpoints" / f"{gguf_path.stem}-{sha256_file(gguf_path)[:12]}"
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
         log(f"using cached HF checkpoint {target}")
         return target

@@ -1,23 +1,15 @@
 """`manifest.json`: what an engine was built from and with, so a build can be traced and reproduced."""
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import platform
 import time
 from pathlib import Path
 
+from builder.checkpoint import sha256_file
 from builder.spec import BuildSpec
 from triton_backend.engine.config import MANIFEST_FILE
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _version(package: str) -> str | None:
@@ -31,9 +23,9 @@ def write_manifest(engine_dir: Path, spec: BuildSpec, hf_dir: Path, extra: dict 
     checkpoint_files = sorted(p for p in hf_dir.iterdir() if p.is_file())
     manifest = {
         "spec": {"path": spec.source.name if spec.source else None,
-                 "sha256": _sha256(spec.source) if spec.source else None,
+                 "sha256": sha256_file(spec.source) if spec.source else None,
                  "checkpoint": spec.checkpoint},
-        "checkpoint_files": {p.name: _sha256(p) for p in checkpoint_files},
+        "checkpoint_files": {p.name: sha256_file(p) for p in checkpoint_files},
         "versions": {name: _version(name) for name in
                      ("llm-forge", "torch", "transformers", "tokenizers", "safetensors", "gguf",
                       "nvidia-modelopt", "tensorrt_llm")},

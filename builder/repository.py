@@ -20,6 +20,12 @@ from triton_backend.engine.sampling_params import SamplingParams
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates"
 MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
+# The Python models share one shim template (`1/model.py`): model -> (module, class) it loads.
+PYTHON_MODELS = {"preprocessing": ("preprocessing", "PreprocessingModel"),
+                 "tensorrt_llm": ("tensorrt_llm", "TensorrtLlmModel"),
+                 "postprocessing": ("postprocessing", "PostprocessingModel"),
+                 "tensorrt_llm_bls": ("tensorrt_llm_bls", "BlsModel")}
+SHIM_TEMPLATE = "python_model.py.tmpl"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # holds the triton_backend package
 
 
@@ -167,6 +173,12 @@ def emit_repository(engine_dir: Path, output_dir: Path,
             # Each template takes the values it names; render() fails on any other placeholder.
             wanted = {k: v for k, v in values.items() if "${" + k + "}" in text}
             rendered[relative] = render(text, wanted, source=str(relative))
+        if model in PYTHON_MODELS:
+            module, class_name = PYTHON_MODELS[model]
+            rendered[Path(model) / "1" / "model.py"] = render(
+                (TEMPLATES_DIR / SHIM_TEMPLATE).read_text(),
+                {"model_name": model, "module": module, "class_name": class_name},
+                source=SHIM_TEMPLATE)
     for model in MODELS:
         shutil.rmtree(output_dir / model, ignore_errors=True)
     for model in MODELS:  # every model needs its version directory, the ensemble's stays empty
