@@ -10,8 +10,17 @@ def _series(target: dict[str, Any], key: str, stat: str | None = None) -> list[f
     return values
 
 
+def _log_scale_if_wide(ax: Any, label: str) -> None:
+    """Servers can differ by orders of magnitude; a linear axis would flatten the faster one."""
+    values = [y for line in ax.get_lines() for y in line.get_ydata() if y == y and y > 0]
+    if values and max(values) / min(values) > 20:
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+
+
 def _finish(fig: Any, ax: Any, title: str, path: Path) -> None:
-    ax.set_ylim(bottom=0)  # ratios between servers read honestly only from a zero baseline
+    if ax.get_yscale() == "linear":
+        ax.set_ylim(bottom=0)  # ratios between servers read honestly only from a zero baseline
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -54,6 +63,7 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
                         fontsize=8, color=line.get_color())
     ax.set_xlabel("output throughput (tokens/s)")
     ax.set_ylabel("TTFT p99 (ms)")
+    _log_scale_if_wide(ax, "TTFT p99 (ms, log scale)")
     paths.append(out_dir / "ttft_p99_vs_throughput.png")
     _finish(fig, ax, f"TTFT p99 vs throughput ({workload}; lower right is better)", paths[-1])
     plt.close(fig)
@@ -61,14 +71,17 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for target in result["targets"]:
         conc = _series(target, "concurrency")
+        color = None  # one colour per server: p50 solid, p99 dashed
         for stat, style in (("p50", "-"), ("p99", "--")):
             itl = [None if v is None else v * 1000 for v in _series(target, "itl_s", stat)]
-            ax.plot(conc, [float("nan") if v is None else v for v in itl], style, marker="o",
-                    label=f"{target['label']} {stat}")
+            line, = ax.plot(conc, [float("nan") if v is None else v for v in itl], style,
+                            marker="o", color=color, label=f"{target['label']} {stat}")
+            color = line.get_color()
     ax.set_xscale("log", base=2)
     ax.set_xticks(result["settings"]["concurrencies"], [str(c) for c in result["settings"]["concurrencies"]])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("inter-token latency (ms)")
+    _log_scale_if_wide(ax, "inter-token latency (ms, log scale)")
     paths.append(out_dir / "itl_vs_concurrency.png")
     _finish(fig, ax, f"Inter-token latency vs concurrency ({workload})", paths[-1])
     plt.close(fig)
