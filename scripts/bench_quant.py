@@ -106,6 +106,27 @@ def decode_tokens_per_second(engine_dir: Path, concurrency: int, prompt: list[in
     return generated / seconds if seconds > 0 else float("nan")
 
 
+def greedy_agreement_between(engine_a: Path, engine_b: Path, thresholds: QualityThresholds) -> float:
+    """Greedy agreement (matched prefix share) of two engines on the held-out prompts: how far a
+    quantized KV cache lets decoding follow the 16-bit cache of the same weights."""
+    from transformers import AutoTokenizer
+
+    from builder.quality import evaluation_windows
+    from builder.quality_eval import EngineModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(engine_a / "tokenizer"))
+    windows = evaluation_windows(tokenizer, thresholds, thresholds.seq_len)[:thresholds.prompts]
+    budget = thresholds.prompt_len + thresholds.greedy_tokens
+    a, b = EngineModel(engine_a, budget), EngineModel(engine_b, budget)
+    shares = []
+    for window in windows.tolist():
+        prompt = window[:thresholds.prompt_len]
+        ours, theirs = a.greedy(prompt, thresholds.greedy_tokens), b.greedy(prompt, thresholds.greedy_tokens)
+        same = next((j for j, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(theirs))
+        shares.append(same / len(theirs))
+    return sum(shares) / len(shares)
+
+
 def measure(name: str, engine_dir: Path, reference, facts: dict, args) -> dict:
     row = {"variant": name, **facts}
     row["engine_bytes"] = (engine_dir / WEIGHTS_FILE).stat().st_size
@@ -120,6 +141,11 @@ def measure(name: str, engine_dir: Path, reference, facts: dict, args) -> dict:
                perplexity_increase_pct=report.perplexity_increase_pct,
                top1_agreement=report.top1_agreement, logit_cosine=report.logit_cosine,
                greedy_agreement=report.greedy_agreement)
+    base = name.split("+")[0]  # the same weights with a 16-bit KV cache, if built in this run
+    base_dir = engine_dir.parent / base
+    if "+kv_" in name and (base_dir / WEIGHTS_FILE).is_file():
+        row["greedy_agreement_vs_16bit_kv"] = greedy_agreement_between(engine_dir, base_dir,
+                                                                       thresholds)
     prompt = list(range(100, 100 + args.prompt_len))
     for concurrency in args.concurrency:
         row[f"decode_tok_s_c{concurrency}"] = decode_tokens_per_second(
@@ -189,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"checkpoint": args.checkpoint, "args": vars(args),
                                                "torch": torch.__version__, "rows": rows}, indent=2))
     print(format_table(rows, args.concurrency))
+    for r in rows:
+        if "greedy_agreement_vs_16bit_kv" in r:
+            print(f"{r['variant']}: greedy agreement with the 16-bit KV cache of the same weights "
+                  f"{r['greedy_agreement_vs_16bit_kv']:.2f}")
     print(f"\nKV tokens: in a {args.kv_budget_mib} MiB budget. Results: {args.json}")
     return 0
 
