@@ -30,8 +30,10 @@ def _finish(fig: Any, ax: Any, title: str, path: Path) -> None:
 
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write the plots into `out_dir`; returns their paths. Uses the non-interactive Agg backend."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("plots need matplotlib: pip install matplotlib (or use --no-plots)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
