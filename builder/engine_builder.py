@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from builder import convert
 from builder.checkpoint import resolve_checkpoint
 from builder.manifest import write_manifest
-from builder.spec import BuildSpec
+from builder.spec import BuildSpec, default_limits
 from triton_backend.engine.config import (TOKENIZER_DIR, WEIGHTS_FILE, EngineConfig, QuantConfig,
                                           TokenizerInfo)
 from triton_backend.engine.weights import TORCH_DTYPES
@@ -50,7 +50,8 @@ def engine_config_for(spec: BuildSpec, hf_dir: Path, hf_config: dict) -> EngineC
                         group_size=spec.quantization.group_size,
                         exclude_modules=list(spec.quantization.exclude_modules))
     return EngineConfig(name=spec.name, target=spec.target, dtype=spec.dtype, model=shape,
-                        limits=spec.limits, kv_cache=spec.kv_cache, quantization=quant,
+                        limits=spec.limits or default_limits(shape.max_position_embeddings),
+                        kv_cache=spec.kv_cache, quantization=quant,
                         tokenizer=tokenizer, hardware=spec.hardware)
 
 
@@ -75,15 +76,31 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
                  repository_dir: Path | None = None) -> Path:
     """Build `spec` into its engine directory and (unless told not to) its Triton repository at
     `repository_dir` (default model_repository/<name>); returns the engine directory."""
-    steps = BuildSteps(total=5 if emit_repository else 4, console=console)
-    engine_dir = spec.output_dir
+    steps_for_target = {"torch": 4, "naive": 2}
+    steps = BuildSteps(total=steps_for_target[spec.target] + emit_repository, console=console)
     with steps.step(f"checkpoint {spec.checkpoint}") as log:
         hf_dir = resolve_checkpoint(spec.checkpoint, log)
-        hf_config = convert.read_hf_config(hf_dir)
-        config = engine_config_for(spec, hf_dir, hf_config)
+        config = engine_config_for(spec, hf_dir, convert.read_hf_config(hf_dir))
         m = config.model
         log(f"{m.architecture}: {m.num_hidden_layers} layers, hidden {m.hidden_size}, "
             f"heads {m.num_attention_heads}/{m.num_key_value_heads} (q/kv), vocab {m.vocab_size}")
+    if spec.target == "naive":
+        from builder.naive import build_naive_engine
+
+        with steps.step("naive engine: the checkpoint as is, for transformers generate") as log:
+            engine_dir = build_naive_engine(spec, hf_dir, spec.output_dir, log)
+    else:
+        engine_dir = _build_torch_engine(spec, config, hf_dir, steps)
+    if emit_repository:
+        with steps.step("Triton model repository") as log:
+            target = repository_dir or Path("model_repository") / spec.name
+            log(f"written to {emit_repository_for(spec, engine_dir, target)}")
+    return engine_dir
+
+
+def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
+                        steps: BuildSteps) -> Path:
+    engine_dir = spec.output_dir
     tmp_dir = engine_dir.with_name(engine_dir.name + ".partial")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
@@ -103,10 +120,6 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
     tmp_dir.rename(engine_dir)
     with steps.step("check: prefill logits vs transformers") as log:
         log(check_against_transformers(engine_dir, hf_dir))
-    if emit_repository:
-        with steps.step("Triton model repository") as log:
-            target = repository_dir or Path("model_repository") / spec.name
-            log(f"written to {emit_repository_for(spec, engine_dir, target)}")
     return engine_dir
 
 

@@ -64,7 +64,7 @@ class BuildSpec:
     dtype: str = "bfloat16"
     hardware: str = "cpu"
     output: str | None = None
-    limits: Limits = field(default_factory=Limits)
+    limits: Limits | None = None  # None: derived from the model (see default_limits)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
     repository: dict = field(default_factory=dict)
@@ -86,6 +86,13 @@ class BuildSpec:
     @property
     def output_dir(self) -> Path:
         return Path(self.output) if self.output else Path("engines") / self.name
+
+
+def default_limits(max_position_embeddings: int) -> Limits:
+    """Limits for a spec that sets none: the model's context (up to 4096), half of it for input."""
+    max_seq_len = min(4096, max_position_embeddings)
+    return Limits(max_batch_size=16, max_num_tokens=min(2048, max_seq_len),
+                  max_input_len=max_seq_len // 2, max_seq_len=max_seq_len)
 
 
 _SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": QuantizationSpec}
