@@ -76,8 +76,8 @@ def test_int4_linear_rejects_a_mis_shaped_checkpoint():
         linear.load_state_dict(state)
 
 
-@pytest.mark.parametrize("per_row_scale", [False, True])
-def test_fp8_linear_matches_dequantized_reference(per_row_scale):
+@pytest.mark.parametrize("per_row_scale,use_scaled_mm", [(False, None), (False, True), (True, None)])
+def test_fp8_linear_matches_dequantized_reference(per_row_scale, use_scaled_mm):
     torch.manual_seed(0)
     w = torch.randn(32, 64)
     w_scale = (w.abs().amax(dim=1) if per_row_scale else w.abs().amax().reshape(1)) / 448
@@ -87,7 +87,10 @@ def test_fp8_linear_matches_dequantized_reference(per_row_scale):
     linear = Fp8Linear(64, 32, False, "test")
     linear.load_state_dict({"weight": w8, "weights_scaling_factor": w_scale,
                             "activation_scaling_factor": (x.abs().amax() / 448).reshape(1)})
-    assert linear.kernel == ("dequant" if per_row_scale else linear.kernel)
+    assert linear.kernel == "dequant"  # no native FP8 GEMM on a CPU
+    if use_scaled_mm:  # torch's emulated CPU kernel: same numerics as the GPU path
+        linear.load_quantized(w8, w_scale, (x.abs().amax() / 448).reshape(1), None, use_scaled_mm=True)
+        assert linear.kernel == "scaled_mm"
     ref = x @ (w8.float() * scale).t()
     y = linear(x.to(torch.bfloat16)).float()
     assert (y - ref).abs().max() / ref.abs().max() < 0.08

@@ -6,9 +6,10 @@ repacks once for torch's packed-int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
 elsewhere, or for shapes that kernel refuses, it dequantizes per call (keeping 4-bit residency).
 
 `Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
-per output row [out]), `activation_scaling_factor` [1], optional `bias`. It uses `torch._scaled_mm`
-(static per-tensor activation scale, as TensorRT-LLM's FP8 GEMM) when the device runs it, else
-dequantizes per call.
+per output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor
+cores (compute capability >= 8.9) it uses `torch._scaled_mm` with the static per-tensor activation
+scale, as TensorRT-LLM's FP8 GEMM does; elsewhere it dequantizes the weight per call (a CPU has no
+FP8 arithmetic: torch's CPU `_scaled_mm` is emulated and measured slower than dequantizing).
 
 Both replace their checkpoint tensors by the runtime form when loaded, so a loaded module's
 `state_dict()` is not a checkpoint; nothing in the runtime saves one.
@@ -22,6 +23,11 @@ from torch import nn
 from triton_backend.engine.quant import int4
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def native_fp8_gemm(device: torch.device) -> bool:
+    """True on CUDA GPUs with FP8 tensor cores (Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _take(state_dict: dict, prefix: str, name: str, missing: list[str]) -> torch.Tensor | None:
@@ -157,13 +163,15 @@ class Fp8Linear(nn.Module):
             self.load_quantized(weight, w_scale, a_scale, bias)
 
     def load_quantized(self, weight: torch.Tensor, w_scale: torch.Tensor, a_scale: torch.Tensor,
-                       bias: torch.Tensor | None) -> None:
-        """Take checkpoint tensors; pick `_scaled_mm` if it runs here with a per-tensor scale."""
+                       bias: torch.Tensor | None, use_scaled_mm: bool | None = None) -> None:
+        """Take checkpoint tensors. `use_scaled_mm` None: only where FP8 GEMMs are native."""
         self.weight = weight
         self.bias = bias
         self.weight_scale = w_scale.float().reshape(-1)
         self.activation_scale = a_scale.float().reshape(())
-        self.kernel = "scaled_mm" if self._scaled_mm_runs() else "dequant"
+        if use_scaled_mm is None:
+            use_scaled_mm = native_fp8_gemm(weight.device)
+        self.kernel = "scaled_mm" if use_scaled_mm and self._scaled_mm_runs() else "dequant"
 
     def _scaled_mm_runs(self) -> bool:
         if self.weight_scale.numel() != 1 or not hasattr(torch, "_scaled_mm"):
