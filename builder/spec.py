@@ -18,8 +18,6 @@ from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits
 TARGETS_BUILT = ("torch", "naive")
 TARGETS_PLANNED = ("trtllm",)
 HARDWARE_PROFILES = ("cpu",)
-WEIGHT_QUANT_MODES = ("none",)
-KV_QUANT_MODES = ("none",)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -48,12 +46,17 @@ class QuantizationSpec:
     quality: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHT_QUANT_MODES:
-            raise SpecError(f"quantization.weights: must be one of {list(WEIGHT_QUANT_MODES)}, "
-                            f"got {self.weights!r}")
-        if self.kv_cache not in KV_QUANT_MODES:
-            raise SpecError(f"quantization.kv_cache: must be one of {list(KV_QUANT_MODES)}, "
-                            f"got {self.kv_cache!r}")
+        # The quantizer's and the gate's own validation, so a bad field fails before any work.
+        from builder.quality import QualityThresholds
+        from builder.quantize import QuantizeOptions
+
+        try:
+            QuantizeOptions.from_spec(self)
+            QualityThresholds.from_spec(self.quality)
+        except (TypeError, ValueError) as exc:
+            message = str(exc)
+            raise SpecError(message if message.startswith("quantization")
+                            else f"quantization: {message}") from None
 
 
 @dataclass
@@ -150,12 +153,17 @@ def spec_from_dict(data: dict, source: Path | None = None) -> BuildSpec:
     return BuildSpec(source=source, **kwargs)
 
 
-def load_spec(path: str | Path, overrides: dict | None = None) -> BuildSpec:
-    """Read a YAML spec; `overrides` (from command-line flags) replace top-level keys."""
+def load_spec(path: str | Path, overrides: dict | None = None,
+              quantization_overrides: dict | None = None) -> BuildSpec:
+    """Read a YAML spec; `overrides` (from command-line flags) replace top-level keys and
+    `quantization_overrides` keys of the `quantization` section (None values are ignored)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}") from None
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    quant = {k: v for k, v in (quantization_overrides or {}).items() if v is not None}
+    if quant:
+        data["quantization"] = {**(data.get("quantization") or {}), **quant}
     return spec_from_dict(data, source=path)

@@ -32,7 +32,8 @@ echo "[setup] 4/4 checking the torch build"
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"
-print(f"[setup] torch {torch.__version__}, cuda build: {torch.version.cuda is not None}")
+assert torch.version.cuda is None, "a CUDA build of torch was installed; expected the CPU build"
+print(f"[setup] torch {torch.__version__} (CPU build)")
 PY
 echo "$WANT" > "$STAMP"
 echo "[setup] done"

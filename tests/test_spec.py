@@ -26,6 +26,11 @@ BASE = {"name": "m", "checkpoint": "some/dir"}
     ({"quantization": {"weights": "int2"}}, "quantization.weights: must be one of"),
     ({"quantization": {"kv_cache": "fp4"}}, "quantization.kv_cache: must be one of"),
     ({"quantization": {"mystery": 1}}, "quantization.mystery: unknown key"),
+    ({"quantization": {"weights": "int4_awq", "group_size": 0}},
+     "quantization.group_size: must be an integer >= 1, got 0"),
+    ({"quantization": {"calibration": {"samples": -1}}},
+     "quantization.calibration.samples: must be an integer >= 1"),
+    ({"quantization": {"quality": {"bogus": 1}}}, "quantization.quality.bogus"),
     ({"repository": {"instances": 2}}, "repository: unknown key(s) instances"),
 ])
 def test_bad_specs_name_the_key(patch, message):

@@ -29,7 +29,9 @@ def load_model(engine_dir: str | Path, config: EngineConfig, device: torch.devic
     hook = getattr(model, "prepare_state_dict", None)
     if hook is not None:
         state = hook(state)
-    state = {k: (t.to(dtype) if t.is_floating_point() and t.dtype.itemsize >= 2 else t)
+    # Activations' dtype for weights; quantization scales keep their float32 precision.
+    state = {k: (t.to(dtype) if t.is_floating_point() and t.dtype.itemsize >= 2
+                 and not k.endswith("scaling_factor") else t)
              for k, t in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
