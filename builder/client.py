@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-# The ensemble / BLS inputs and their numpy dtypes (the contract in docs/triton_contract.md).
+# The ensemble / BLS inputs and their numpy dtypes (the contract table in README.md).
 INPUT_DTYPES = {
     "text_input": np.object_, "max_tokens": np.int32, "bad_words": np.object_,
     "stop_words": np.object_, "exclude_input_in_output": np.bool_, "end_id": np.int32,
