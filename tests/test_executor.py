@@ -31,7 +31,7 @@ def executor(tiny_engines):
     (lambda: Request([5], 0), "max_tokens must be an integer >= 1, got 0"),
     (lambda: Request([5], -3), "max_tokens must be an integer >= 1, got -3"),
     (lambda: Request([5] * 100, 200), "exceeds max_seq_len=256; max_tokens may be at most 156"),
-    (lambda: Request([5, 99999], 4), "input_token_ids: token ids must be in [0, "),
+    (lambda: Request([5, 99999], 4), "input_token_ids: token ids must be integers in [0, "),
     (lambda: Request([5], 4, stop_token_sequences=[[]]), "stop_words: each entry"),
     (lambda: Request([5], 4, SamplingParams(top_p=0.0)), "top_p must be > 0.0, got 0.0"),
     (lambda: Request([5], 4, SamplingParams(top_p=1.5)), "top_p must be <= 1.0, got 1.5"),

@@ -7,14 +7,13 @@ with exactly one final response: output, an error, or a cancellation.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
-import time
 from pathlib import Path
 
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.request import FinishReason, Request, Response
+from triton_backend.engine.response_queue import ResponseQueue
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +27,10 @@ class Executor:
         self.tokenizer_dir = self.engine.tokenizer_dir
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._responses_ready = threading.Condition(self._lock)
+        self._mailbox = ResponseQueue()
         self._pending: list[Request] = []
         self._pending_ids: list[int] = []
         self._cancels: set[int] = set()
-        self._responses: dict[int, collections.deque[Response]] = collections.defaultdict(
-            collections.deque)
         self._next_id = 1
         self._shutdown = False
         self._stats = self.engine.get_stats()
@@ -63,15 +60,7 @@ class Executor:
                         ) -> list[Response]:
         """Responses ready for `request_id` (or for every request when None); waits up to
         `timeout` seconds for at least one (forever when None). May return an empty list."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while not self._has_responses(request_id):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if (remaining is not None and remaining <= 0) or (self._shutdown and
-                                                                  not self._thread.is_alive()):
-                    return []
-                self._responses_ready.wait(remaining if remaining is not None else 1.0)
-            return self._take_responses(request_id)
+        return self._mailbox.take(request_id, timeout, self._thread.is_alive)
 
     def get_stats(self) -> dict:
         """Counters as of the end of the last step (the engine is only touched by the loop)."""
@@ -86,28 +75,11 @@ class Executor:
         self._thread.join(timeout)
 
     # -- loop ---------------------------------------------------------------------------------
-    def _has_responses(self, request_id: int | None) -> bool:
-        if request_id is None:
-            return any(self._responses.values())
-        return bool(self._responses.get(request_id))
-
-    def _take_responses(self, request_id: int | None) -> list[Response]:
-        ids = list(self._responses) if request_id is None else [request_id]
-        taken = []
-        for rid in ids:
-            queue = self._responses.pop(rid, None)
-            if queue:
-                taken.extend(queue)
-        return taken
-
     def _publish(self, responses: list[Response]) -> None:
         stats = self.engine.get_stats()
         with self._lock:
             self._stats = stats
-            for response in responses:
-                self._responses[response.request_id].append(response)
-            if responses:
-                self._responses_ready.notify_all()
+        self._mailbox.put(responses)
 
     def _admit(self) -> bool:
         """Move queued requests and cancellations into the engine. False when shutting down."""

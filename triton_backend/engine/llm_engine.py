@@ -16,6 +16,7 @@ from triton_backend.engine.model_runner import ModelRunner, kv_bytes_per_token
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.scheduler import Scheduler, SchedulerOutput
 from triton_backend.engine.sequence import Sequence
+from triton_backend.engine.validation import validate_request
 from triton_backend.engine.weights import runtime_dtype
 
 
@@ -59,30 +60,12 @@ class LLMEngine:
 
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served."""
-        limits, prompt = self.config.limits, request.input_token_ids
-        if not prompt:
-            raise ValueError("input_token_ids: the prompt is empty; at least 1 token is required")
-        if len(prompt) > limits.max_input_len:
-            raise ValueError(f"input_token_ids: the prompt has {len(prompt)} tokens, more than "
-                             f"max_input_len={limits.max_input_len}")
-        vocab = self.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"input_token_ids: token ids must be in [0, {vocab})")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
-                or request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
-        if len(prompt) + request.max_tokens > limits.max_seq_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
-                             f"({request.max_tokens}) exceeds max_seq_len={limits.max_seq_len}; "
-                             f"max_tokens may be at most {limits.max_seq_len - len(prompt)}")
-        needed = self.block_manager.blocks_for_tokens(len(prompt) + request.max_tokens)
+        validate_request(request, self.config.limits, self.config.model.vocab_size)
+        needed = self.block_manager.blocks_for_tokens(len(request.input_token_ids)
+                                                      + request.max_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"max_tokens: the request needs {needed} KV blocks but the cache holds "
                              f"{self.block_manager.num_blocks} (kv_cache budget too small)")
-        for name, words in (("stop_words", request.stop_token_sequences),
-                            ("bad_words", request.bad_token_sequences)):
-            if any(not w or any(not 0 <= t < vocab for t in w) for w in words):
-                raise ValueError(f"{name}: each entry must be a non-empty list of ids in [0, {vocab})")
 
     def add_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and queue `request` under `request_id` (a fresh id when None)."""

@@ -14,13 +14,14 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.request import FinishReason, Request, Response
+from triton_backend.engine.response_queue import ResponseQueue
+from triton_backend.engine.validation import validate_request
 from triton_backend.engine.weights import runtime_dtype
 from triton_backend.naive import generation as gen
 
@@ -48,10 +49,8 @@ class NaiveExecutor:
         self.eos_ids = list(self.config.tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._ready = threading.Condition(self._lock)
+        self._mailbox = ResponseQueue()
         self._queue: collections.deque[tuple[int, Request]] = collections.deque()
-        self._responses: dict[int, collections.deque[Response]] = collections.defaultdict(
-            collections.deque)
         self._cancelled: set[int] = set()
         self._running: tuple[int, threading.Event] | None = None
         self._next_id = 1
@@ -64,24 +63,7 @@ class NaiveExecutor:
     # -- client verbs -------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served."""
-        limits, prompt, vocab = self.config.limits, request.input_token_ids, self.config.model.vocab_size
-        if not prompt:
-            raise ValueError("input_token_ids: the prompt is empty; at least 1 token is required")
-        if len(prompt) > limits.max_input_len:
-            raise ValueError(f"input_token_ids: the prompt has {len(prompt)} tokens, more than "
-                             f"max_input_len={limits.max_input_len}")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"input_token_ids: token ids must be integers in [0, {vocab})")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
-                or request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
-        if len(prompt) + request.max_tokens > limits.max_seq_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
-                             f"({request.max_tokens}) exceeds max_seq_len={limits.max_seq_len}")
-        for name, words in (("stop_words", request.stop_token_sequences),
-                            ("bad_words", request.bad_token_sequences)):
-            if any(not w or any(not 0 <= t < vocab for t in w) for w in words):
-                raise ValueError(f"{name}: each entry must be a non-empty list of ids in [0, {vocab})")
+        validate_request(request, self.config.limits, self.config.model.vocab_size)
 
     def enqueue_request(self, request: Request) -> int:
         """Validate and queue `request`; returns its id. Raises ValueError naming the bad field."""
@@ -111,18 +93,7 @@ class NaiveExecutor:
                         ) -> list[Response]:
         """Responses ready for `request_id` (or for every request when None); waits up to
         `timeout` seconds for at least one (forever when None). May return an empty list."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while not self._has_responses(request_id):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if (remaining is not None and remaining <= 0) or not self._thread.is_alive():
-                    return []
-                self._ready.wait(remaining if remaining is not None else 1.0)
-            ids = list(self._responses) if request_id is None else [request_id]
-            taken: list[Response] = []
-            for rid in ids:
-                taken.extend(self._responses.pop(rid, ()))
-            return taken
+        return self._mailbox.take(request_id, timeout, self._thread.is_alive)
 
     def get_stats(self) -> dict:
         with self._lock:
@@ -139,19 +110,11 @@ class NaiveExecutor:
         self._thread.join(timeout)
 
     # -- loop ---------------------------------------------------------------------------------
-    def _has_responses(self, request_id: int | None) -> bool:
-        if request_id is None:
-            return any(self._responses.values())
-        return bool(self._responses.get(request_id))
-
     def _push(self, response: Response) -> None:
-        """Called with the lock held."""
-        self._responses[response.request_id].append(response)
-        self._ready.notify_all()
+        self._mailbox.put([response])
 
     def _publish(self, response: Response) -> None:
-        with self._lock:
-            self._push(response)
+        self._push(response)
 
     def _next(self) -> tuple[int, Request, threading.Event] | None:
         with self._lock:
