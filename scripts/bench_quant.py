@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     hf_dir = resolve_checkpoint(args.checkpoint, lambda m: print(f"  {m}", file=sys.stderr))
     out_dir = Path(args.out)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     reference = ReferenceModel(hf_dir)  # one unquantized source for every variant
     rows = []
     for name in args.variants.split(","):
