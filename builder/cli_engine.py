@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -97,7 +96,3 @@ def _parse_ids(text: str) -> list[int]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ValueError(f"prompt_ids: expected comma-separated integers, got {text!r}") from None
-
-
-if __name__ == "__main__":
-    sys.exit(engine_command())

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig,
                 name: str) -> nn.Module:
     """The one place projections are created. `name` is the weight prefix (for exclude lists)."""
-    if quant.weights != "none" and not any(name.endswith(m) or m in name for m in quant.exclude_modules):
+    if quant.weights != "none" and not any(m in name for m in quant.exclude_modules):
         from triton_backend.engine.quant import make_quantized_linear  # optional runtime half
 
         return make_quantized_linear(in_features, out_features, bias, quant, name)

@@ -54,6 +54,7 @@ class LLMEngine:
         self.runner = ModelRunner(engine_dir, self.config, num_blocks, device)
         self.eos_ids = frozenset(self.config.tokenizer.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
+        self.last_logits: torch.Tensor | None = None  # of the last step, when it was asked for
         self._ids = itertools.count(1)
         self.stats = {"num_steps": 0, "max_num_seqs_in_step": 0, "num_scheduled_tokens": 0,
                       "num_completed_requests": 0, "num_cancelled_requests": 0}

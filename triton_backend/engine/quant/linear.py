@@ -45,7 +45,25 @@ def _check_shape(key: str, tensor: torch.Tensor, shape: tuple[int, ...], errors:
     return True
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class _QuantizedLinear(nn.Module):
+    """What the quantized linears share: flatten the leading dims, matmul, add the bias."""
+
+    in_features: int
+    out_features: int
+
+    def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, in_features] -> [tokens, out_features] in `dtype`, without the bias."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self._matmul(x.reshape(-1, self.in_features), x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+class Int4WeightOnlyLinear(_QuantizedLinear):
     """y = (x * prequant_scale) @ dequant(W).T + b, with W symmetric INT4 per `group_size` group."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
@@ -112,27 +130,21 @@ class Int4WeightOnlyLinear(nn.Module):
             return dense.t().to(dtype)
         return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.prequant is not None:
             x2 = x2 * self.prequant.to(x2.dtype)
         if self.kernel == "cpu_int4pack":
-            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(),
-                                                  self.packed_weight, self.group_size,
-                                                  self.scales_and_zeros).to(x.dtype)
-        else:
-            y = F.linear(x2, self.dequantized_weight(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+            return torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(),
+                                                     self.packed_weight, self.group_size,
+                                                     self.scales_and_zeros).to(dtype)
+        return F.linear(x2, self.dequantized_weight(dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, kernel={self.kernel}")
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(_QuantizedLinear):
     """y = x @ (W_fp8 * weight_scale).T + b; activations quantized statically when `_scaled_mm` runs."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, name: str = "linear") -> None:
@@ -192,18 +204,12 @@ class Fp8Linear(nn.Module):
         scale = self.weight_scale if self.weight_scale.numel() == 1 else self.weight_scale[:, None]
         return (self.weight.float() * scale).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.kernel == "scaled_mm":
             xq = (x2.float() / self.activation_scale).clamp(-FP8_MAX, FP8_MAX)
-            out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16
-            y = self._scaled_mm(xq.to(torch.float8_e4m3fn), out_dtype).to(x.dtype)
-        else:
-            y = F.linear(x2, self.dequantized_weight(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+            out_dtype = dtype if dtype != torch.float32 else torch.bfloat16
+            return self._scaled_mm(xq.to(torch.float8_e4m3fn), out_dtype).to(dtype)
+        return F.linear(x2, self.dequantized_weight(dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
