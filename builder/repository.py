@@ -16,6 +16,7 @@ from pathlib import Path
 
 from builder.template import render
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.process_executor import ENGINE_ISOLATIONS
 from triton_backend.engine.sampling_params import SamplingParams
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates"
@@ -39,7 +40,9 @@ class RepositoryOptions:
     """What a user may tune in the emitted repository (the build spec's `repository:` section).
 
     `triton_max_batch_size` None means the engine's `limits.max_batch_size`. `max_queue_size` 0
-    means no queue limit (Triton's meaning). KV budget: at most one of `kv_cache_num_blocks` and
+    means no queue limit (Triton's meaning). `engine_isolation` "process" runs the engine in a
+    process of its own (see `triton_backend.engine.engine_process`); `engine_num_threads` 0 gives
+    it every core the server may use. KV budget: at most one of `kv_cache_num_blocks` and
     `kv_cache_memory_bytes`; neither means the engine's own `kv_cache` section decides. The
     `default_*` sampling values apply to requests that do not set them (greedy by default).
     """
@@ -62,6 +65,8 @@ class RepositoryOptions:
     default_top_k: int = 0
     default_top_p: float = 1.0
     stats_period_ms: int = 100
+    engine_isolation: str = "process"
+    engine_num_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.triton_max_batch_size is not None:
@@ -77,6 +82,10 @@ class RepositoryOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"repository.{name} must be true or false, "
                                  f"got {getattr(self, name)!r}")
+        if self.engine_isolation not in ENGINE_ISOLATIONS:
+            raise ValueError(f"repository.engine_isolation must be one of "
+                             f"{', '.join(ENGINE_ISOLATIONS)}, got {self.engine_isolation!r}")
+        _int_at_least("engine_num_threads", self.engine_num_threads, 0)
         if self.kv_cache_num_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("repository: give kv_cache_num_blocks or kv_cache_memory_bytes, "
                              "not both")
@@ -141,6 +150,8 @@ def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
         "default_top_k": opt.default_top_k,
         "default_top_p": opt.default_top_p,
         "stats_period_ms": opt.stats_period_ms,
+        "engine_isolation": opt.engine_isolation,
+        "engine_num_threads": opt.engine_num_threads,
     }
 
 

@@ -100,6 +100,9 @@ def server_environment(install: TritonInstall) -> dict[str, str]:
     if lib_dirs:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # The Python models only move text and ids; the engine process sets its own thread count.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 

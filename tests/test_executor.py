@@ -1,15 +1,18 @@
-"""The threaded executor: concurrent clients, streaming, cancellation, bad input, stats."""
+"""The executor, in both isolations (its own engine process, or a thread of the caller):
+concurrent clients, streaming, cancellation, bad input, stats, shutdown."""
 import threading
 
 import pytest
 
 from triton_backend.engine import FinishReason, Request, SamplingParams
-from triton_backend.engine.executor import Executor
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.offline import generate
+from triton_backend.models.executor_factory import create_executor
+
+ISOLATIONS = ["thread", "process"]
 
 
-def collect(executor: Executor, request_id: int, timeout: float = 60.0):
+def collect(executor, request_id: int, timeout: float = 60.0):
     responses = []
     while not (responses and responses[-1].is_final):
         got = executor.await_responses(request_id, timeout=timeout)
@@ -18,9 +21,9 @@ def collect(executor: Executor, request_id: int, timeout: float = 60.0):
     return responses
 
 
-@pytest.fixture
-def executor(tiny_engines):
-    ex = Executor(tiny_engines("llama_gqa"), num_kv_blocks=128)
+@pytest.fixture(params=ISOLATIONS)
+def executor(tiny_engines, request):
+    ex = create_executor(tiny_engines("llama_gqa"), 128, isolation=request.param)
     yield ex
     ex.shutdown()
 
@@ -48,8 +51,9 @@ def test_bad_requests_are_refused_and_the_executor_keeps_serving(executor, make_
     assert final.is_final and final.num_output_tokens == 3
 
 
-def test_kv_budget_too_small_for_one_request_is_refused(tiny_engines):
-    ex = Executor(tiny_engines("llama_gqa"), num_kv_blocks=4)  # 4 blocks x 8 tokens
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_kv_budget_too_small_for_one_request_is_refused(tiny_engines, isolation):
+    ex = create_executor(tiny_engines("llama_gqa"), 4, isolation=isolation)  # 4 blocks x 8 tokens
     try:
         with pytest.raises(ValueError, match="needs 5 KV blocks but the cache holds 4"):
             ex.enqueue_request(Request([5] * 20, 20))
@@ -93,8 +97,9 @@ def test_cancel_streaming_request(executor):
     assert executor.get_stats()["num_used_blocks"] == 0
 
 
-def test_shutdown_ends_requests_in_flight_with_a_final_response(tiny_engines):
-    ex = Executor(tiny_engines("llama_gqa"), num_kv_blocks=128)
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_shutdown_ends_requests_in_flight_with_a_final_response(tiny_engines, isolation):
+    ex = create_executor(tiny_engines("llama_gqa"), 128, isolation=isolation)
     rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
     assert ex.await_responses(rid, timeout=30)
     ex.shutdown()

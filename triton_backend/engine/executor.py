@@ -1,9 +1,14 @@
-"""The executor: the engine on a background loop, with TensorRT-LLM executor verbs.
+"""The executor: the engine loop, with TensorRT-LLM executor verbs.
 
 `enqueue_request`, `cancel_request`, `await_responses`, `get_stats` and `shutdown` are
 thread-safe. Requests join the running batch at the next step; cancellations take effect between
 steps (the sequence's blocks are freed before the next step runs). Every accepted request ends
 with exactly one final response: output, an error, or a cancellation.
+
+The loop runs on a background thread by default, or on the caller's thread with
+`start_loop=False` + `run_loop()`: torch runs at full speed only when its ops come from the
+thread that owns the process's OpenMP team, so the engine process (`engine_process.py`) runs the
+loop on its main thread and only moves messages on other threads.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ log = logging.getLogger(__name__)
 
 class Executor:
     def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, device: str = "cpu") -> None:
+                 kv_cache_memory_bytes: int | None = None, device: str = "cpu",
+                 start_loop: bool = True) -> None:
         self.engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, device=device)
         self.config = self.engine.config
@@ -33,19 +39,25 @@ class Executor:
         self._cancels: set[int] = set()
         self._next_id = 1
         self._shutdown = False
+        self._loop_alive = True  # until the loop has ended (or, with start_loop=False, started)
+        self._loop_done = threading.Event()
         self._stats = self.engine.get_stats()
-        self._thread = threading.Thread(target=self._loop, name="llm-forge-executor", daemon=True)
-        self._thread.start()
+        if start_loop:
+            threading.Thread(target=self.run_loop, name="llm-forge-executor", daemon=True).start()
 
     # -- client verbs -------------------------------------------------------------------------
-    def enqueue_request(self, request: Request) -> int:
-        """Validate and queue `request`; returns its id. Raises ValueError naming the bad field."""
+    def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
+        """Validate and queue `request`; returns its id. Raises ValueError naming the bad field.
+
+        `request_id` lets a caller that numbers requests itself (the engine process client)
+        choose the id; it must not be in use."""
         self.engine.validate(request)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("executor is shut down")
-            request_id = self._next_id
-            self._next_id += 1
+            if request_id is None:
+                request_id = self._next_id
+                self._next_id += 1
             self._pending.append(request)
             self._pending_ids.append(request_id)
             self._wakeup.notify()
@@ -60,7 +72,11 @@ class Executor:
                         ) -> list[Response]:
         """Responses ready for `request_id` (or for every request when None); waits up to
         `timeout` seconds for at least one (forever when None). May return an empty list."""
-        return self._mailbox.take(request_id, timeout, self._thread.is_alive)
+        return self._mailbox.take(request_id, timeout, lambda: self._loop_alive)
+
+    def is_alive(self) -> bool:
+        """True until the loop has ended (shut down or failed)."""
+        return self._loop_alive
 
     def get_stats(self) -> dict:
         """Counters as of the end of the last step (the engine is only touched by the loop)."""
@@ -72,7 +88,7 @@ class Executor:
         with self._lock:
             self._shutdown = True
             self._wakeup.notify()
-        self._thread.join(timeout)
+        self._loop_done.wait(timeout)
 
     # -- loop ---------------------------------------------------------------------------------
     def _publish(self, responses: list[Response]) -> None:
@@ -97,15 +113,19 @@ class Executor:
         self._publish(finals)
         return not shutting_down
 
-    def _loop(self) -> None:
+    def run_loop(self) -> None:
+        """Step the engine on the calling thread until `shutdown()`; then end what is left."""
         try:
             while self._admit():
                 self._publish(self.engine.step())
         except Exception as exc:  # the loop must not die silently: fail every request in flight
             log.exception("executor loop failed")
             self._fail_all(f"internal error in the engine loop: {exc}", FinishReason.ERROR)
-            return
-        self._fail_all("the executor was shut down", FinishReason.CANCELLED)
+        else:
+            self._fail_all("the executor was shut down", FinishReason.CANCELLED)
+        finally:
+            self._loop_alive = False
+            self._loop_done.set()
 
     def _fail_all(self, message: str, reason: FinishReason) -> None:
         finals = []

@@ -16,7 +16,7 @@ from triton_backend.engine.model_runner import ModelRunner, kv_bytes_per_token
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.scheduler import Scheduler, SchedulerOutput
 from triton_backend.engine.sequence import Sequence
-from triton_backend.engine.validation import validate_request
+from triton_backend.engine.validation import check_kv_capacity, validate_request
 from triton_backend.engine.weights import runtime_dtype
 
 
@@ -62,11 +62,8 @@ class LLMEngine:
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served."""
         validate_request(request, self.config.limits, self.config.model.vocab_size)
-        needed = self.block_manager.blocks_for_tokens(len(request.input_token_ids)
-                                                      + request.max_tokens)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(f"max_tokens: the request needs {needed} KV blocks but the cache holds "
-                             f"{self.block_manager.num_blocks} (kv_cache budget too small)")
+        check_kv_capacity(request, self.block_manager.num_blocks,
+                          self.block_manager.tokens_per_block)
 
     def add_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and queue `request` under `request_id` (a fresh id when None)."""

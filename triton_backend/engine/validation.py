@@ -27,3 +27,11 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
         if any(not w or any(not 0 <= t < vocab_size for t in w) for w in words):
             raise ValueError(f"{name}: each entry must be a non-empty list of ids in "
                              f"[0, {vocab_size})")
+
+
+def check_kv_capacity(request: Request, num_blocks: int, tokens_per_block: int) -> None:
+    """Raise ValueError when `request` alone needs more KV blocks than the whole cache holds."""
+    needed = -(-(len(request.input_token_ids) + request.max_tokens) // tokens_per_block)
+    if needed > num_blocks:
+        raise ValueError(f"max_tokens: the request needs {needed} KV blocks but the cache holds "
+                         f"{num_blocks} (kv_cache budget too small)")

@@ -3,24 +3,41 @@
 `torch` -> the project's runtime; `naive` -> the reference executor (transformers, one request at
 a time). `trtllm` engines are not built by llm-forge yet, so none can reach this point; an engine
 directory that claims the target is refused by name rather than half-served.
+
+`engine_isolation` says where the engine loop runs: `process` (the default for serving) starts an
+engine process whose main thread runs it, so torch computes at full speed and the Triton stub
+only moves messages; `thread` runs it on a thread of the calling process (for debugging).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.process_executor import ENGINE_ISOLATIONS, available_cores
 
 
 def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
-                    kv_cache_memory_bytes: int | None = None):
+                    kv_cache_memory_bytes: int | None = None, *, isolation: str = "process",
+                    num_threads: int = 0):
+    if isolation not in ENGINE_ISOLATIONS:
+        raise ValueError(f"engine_isolation must be one of {ENGINE_ISOLATIONS}, got {isolation!r}")
     config = EngineConfig.load(engine_dir)
-    if config.target == "torch":
-        from triton_backend.engine.executor import Executor
+    if config.target not in ("torch", "naive"):
+        raise ValueError(f"{engine_dir}: target {config.target!r} has no executor")
+    if isolation == "process":
+        from triton_backend.engine.process_executor import ProcessExecutor
 
-        return Executor(engine_dir, num_kv_blocks=num_kv_blocks,
-                        kv_cache_memory_bytes=kv_cache_memory_bytes)
+        return ProcessExecutor(engine_dir, num_kv_blocks=num_kv_blocks,
+                               kv_cache_memory_bytes=kv_cache_memory_bytes,
+                               num_threads=num_threads)
+    import torch
+
+    torch.set_num_threads(num_threads or available_cores())
     if config.target == "naive":
         from triton_backend.naive.executor import NaiveExecutor
 
         return NaiveExecutor(engine_dir)
-    raise ValueError(f"{engine_dir}: target {config.target!r} has no executor")
+    from triton_backend.engine.executor import Executor
+
+    return Executor(engine_dir, num_kv_blocks=num_kv_blocks,
+                    kv_cache_memory_bytes=kv_cache_memory_bytes)

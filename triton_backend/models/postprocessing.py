@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 from triton_backend.models.detokenizer import stop_strings_of, text_delta
 from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import RequestError
-from triton_backend.models.triton_io import error_response, make_response, read_inputs
+from triton_backend.models.triton_io import (error_response, limit_compute_threads, make_response,
+                                              read_inputs)
 from triton_backend.models.word_list import from_word_list
 
 INPUT_NAMES = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "PRECEDING_OUTPUT_IDS", "FINISH_REASON",
@@ -44,6 +45,7 @@ def postprocess(inputs: dict, tokenizer, skip_special_tokens: bool) -> dict:
 
 class PostprocessingModel:
     def initialize(self, args):
+        limit_compute_threads()
         params = ModelParams(args)
         self.tokenizer = AutoTokenizer.from_pretrained(str(params.path("tokenizer_dir")))
         self.skip_special_tokens = params.flag("skip_special_tokens", True)

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from triton_backend.engine.config import EngineConfig
 from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import RequestError, scalar
-from triton_backend.models.triton_io import error_response, make_response, read_inputs
+from triton_backend.models.triton_io import (error_response, limit_compute_threads, make_response,
+                                              read_inputs)
 from triton_backend.models.text_request import (check_max_tokens, encode_words, prompt_ids,
                                                  text_list, text_value)
 from triton_backend.models.word_list import to_word_list
@@ -38,6 +39,7 @@ def preprocess(inputs: dict, tokenizer, limits, add_special_tokens: bool) -> dic
 
 class PreprocessingModel:
     def initialize(self, args):
+        limit_compute_threads()
         params = ModelParams(args)
         self.limits = EngineConfig.load(params.path("engine_dir")).limits
         self.tokenizer = AutoTokenizer.from_pretrained(str(params.path("tokenizer_dir")))

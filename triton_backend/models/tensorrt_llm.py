@@ -1,6 +1,7 @@
 """The `tensorrt_llm` Triton model: a thin adapter between Triton requests and one executor.
 
-`initialize` builds the executor and a response thread. `execute` only parses, enqueues and
+`initialize` builds the executor (by default an engine process whose main thread steps the engine:
+see `engine_process.py`) and a response thread. `execute` only parses, enqueues and
 returns None: every request joins the executor the moment it arrives, so requests of all
 clients share steps. The response thread is the one place that sends responses (FINAL on the
 last), checks cancellation through each response sender and publishes the executor's counters.
@@ -45,7 +46,9 @@ class TensorrtLlmModel:
         self.decoupled = params.decoupled
         self.executor = create_executor(params.path("engine_dir"),
                                         params.integer("kv_cache_num_blocks"),
-                                        params.integer("kv_cache_memory_bytes"))
+                                        params.integer("kv_cache_memory_bytes"),
+                                        isolation=params.text("engine_isolation", "process"),
+                                        num_threads=params.integer("engine_num_threads", 0))
         config = self.executor.config
         self.limits, self.vocab_size = config.limits, config.model.vocab_size
         self.defaults = RequestDefaults(

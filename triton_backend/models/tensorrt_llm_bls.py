@@ -22,7 +22,8 @@ from triton_backend.models.request_converter import RequestError, scalar
 from triton_backend.models.text_request import (PASSTHROUGH_INPUTS, check_max_tokens,
                                                  encode_words, prompt_ids, tensorrt_llm_inputs,
                                                  text_list, text_value)
-from triton_backend.models.triton_io import FINAL, make_response, read_inputs, send_error
+from triton_backend.models.triton_io import (FINAL, limit_compute_threads, make_response,
+                                              read_inputs, send_error)
 
 INPUT_NAMES = ("text_input", "max_tokens", "bad_words", "stop_words", "stream",
                *PASSTHROUGH_INPUTS)
@@ -34,6 +35,7 @@ INNER_OUTPUTS = ("output_ids", "output_log_probs", *PASSED_OUTPUTS)
 
 class BlsModel:
     def initialize(self, args):
+        limit_compute_threads()
         params = ModelParams(args)
         self.decoupled = params.decoupled
         self.limits = EngineConfig.load(params.path("engine_dir")).limits

@@ -1,6 +1,8 @@
 """Small helpers between Triton's Python-backend objects and plain numpy dicts."""
 from __future__ import annotations
 
+import sys
+
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -27,3 +29,11 @@ def error_response(message: str) -> "pb_utils.InferenceResponse":
 
 def send_error(sender, message: str) -> None:
     sender.send(error_response(message), flags=FINAL)
+
+
+def limit_compute_threads() -> None:
+    """Models that only move text and ids keep torch (if something imported it) to one thread,
+    so no idle OpenMP team of theirs competes with the engine process for the cores."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)

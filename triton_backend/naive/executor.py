@@ -31,7 +31,8 @@ HF_DIR = "hf"  # the HF checkpoint inside a naive engine directory
 
 
 class NaiveExecutor:
-    def __init__(self, engine_dir: str | Path, *, device: str = "cpu") -> None:
+    def __init__(self, engine_dir: str | Path, *, device: str = "cpu",
+                 start_loop: bool = True) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         engine_dir = Path(engine_dir)
@@ -57,22 +58,26 @@ class NaiveExecutor:
         self._shutdown = False
         self._stats = {"num_steps": 0, "max_num_seqs_in_step": 0, "num_completed_requests": 0,
                        "num_cancelled_requests": 0, "num_generated_tokens": 0}
-        self._thread = threading.Thread(target=self._loop, name="llm-forge-naive", daemon=True)
-        self._thread.start()
+        self._loop_alive = True  # until the loop has ended (or, with start_loop=False, started)
+        self._loop_done = threading.Event()
+        if start_loop:  # else the caller runs run_loop() on a thread of its choice
+            threading.Thread(target=self.run_loop, name="llm-forge-naive", daemon=True).start()
 
     # -- client verbs -------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served."""
         validate_request(request, self.config.limits, self.config.model.vocab_size)
 
-    def enqueue_request(self, request: Request) -> int:
-        """Validate and queue `request`; returns its id. Raises ValueError naming the bad field."""
+    def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
+        """Validate and queue `request`; returns its id (or takes the caller's `request_id`).
+        Raises ValueError naming the bad field."""
         self.validate(request)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("executor is shut down")
-            request_id = self._next_id
-            self._next_id += 1
+            if request_id is None:
+                request_id = self._next_id
+                self._next_id += 1
             self._queue.append((request_id, request))
             self._work.notify()
         return request_id
@@ -93,7 +98,11 @@ class NaiveExecutor:
                         ) -> list[Response]:
         """Responses ready for `request_id` (or for every request when None); waits up to
         `timeout` seconds for at least one (forever when None). May return an empty list."""
-        return self._mailbox.take(request_id, timeout, self._thread.is_alive)
+        return self._mailbox.take(request_id, timeout, lambda: self._loop_alive)
+
+    def is_alive(self) -> bool:
+        """True until the loop has ended (shut down or failed)."""
+        return self._loop_alive
 
     def get_stats(self) -> dict:
         with self._lock:
@@ -107,7 +116,7 @@ class NaiveExecutor:
             if self._running is not None:
                 self._running[1].set()
             self._work.notify()
-        self._thread.join(timeout)
+        self._loop_done.wait(timeout)
 
     # -- loop ---------------------------------------------------------------------------------
     def _push(self, response: Response) -> None:
@@ -126,6 +135,14 @@ class NaiveExecutor:
             cancelled = threading.Event()
             self._running = (request_id, cancelled)
             return request_id, request, cancelled
+
+    def run_loop(self) -> None:
+        """Serve requests on the calling thread until `shutdown()`."""
+        try:
+            self._loop()
+        finally:
+            self._loop_alive = False
+            self._loop_done.set()
 
     def _loop(self) -> None:
         while (task := self._next()) is not None:

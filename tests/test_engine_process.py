@@ -1,0 +1,93 @@
+"""The engine process: where the engine runs, what happens when it dies or its client goes away."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from triton_backend.engine import FinishReason, Request
+from triton_backend.engine.process_executor import EngineProcessError, ProcessExecutor
+
+CLIENT = """
+import time
+from triton_backend.engine.process_executor import ProcessExecutor
+ex = ProcessExecutor({engine!r}, num_kv_blocks=64)
+print(ex.get_stats()["engine_pid"], flush=True)
+time.sleep(600)
+"""
+
+
+def _final(executor, request_id, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for response in executor.await_responses(request_id, timeout=1.0):
+            if response.is_final:
+                return response
+    raise AssertionError(f"no final response for {request_id} within {timeout}s")
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_engine_runs_in_its_own_process_with_the_threads_asked_for(tiny_engines):
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=64, num_threads=1)
+    try:
+        stats = ex.get_stats()
+        assert stats["engine_pid"] != os.getpid()
+        assert stats["num_threads"] == 1 and stats["num_total_blocks"] == 64
+        rid = ex.enqueue_request(Request([5, 6, 7], 4, ignore_eos=True))
+        final = _final(ex, rid)
+        assert final.finish_reason == FinishReason.LENGTH and len(final.output_token_ids) == 4
+    finally:
+        ex.shutdown()
+    assert _wait_gone(stats["engine_pid"])
+
+
+def test_a_killed_engine_ends_requests_in_flight_with_an_error(tiny_engines):
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=128)
+    try:
+        rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
+        assert ex.await_responses(rid, timeout=30)  # it is running
+        os.kill(ex.get_stats()["engine_pid"], signal.SIGKILL)
+        final = _final(ex, rid)
+        assert final.finish_reason == FinishReason.ERROR
+        assert "engine process exited with code -9" in final.error
+        with pytest.raises(RuntimeError, match="shut down .*exited with code -9"):
+            ex.enqueue_request(Request([5], 2))
+    finally:
+        ex.shutdown()
+
+
+def test_the_engine_exits_when_its_client_is_killed(tiny_engines):
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT.format(engine=str(tiny_engines("llama_gqa")))],
+        stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        pid = int(client.stdout.readline())
+    finally:
+        client.kill()  # as the OOM killer would: no shutdown, no goodbye
+        client.wait(timeout=30)
+    assert _wait_gone(pid), "the engine process outlived its client"
+
+
+def test_a_broken_engine_directory_fails_at_start_with_the_reason(tmp_path, tiny_engines):
+    engine = tiny_engines("llama_gqa")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in engine.iterdir():
+        if item.name != "model.safetensors":
+            (broken / item.name).symlink_to(item)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(EngineProcessError, match="failed to start"):
+        ProcessExecutor(broken, num_kv_blocks=64)

@@ -1,0 +1,150 @@
+"""The engine process: an executor whose loop runs on the main thread of a process of its own.
+
+torch's CPU kernels are fast only when their ops come from the thread that owns the process's
+OpenMP team; stepped from any other thread (a Triton stub's, a server's worker) a prefill runs
+2-4x slower. So the Triton model does not host the engine: it starts this process
+(`ProcessExecutor`) and talks to it over a socket. Here the main thread runs the loop and does
+nothing else; two small threads move messages (they never run torch ops):
+
+- the reader turns messages from the client into executor verbs (enqueue, cancel, shutdown) and
+  shuts the executor down when the client goes away (end of file: the client process died);
+- the sender forwards every response as soon as the loop publishes it, with the counters.
+
+Messages are pickled tuples, `(kind, ...)`:
+client -> engine: ("enqueue", request_id, Request), ("cancel", request_id), ("shutdown",)
+engine -> client: ("ready", info), ("error", message) at start-up, ("responses", [Response],
+stats), and ("closed",) once every final response has been sent.
+
+    python -m triton_backend.engine.engine_process --engine-dir DIR --fd N [--num-threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+from triton_backend.engine.process_executor import available_cores
+from triton_backend.engine.request import FinishReason, Response
+
+log = logging.getLogger("llm_forge.engine_process")
+SEND_POLL_SECONDS = 0.05  # how often idle counters are refreshed for the client's metrics
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="engine_process")
+    parser.add_argument("--engine-dir", required=True)
+    parser.add_argument("--fd", type=int, required=True, help="socket to the client")
+    parser.add_argument("--num-kv-blocks", type=int)
+    parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--num-threads", type=int, default=0, help="0: every core allowed")
+    return parser.parse_args(argv)
+
+
+def _build_executor(args: argparse.Namespace):
+    from triton_backend.engine.config import EngineConfig
+
+    config = EngineConfig.load(args.engine_dir)
+    if config.target == "naive":
+        from triton_backend.naive.executor import NaiveExecutor
+
+        return NaiveExecutor(args.engine_dir, start_loop=False)
+    from triton_backend.engine.executor import Executor
+
+    return Executor(args.engine_dir, num_kv_blocks=args.num_kv_blocks,
+                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, start_loop=False)
+
+
+class _Channel:
+    """The socket to the client; sends from two threads, so they take turns."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple) -> bool:
+        with self._lock:
+            try:
+                self.conn.send(message)
+                return True
+            except (OSError, ValueError):  # the client is gone; the reader will notice
+                return False
+
+
+def _read_requests(channel: _Channel, executor) -> None:
+    try:
+        while True:
+            message = channel.conn.recv()
+            kind = message[0]
+            if kind == "enqueue":
+                _, request_id, request = message
+                try:
+                    executor.enqueue_request(request, request_id=request_id)
+                except (ValueError, RuntimeError) as exc:  # checked by the client; still final
+                    channel.send(("responses", [Response(request_id, [], True, FinishReason.ERROR,
+                                                         error=str(exc))], executor.get_stats()))
+            elif kind == "cancel":
+                executor.cancel_request(message[1])
+            elif kind == "shutdown":
+                break
+    except (EOFError, OSError):
+        log.warning("engine client went away; shutting the engine down")
+    executor.shutdown(timeout=0)
+
+
+def _send_responses(channel: _Channel, executor) -> None:
+    last_stats = None
+    while True:
+        responses = executor.await_responses(timeout=SEND_POLL_SECONDS)
+        stats = executor.get_stats()
+        if responses or stats != last_stats:
+            if not channel.send(("responses", responses, stats)):
+                return
+            last_stats = stats
+        if not responses and not executor.is_alive():
+            return  # the loop has ended and its last responses are out
+
+
+def _set_num_threads(requested: int) -> int:
+    import torch
+
+    threads = requested if requested > 0 else available_cores()
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def serve(args: argparse.Namespace) -> int:
+    channel = _Channel(Connection(args.fd))
+    try:
+        num_threads = _set_num_threads(args.num_threads)
+        executor = _build_executor(args)
+    except BaseException as exc:  # report why, so the client can raise it where it was asked
+        channel.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return 1
+    stats = executor.get_stats()
+    channel.send(("ready", {"pid": os.getpid(), "num_threads": num_threads,
+                            "num_kv_blocks": stats.get("num_total_blocks"),
+                            "tokens_per_block": stats.get("tokens_per_block"),
+                            "stats": stats}))
+    threading.Thread(target=_read_requests, args=(channel, executor), name="engine-reader",
+                     daemon=True).start()
+    sender = threading.Thread(target=_send_responses, args=(channel, executor),
+                              name="engine-sender")
+    sender.start()
+    executor.run_loop()  # the main thread: where torch is fast
+    sender.join(timeout=30)
+    channel.send(("closed",))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+    return serve(_parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
