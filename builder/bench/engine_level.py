@@ -1,0 +1,183 @@
+"""Engine-level speed protocol: the same prompts through every side, timed the same way.
+
+Protocol (`EngineProtocol`): N prompts of L token ids (seeded, and chosen so that their text
+re-tokenizes to exactly the same L ids, so text and id entry points see identical work), M new
+tokens each with end ids ignored (`min_tokens == max_tokens`). Concurrency 1 is one request alone
+(TTFT, then the decode rate of its remaining tokens); concurrency N is all N at once (output
+tokens per second over the whole run, prefill included, and the time until every request has its
+first token).
+
+A side answers `run_one(ids, text)` and `run_all(ids_list, texts)` with `Timings`. This module
+holds the in-process engine side and the `transformers` static-batch side; `engine_level_triton`
+the sides through a `tritonserver`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from triton_backend.engine import Request, SamplingParams
+from triton_backend.engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class EngineProtocol:
+    num_prompts: int = 16
+    prompt_len: int = 128
+    max_tokens: int = 128
+    seed: int = 0
+
+
+@dataclass
+class OneTimings:
+    """Concurrency 1: seconds to the first token, then tokens/s of the remaining ones."""
+
+    ttft_s: float
+    decode_tok_s: float
+
+
+@dataclass
+class AllTimings:
+    """Concurrency N: all prompts at once."""
+
+    prefill_s: float   # until every request has its first token
+    total_s: float     # until every request has its last token
+    tok_s: float       # generated tokens / total_s
+
+
+def one_timings(start: float, token_times: list[float]) -> OneTimings:
+    """From the submit time and the arrival time of every generated token."""
+    ttft = token_times[0] - start
+    decode = (len(token_times) - 1) / (token_times[-1] - token_times[0])
+    return OneTimings(ttft, decode)
+
+
+def all_timings(start: float, first_times: list[float], last_times: list[float],
+                num_tokens: int) -> AllTimings:
+    total = max(last_times) - start
+    return AllTimings(max(first_times) - start, total, num_tokens / total)
+
+
+def make_prompts(tokenizer, protocol: EngineProtocol) -> tuple[list[list[int]], list[str]]:
+    """`num_prompts` texts that encode (with the tokenizer's special tokens, as the
+    preprocessing model does) to exactly `prompt_len` ids, and those ids."""
+    generator = torch.Generator().manual_seed(protocol.seed)
+    low = max(tokenizer.all_special_ids or [0]) + 1
+    ids_list, texts = [], []
+    attempts = 0
+    while len(texts) < protocol.num_prompts:
+        attempts += 1
+        if attempts > 50 * protocol.num_prompts:
+            raise RuntimeError("could not make prompts that re-tokenize to a fixed length")
+        ids = torch.randint(low, len(tokenizer), (protocol.prompt_len + 8,),
+                            generator=generator).tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        encoded = tokenizer.encode(text, add_special_tokens=True)
+        # Trim the text until it encodes to the wanted length (tokenization is not additive).
+        while len(encoded) > protocol.prompt_len:
+            text = text[:-1]
+            encoded = tokenizer.encode(text, add_special_tokens=True)
+        if len(encoded) == protocol.prompt_len:
+            ids_list.append(encoded)
+            texts.append(text)
+    return ids_list, texts
+
+
+class InProcessSide:
+    """Our engine stepped on this process's main thread (what the engine itself can do)."""
+
+    def __init__(self, engine_dir: str | Path, protocol: EngineProtocol) -> None:
+        self.engine = LLMEngine(engine_dir)
+        self.protocol = protocol
+
+    def _request(self, ids: list[int]) -> Request:
+        n = self.protocol.max_tokens
+        return Request(list(ids), n, SamplingParams(min_tokens=n), streaming=True)
+
+    def run_one(self, ids: list[int], text: str) -> OneTimings:
+        start = time.perf_counter()
+        self.engine.add_request(self._request(ids))
+        times = []
+        while self.engine.has_work():
+            for response in self.engine.step():
+                now = time.perf_counter()
+                times.extend([now] * len(response.output_token_ids))
+        return one_timings(start, times)
+
+    def run_all(self, ids_list: list[list[int]], texts: list[str]) -> AllTimings:
+        start = time.perf_counter()
+        rids = [self.engine.add_request(self._request(ids)) for ids in ids_list]
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        while self.engine.has_work():
+            responses = self.engine.step()
+            now = time.perf_counter()
+            for response in responses:
+                if response.output_token_ids:
+                    first.setdefault(response.request_id, now)
+                    last[response.request_id] = now
+        assert sorted(first) == sorted(rids)
+        return all_timings(start, list(first.values()), list(last.values()),
+                           len(ids_list) * self.protocol.max_tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class _TokenClock:
+    """A `transformers` streamer that notes when each generated token (of the batch) appears."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersSide:
+    """`transformers` `generate` on the same checkpoint, the prompts as one static batch."""
+
+    def __init__(self, hf_dir: str | Path, dtype: torch.dtype, protocol: EngineProtocol) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
+        n = protocol.max_tokens
+        self.generation = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                           eos_token_id=None, pad_token_id=0)
+        self.protocol = protocol
+
+    def _generate(self, batch: list[list[int]]) -> tuple[float, list[float]]:
+        clock = _TokenClock()
+        input_ids = torch.tensor(batch)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                      generation_config=self.generation, streamer=clock)
+        assert out.shape[1] - input_ids.shape[1] == self.protocol.max_tokens
+        return start, clock.times
+
+    def run_one(self, ids: list[int], text: str) -> OneTimings:
+        start, times = self._generate([ids])
+        return one_timings(start, times)
+
+    def run_all(self, ids_list: list[list[int]], texts: list[str]) -> AllTimings:
+        start, times = self._generate(ids_list)  # one time per step, for the whole batch
+        return all_timings(start, [times[0]], [times[-1]],
+                           len(ids_list) * self.protocol.max_tokens)
+
+    def close(self) -> None:
+        pass
+
+
+def as_dict(timings) -> dict:
+    return asdict(timings)
