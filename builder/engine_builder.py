@@ -78,7 +78,7 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
                  repository_dir: Path | None = None) -> Path:
     """Build `spec` into its engine directory and (unless told not to) its Triton repository at
     `repository_dir` (default model_repository/<name>); returns the engine directory."""
-    steps_for_target = {"torch": 4, "naive": 2}
+    steps_for_target = {"torch": 5, "naive": 2}
     steps = BuildSteps(total=steps_for_target[spec.target] + emit_repository, console=console)
     with steps.step(f"checkpoint {spec.checkpoint}") as log:
         hf_dir = resolve_checkpoint(spec.checkpoint, log)
@@ -129,6 +129,8 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
             f"{config.tokenizer.has_chat_template}")
     shutil.rmtree(engine_dir, ignore_errors=True)
     tmp_dir.rename(engine_dir)
+    with steps.step("CPU kernels for this machine (compiled once, cached)") as log:
+        prepare_cpu_kernels(config, log)
     if options.enabled:
         with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:
             run_quality_gate(engine_dir, hf_dir, QualityThresholds.from_spec(spec.quantization.quality),
@@ -137,6 +139,21 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
         with steps.step("check: prefill logits vs transformers") as log:
             log(check_against_transformers(engine_dir, hf_dir))
     return engine_dir
+
+
+def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> None:
+    """Build (or load) the runtime's C++ kernels now, so the first server start does not wait,
+    and say which bf16 GEMM this CPU will use."""
+    from triton_backend.engine.kernels import build_key, load_cpu_kernels
+
+    if not load_cpu_kernels(log):
+        return
+    if config.dtype != "float32":
+        from triton_backend.engine.kernels.linear import packed_gemm_wins
+
+        log("bf16 projections: " + ("the packed bf16 kernel (faster than torch's bf16 GEMM on "
+                                    "this CPU)" if packed_gemm_wins(build_key()) else
+                                    "torch's bf16 GEMM (this CPU has bf16 matrix instructions)"))
 
 
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:

@@ -23,3 +23,12 @@ def tiny_engines(tmp_path_factory):
         return cache[shape]
 
     return get
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels():
+    """Compile the runtime's C++ kernels once, before any test (or engine process) needs them,
+    so no server start waits for the compiler."""
+    from triton_backend.engine.kernels import load_cpu_kernels
+
+    return load_cpu_kernels()

@@ -1,9 +1,11 @@
 """Attention over a paged KV cache with packed (unpadded) tokens.
 
-All tokens of a step are packed into one flat tensor [T, ...]. Decodes (one new token each) are
-attended in one batched call over their gathered keys; prefill chunks are attended one sequence at a
-time with a causal mask offset by the tokens already in the cache. The metadata is built once per
-step by the model runner and passed explicitly (no hidden global context).
+All tokens of a step are packed into one flat tensor [T, ...]. This is the pure-torch reference:
+decodes (one new token each) are attended in one batched call over their gathered keys; prefill
+chunks one sequence at a time with a causal mask offset by the tokens already in the cache. The C++
+backend (`ops.CppOps`) attends the first `kernel_rows` packed rows (short queries: decodes) with a
+kernel that reads the paged cache in place, and the prefill chunks as here. The metadata is built
+once per step by the model runner and passed explicitly (no hidden global context).
 """
 from __future__ import annotations
 
@@ -29,9 +31,15 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor                  # [T] where each new token's K/V is written
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The torch path's decodes:
     decode_token_index: torch.Tensor | None = None  # [n] positions of decode tokens in the packed tensor
     decode_key_slots: torch.Tensor | None = None    # [n, max_k] slots of each decode's keys (padded)
     decode_key_mask: torch.Tensor | None = None     # [n, 1, 1, max_k] True where a key is real
+    # The paged kernel's sequences, packed first: rows [0, kernel_rows).
+    kernel_rows: int = 0
+    block_tables: torch.Tensor | None = None        # [B, max_blocks] int32 (0-padded)
+    seq_lens: torch.Tensor | None = None            # [B] int32 keys per sequence, new ones included
+    query_start: torch.Tensor | None = None         # [B + 1] int32 packed row offsets
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -40,14 +48,15 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     cache.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     for chunk in meta.prefills:
-        out[chunk.q_start:chunk.q_end] = _prefill(layer, q, k, v, cache, chunk, scale)
+        out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk, scale)
     if meta.decode_token_index is not None:
         out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale)
     return out
 
 
-def _prefill(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
-             chunk: PrefillChunk, scale: float) -> torch.Tensor:
+def prefill_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cache: PagedKVCache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    """One sequence's chunk: causal over its own new tokens, plus every cached token before."""
     qs = q[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
     if chunk.key_slots is None:
         ks, vs = k[chunk.q_start:chunk.q_end], v[chunk.q_start:chunk.q_end]

@@ -12,18 +12,18 @@ from triton_backend.engine.config import ModelShape, QuantConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back (as transformers does)."""
+    """Root-mean-square norm (the arithmetic lives in the ops backend). With `residual` it first
+    adds `x` to it and returns (normed, new residual), the fused form the decoder layers use."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, ops, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig,

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from triton_backend.engine.attention import AttentionMetadata, paged_attention
+from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.layers import RMSNorm, RotaryEmbedding, make_linear
+from triton_backend.engine.ops import TorchOps
 
 
 class Attention(nn.Module):
@@ -33,14 +34,10 @@ class Attention(nn.Module):
         self.dense = make_linear(self.q_size, shape.hidden_size, False, quant, f"{prefix}.dense")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        o = paged_attention(self.layer, q, k, v, cache, meta, self.scale)
-        return self.dense(o.reshape(-1, self.q_size))
+                cache: PagedKVCache, meta: AttentionMetadata, ops: TorchOps) -> torch.Tensor:
+        o = ops.attention(self.layer, self.qkv(x), positions, rotary, cache, meta, self.num_heads,
+                          self.num_kv_heads, self.head_dim, self.scale)
+        return self.dense(o)
 
 
 class GatedMLP(nn.Module):
@@ -48,18 +45,19 @@ class GatedMLP(nn.Module):
         super().__init__()
         shape, quant = config.model, config.quantization
         prefix = f"transformer.layers.{layer}.mlp"
-        self.intermediate_size = shape.intermediate_size
         self.gate_up = make_linear(shape.hidden_size, 2 * shape.intermediate_size, shape.mlp_bias,
                                    quant, f"{prefix}.gate_up")
         self.proj = make_linear(shape.intermediate_size, shape.hidden_size, shape.mlp_bias, quant,
                                 f"{prefix}.proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.proj(ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual stream travels beside the hidden state so each RMSNorm can
+    take the residual add with it (one fused op instead of add + norm)."""
+
     def __init__(self, config: EngineConfig, layer: int) -> None:
         super().__init__()
         shape = config.model
@@ -68,10 +66,17 @@ class DecoderLayer(nn.Module):
         self.post_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = GatedMLP(config, layer)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attention(self.input_layernorm(x), positions, rotary, cache, meta)
-        return x + self.mlp(self.post_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, cache: PagedKVCache, meta: AttentionMetadata,
+                ops: TorchOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream without it); the next norm adds them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, ops)
+        else:
+            h, residual = self.input_layernorm(x, ops, residual)
+        h = self.attention(h, positions, rotary, cache, meta, ops)
+        h, residual = self.post_layernorm(h, ops, residual)
+        return self.mlp(h, ops), residual
 
 
 class Transformer(nn.Module):
@@ -85,7 +90,9 @@ class Transformer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward(packed ids, positions, cache, metadata) -> hidden states; `logits` projects rows."""
+    """forward(packed ids, positions, cache, metadata, ops) -> hidden states; `logits` projects
+    rows. `lm_head` is None while the embeddings are tied (the projection reads the embedding
+    table) unless a kernel gave it a layout of its own (`kernels.linear.pack_linears`)."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
@@ -94,18 +101,22 @@ class CausalLM(nn.Module):
         self.transformer = Transformer(config)
         self.rotary = RotaryEmbedding(shape, config.limits.max_seq_len)
         self.tie_word_embeddings = shape.tie_word_embeddings
+        self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, ops: TorchOps) -> torch.Tensor:
         x = self.transformer.vocab_embedding(input_ids)
+        residual = None
         for layer in self.transformer.layers:
-            x = layer(x, positions, self.rotary, cache, meta)
-        return self.transformer.ln_f(x)
+            x, residual = layer(x, residual, positions, self.rotary, cache, meta, ops)
+        if residual is None:  # a model without layers
+            return self.transformer.ln_f(x, ops)
+        return self.transformer.ln_f(x, ops, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (self.transformer.vocab_embedding.weight if self.tie_word_embeddings
-                  else self.lm_head.weight)
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.transformer.vocab_embedding.weight).float()
+        return self.lm_head(hidden).float()

@@ -11,9 +11,15 @@ import torch
 from triton_backend.engine.attention import AttentionMetadata, PrefillChunk
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from triton_backend.engine.weights import load_model, runtime_dtype
+
+
+# Chunks of at most this many new tokens are attended by the paged kernel (decodes, short
+# chunks); longer prefill chunks by torch's flash attention, which is faster for them.
+KERNEL_MAX_QUERY = 8
 
 
 @dataclass
@@ -49,14 +55,27 @@ class ModelRunner:
         self.model = load_model(engine_dir, config, self.device)
         self.kv_cache = make_kv_cache(config, self.dtype, self.device, num_blocks)
         self.sampler = Sampler()
+        self.ops = select_ops(self.device)
+        # The paged kernel reads the cache as is: a one-byte cache goes through the torch path.
+        self.kernel_attention = (isinstance(self.ops, CppOps) and type(self.kv_cache) is PagedKVCache
+                                 and self.kv_cache.k.dtype == self.dtype)
+        if isinstance(self.ops, CppOps) and self.dtype == torch.bfloat16:
+            from triton_backend.engine.kernels import build_key
+            from triton_backend.engine.kernels.linear import pack_linears, packed_gemm_wins
+
+            if packed_gemm_wins(build_key()):
+                pack_linears(self.model)
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput, eos_ids: dict[int, frozenset[int]],
             return_logits: bool = False) -> RunnerOutput:
-        input_ids, positions, meta, sample_rows = self._prepare(output.chunks)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        """Run one step. Logits, when asked for, are [T, V] in packed-row order (the chunks
+        the kernel attends come first)."""
+        chunks = self._packing_order(output.chunks)
+        input_ids, positions, meta, sample_rows = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops)
         all_logits = self.model.logits(hidden) if return_logits else None
-        sampling_chunks = [c for c in output.chunks if c.needs_sample]
+        sampling_chunks = [c for c in chunks if c.needs_sample]
         if not sampling_chunks:
             return RunnerOutput({}, all_logits)
         rows = torch.tensor(sample_rows, device=self.device)
@@ -64,34 +83,60 @@ class ModelRunner:
         picks = self.sampler(logits.cpu(), sampling_chunks, eos_ids)
         return RunnerOutput({c.seq_id: p for c, p in zip(sampling_chunks, picks)}, all_logits)
 
+    def _for_kernel(self, chunk: ScheduledChunk) -> bool:
+        return self.kernel_attention and len(chunk.new_token_ids) <= KERNEL_MAX_QUERY
+
+    def _packing_order(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        if not self.kernel_attention:
+            return chunks
+        return ([c for c in chunks if self._for_kernel(c)]
+                + [c for c in chunks if not self._for_kernel(c)])
+
     def _prepare(self, chunks: list[ScheduledChunk]):
-        ids, positions, new_slots, sample_rows = [], [], [], []
-        prefills, decodes = [], []
+        tpb = self.tokens_per_block
+        ids, positions, slots, sample_rows = [], [], [], []
+        prefills, decodes, kernel_chunks = [], [], []
         for chunk in chunks:
             start, q_len = chunk.num_computed_tokens, len(chunk.new_token_ids)
             q_start = len(ids)
+            table = chunk.block_table
             ids.extend(chunk.new_token_ids)
             positions.extend(range(start, start + q_len))
-            new_slots.append(self._slots(chunk.block_table, start, start + q_len))
-            if q_len == 1 and start > 0:
+            slots.extend(table[p // tpb] * tpb + p % tpb for p in range(start, start + q_len))
+            if self._for_kernel(chunk):
+                kernel_chunks.append(chunk)
+            elif q_len == 1 and start > 0:
                 decodes.append((q_start, chunk))
             else:
-                cached = self._slots(chunk.block_table, 0, start + q_len) if start > 0 else None
+                cached = None
+                if start > 0:
+                    cached = torch.tensor([table[p // tpb] * tpb + p % tpb
+                                           for p in range(start + q_len)], device=self.device)
                 prefills.append(PrefillChunk(q_start, q_start + q_len, start, cached))
             if chunk.needs_sample:
                 sample_rows.append(len(ids) - 1)
-        meta = AttentionMetadata(slot_mapping=torch.cat(new_slots).to(self.device),
-                                 prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=self._long(slots), prefills=prefills)
         if decodes:
             self._add_decodes(meta, decodes)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), meta, sample_rows
+        if kernel_chunks:
+            self._add_kernel_chunks(meta, kernel_chunks)
+        return self._long(ids), self._long(positions), meta, sample_rows
 
-    def _slots(self, block_table: list[int], begin: int, end: int) -> torch.Tensor:
-        """Cache slots of token positions [begin, end) of a sequence with `block_table`."""
-        positions = torch.arange(begin, end)
-        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.tokens_per_block]
-        return (blocks * self.tokens_per_block + positions % self.tokens_per_block).to(self.device)
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _add_kernel_chunks(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:
+        """Block tables (0-padded), key counts and row offsets of the packed-first chunks."""
+        width = max(len(c.block_table) for c in chunks)
+        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+        seq_lens = [c.num_computed_tokens + len(c.new_token_ids) for c in chunks]
+        query_start = [0]
+        for chunk in chunks:
+            query_start.append(query_start[-1] + len(chunk.new_token_ids))
+        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+        meta.kernel_rows = query_start[-1]
+        meta.block_tables, meta.seq_lens = as_int(tables), as_int(seq_lens)
+        meta.query_start = as_int(query_start)
 
     def _add_decodes(self, meta: AttentionMetadata, decodes: list[tuple[int, ScheduledChunk]]) -> None:
         """Padded key slots [n, max_k] and a mask of the real keys for all decodes at once."""

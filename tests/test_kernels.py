@@ -1,0 +1,145 @@
+"""The C++ CPU kernels against the pure-torch reference they replace, op by op and end to end."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triton_backend.engine.kernels import load_cpu_kernels
+from triton_backend.engine.kernels.linear import PackedBf16Linear, pack_weight
+from triton_backend.engine.ops import CppOps, TorchOps
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels did not build")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, exact_bf16: bool = False):
+    if dtype == torch.bfloat16 and exact_bf16:
+        assert torch.equal(a, b)
+    else:
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_the_fused_residual_add_match_torch(dtype):
+    torch.manual_seed(0)
+    x, residual = torch.randn(7, 100).to(dtype), torch.randn(7, 100).to(dtype)
+    weight = torch.randn(100).to(dtype)
+    _close(CppOps().rms_norm(x, weight, 1e-5), TorchOps().rms_norm(x, weight, 1e-5), dtype,
+           exact_bf16=True)
+    ref_out, ref_res = TorchOps().add_rms_norm(x, residual, weight, 1e-5)
+    mine = residual.clone()
+    out, new_residual = CppOps().add_rms_norm(x, mine, weight, 1e-5)
+    assert new_residual is mine  # updated in place
+    _close(new_residual, ref_res, dtype, exact_bf16=True)
+    _close(out, ref_out, dtype, exact_bf16=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    gate_up = (torch.randn(5, 2 * 67) * 4).to(dtype)  # odd width: the scalar tail runs too
+    _close(CppOps().silu_mul(gate_up), TorchOps().silu_mul(gate_up), dtype, exact_bf16=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 13, 100])
+def test_packed_linear_matches_a_float32_matmul(dtype, m):
+    torch.manual_seed(m)
+    weight = torch.randn(50, 72).to(torch.bfloat16)  # 50 outputs: a partial last tile
+    bias = torch.randn(50).to(torch.bfloat16)
+    x = torch.randn(m, 72).to(dtype)
+    out = PackedBf16Linear(weight, bias)(x)
+    assert out.dtype == dtype and out.shape == (m, 50)
+    expected = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
+    _close(out, expected, dtype)
+
+
+def test_packed_linear_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(1)
+    layer = PackedBf16Linear(torch.randn(96, 64).to(torch.bfloat16), None)
+    x = torch.randn(13, 64)
+    batched = layer(x)
+    for i in (0, 5, 12):
+        assert torch.equal(layer(x[i:i + 1])[0], batched[i])
+
+
+def test_packed_rows_are_the_weight_rows():
+    weight = torch.randn(37, 16).to(torch.bfloat16)
+    ids = torch.tensor([0, 36, 17, 16, 5])
+    assert torch.equal(PackedBf16Linear(weight, None).rows(ids), weight[ids])
+    assert pack_weight(weight).shape == (3, 16, 16)
+
+
+def _paged_case(dtype, q_lens, ctx_lens, num_heads=6, num_kv_heads=2, head_dim=32, tpb=4):
+    """A shuffled block pool, one block table per sequence, their queries packed."""
+    g = torch.Generator().manual_seed(7)
+    blocks = [-(-n // tpb) for n in ctx_lens]
+    pool = torch.randperm(sum(blocks) + 3, generator=g)
+    tables, at = [], 0
+    for n in blocks:
+        tables.append(pool[at:at + n].tolist())
+        at += n
+    slots = (sum(blocks) + 3) * tpb
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    return tables, k_cache, v_cache, q
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4)], ids=["gqa", "mha"])
+def test_paged_attention_matches_gathered_sdpa(dtype, heads):
+    num_heads, num_kv_heads = heads
+    q_lens, ctx_lens, tpb, scale = [1, 3, 1, 8], [9, 5, 600, 8], 4, 1 / math.sqrt(32)
+    tables, k_cache, v_cache, q = _paged_case(dtype, q_lens, ctx_lens, num_heads, num_kv_heads,
+                                              tpb=tpb)
+    width = max(len(t) for t in tables)
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    out = torch.ops.llm_forge.paged_attention(
+        q, k_cache, v_cache, as_int([t + [0] * (width - len(t)) for t in tables]),
+        as_int(ctx_lens), as_int(starts), tpb, scale)
+    for b, (n_q, n_ctx) in enumerate(zip(q_lens, ctx_lens)):
+        pos = torch.arange(n_ctx)
+        slots = torch.tensor(tables[b])[pos // tpb] * tpb + pos % tpb
+        ks, vs = k_cache[slots].float().transpose(0, 1), v_cache[slots].float().transpose(0, 1)
+        qs = q[starts[b]:starts[b + 1]].float().transpose(0, 1)
+        mask = pos[None, :] <= torch.arange(n_q)[:, None] + n_ctx - n_q
+        ref = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
+                                             scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        _close(out[starts[b]:starts[b + 1]], ref.to(dtype), dtype)
+
+
+def test_a_row_of_paged_attention_does_not_depend_on_its_batch():
+    tables, k_cache, v_cache, q = _paged_case(torch.float32, [1, 1, 1], [700, 30, 3])
+    width = max(len(t) for t in tables)
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    padded = as_int([t + [0] * (width - len(t)) for t in tables])
+    together = torch.ops.llm_forge.paged_attention(q, k_cache, v_cache, padded,
+                                                   as_int([700, 30, 3]), as_int([0, 1, 2, 3]), 4,
+                                                   0.2)
+    alone = torch.ops.llm_forge.paged_attention(q[:1], k_cache, v_cache, padded[:1],
+                                                as_int([700]), as_int([0, 1]), 4, 0.2)
+    assert torch.equal(together[:1], alone)
+
+
+def test_torch_and_cpp_backends_agree_on_an_engine(tiny_engines, monkeypatch):
+    """Same fp32 engine, same prompts: prefill logits within float noise, greedy ids equal."""
+    from triton_backend.engine import Request
+    from triton_backend.engine import model_runner
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate, prefill_logits
+
+    engine_dir = tiny_engines("llama_gqa")
+    prompts = [[5 + i, 9, 13 + 2 * i, 7] * (i + 1) for i in range(4)]
+    requests = lambda: [Request(p, 12, ignore_eos=True) for p in prompts]  # noqa: E731
+    cpp_ids = [r.output_ids for r in generate(LLMEngine(engine_dir), requests())]
+    cpp_logits = prefill_logits(engine_dir, prompts[3])
+    assert LLMEngine(engine_dir).runner.ops.name == "cpp"
+    monkeypatch.setattr(model_runner, "select_ops", lambda device: TorchOps())
+    assert [r.output_ids for r in generate(LLMEngine(engine_dir), requests())] == cpp_ids
+    torch.testing.assert_close(prefill_logits(engine_dir, prompts[3]), cpp_logits, atol=1e-4,
+                               rtol=1e-4)

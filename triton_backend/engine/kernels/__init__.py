@@ -1,0 +1,108 @@
+"""The runtime's CPU kernels: a small C++ torch extension, built once per machine and cached.
+
+`load_cpu_kernels()` compiles `csrc/*.cpp` with the system compiler (`-march=native`: it is built
+on the machine that runs it) into the operator library `torch.ops.llm_forge`, under
+`<cache>/kernels/<key>/`, where the key hashes the sources, the flags, the torch version and the
+CPU. The first call on a machine compiles (tens of seconds, logged with its time); later calls,
+in any process, load the cached library in well under a second.
+
+Everything here has a pure-torch equivalent in the model code, used when the extension cannot be
+built (no compiler, no ninja) or when `LLM_FORGE_KERNELS=torch` asks for it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from triton_backend.engine.cache_dir import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("register.cpp", "gemm.cpp", "layer_ops.cpp", "attention.cpp")
+HEADERS = ("vec.h",)
+CSRC = Path(__file__).resolve().parent / "csrc"
+# No implicit FMA contraction: elementwise kernels round like the torch ops they replace; the
+# GEMM and dot products fuse explicitly.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17")
+LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
+ENV_SWITCH = "LLM_FORGE_KERNELS"  # "torch": never build, use the pure-torch paths
+
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        fields = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(fields)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """Names one build of the kernels: sources, flags, torch and the CPU."""
+    if "key" in _state:
+        return str(_state["key"])
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_signature().encode())
+    _state["key"] = digest.hexdigest()[:16]
+    return str(_state["key"])
+
+
+def kernels_wanted() -> bool:
+    choice = os.environ.get(ENV_SWITCH, "auto").strip().lower()
+    if choice not in ("auto", "cpp", "torch"):
+        raise ValueError(f"{ENV_SWITCH} must be auto, cpp or torch, got {choice!r}")
+    return choice != "torch"
+
+
+def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
+    """Make `torch.ops.llm_forge` available; False (with the reason logged) when it cannot be.
+
+    `report` receives one human line (built in N s / loaded from cache / unavailable: why)."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    say = report or log.info
+    if not kernels_wanted():
+        _state["ok"] = False
+        say(f"CPU kernels: off ({ENV_SWITCH}=torch), using the pure-torch paths")
+        return False
+    key = build_key()
+    build_dir = cache_root() / "kernels" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cached = any(build_dir.glob("*.so"))
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=f"llm_forge_cpu_{key}", sources=[str(CSRC / s) for s in SOURCES],
+             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a toolchain too old: keep serving
+        _state["ok"] = False
+        say(f"CPU kernels: unavailable ({type(exc).__name__}: {str(exc)[:300]}); "
+            f"using the pure-torch paths")
+        return False
+    elapsed = time.perf_counter() - start
+    _state["ok"] = True
+    if cached:
+        say(f"CPU kernels: loaded from the cache ({elapsed:.1f}s)")
+    else:
+        say(f"CPU kernels: compiled for this CPU in {elapsed:.1f}s, cached in {build_dir}")
+    return True
+
+
+def ops():
+    """`torch.ops.llm_forge` (call `load_cpu_kernels()` first)."""
+    return torch.ops.llm_forge

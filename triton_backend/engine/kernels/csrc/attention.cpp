@@ -1,0 +1,235 @@
+// Attention over the paged KV cache, read in place (no gather into a padded tensor).
+//
+// Packed queries: sequence b owns rows [query_start[b], query_start[b+1]) of q, its keys are the
+// first seq_lens[b] cache entries named by its block table (the new tokens' keys are already
+// written), and query row t sees the keys up to its own position (causal, offset by what was
+// cached before this step). The query heads that share a kv head read each key and value once.
+//
+// Work is split into parts of at most kPart keys: one work item is (row, kv head, part), so a
+// long context is spread over the threads even for a single sequence. Each part keeps its own
+// max, sum and weighted values; parts are merged in order. Part boundaries depend only on the
+// row's own key count, so a row's result never depends on what else is in the step.
+#include "vec.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <limits>
+#include <vector>
+
+namespace llm_forge {
+namespace {
+
+constexpr int64_t kPart = 256;
+constexpr int64_t kMaxHeadDim = 512;
+
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t D) {
+  int64_t i = 0;
+  for (; i + kLanes <= D; i += kLanes) store(dst + i, load(src + i));
+  for (; i < D; ++i) dst[i] = to_float(src[i]);
+}
+
+struct Geometry {
+  int64_t num_q_heads, num_kv_heads, D, tokens_per_block, max_blocks;
+  int64_t q_row_stride, q_head_stride, kv_slot_stride;
+  float scale;
+  int64_t group() const { return num_q_heads / num_kv_heads; }
+  int64_t partial_size() const { return group() * (2 + D); }  // per item: m, l, acc[D] per head
+};
+
+struct Item {
+  int64_t row, kv_head, key_begin, key_end, seq;
+};
+
+inline int64_t slot_of(const int32_t* table, int64_t j, int64_t tpb) {
+  return static_cast<int64_t>(table[j / tpb]) * tpb + j % tpb;
+}
+
+// One part: scores of keys [kb, ke) for the group's heads, softmax numerators against the part's
+// own max, and the weighted sum of values. Writes (m, l, acc[D]) per head to `partial`.
+template <typename T>
+void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v_cache,
+                 const int32_t* table, int64_t kv_head, int64_t kb, int64_t ke, float* partial,
+                 std::vector<float>& scratch) {
+  const int64_t G = g.group(), D = g.D, n = ke - kb, tpb = g.tokens_per_block;
+  scratch.resize(G * (n + kLanes) + G * D);
+  float* scores = scratch.data();           // [G, n + 8]: rows padded for the 8-key stores
+  float* qf = scores + G * (n + kLanes);    // [G, D] scaled queries
+  const int64_t stride = n + kLanes;
+  for (int64_t h = 0; h < G; ++h) {
+    const T* qh = q_row + (kv_head * G + h) * g.q_head_stride;
+    for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(qh[i]) * g.scale;
+  }
+  const bool vector_dots = D % kLanes == 0;
+  float keys[kLanes * kMaxHeadDim];  // this block's keys, widened once for all the group's heads
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - j0);
+    for (int64_t jj = 0; jj < kLanes; ++jj) {
+      const T* k = k_cache + slot_of(table, kb + j0 + std::min(jj, count - 1), tpb) *
+                   g.kv_slot_stride + kv_head * D;
+      widen(k, keys + jj * D, D);
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      float* out = scores + h * stride + j0;
+      if (vector_dots) {
+        vf acc[kLanes];
+        for (int jj = 0; jj < kLanes; ++jj) acc[jj] = splat(0.f);
+        for (int64_t d = 0; d < D; d += kLanes) {
+          vf qv = load(qf + h * D + d);
+          for (int jj = 0; jj < kLanes; ++jj) acc[jj] = fmadd(qv, load(keys + jj * D + d), acc[jj]);
+        }
+        store(out, hsum8(acc));
+      } else {
+        for (int64_t jj = 0; jj < count; ++jj) {
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qf[h * D + d] * keys[jj * D + d];
+          out[jj] = s;
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* s = scores + h * stride;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+    float l = 0.f;
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      vf e = vexp(load(s + j) - splat(m));
+      store(s + j, e);
+      l += hsum(e);
+    }
+    for (; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      l += s[j];
+    }
+    float* ph = partial + h * (2 + D);
+    ph[0] = m;
+    ph[1] = l;
+    for (int64_t i = 0; i < D; ++i) ph[2 + i] = 0.f;
+  }
+  // Values 8 at a time, widened once; each head's accumulator chunk stays in a register across
+  // the block's 8 keys.
+  float* values = keys;  // the key buffer is free again
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - j0);
+    for (int64_t jj = 0; jj < count; ++jj)
+      widen(v_cache + slot_of(table, kb + j0 + jj, tpb) * g.kv_slot_stride + kv_head * D,
+            values + jj * D, D);
+    for (int64_t h = 0; h < G; ++h) {
+      float* acc = partial + h * (2 + D) + 2;
+      const float* p = scores + h * stride + j0;
+      int64_t i = 0;
+      for (; i + kLanes <= D; i += kLanes) {
+        vf a = load(acc + i);
+        for (int64_t jj = 0; jj < count; ++jj) a = fmadd(splat(p[jj]), load(values + jj * D + i), a);
+        store(acc + i, a);
+      }
+      for (; i < D; ++i)
+        for (int64_t jj = 0; jj < count; ++jj) acc[i] += p[jj] * values[jj * D + i];
+    }
+  }
+}
+
+// Merge a (row, kv head)'s parts in order and write its heads' outputs.
+template <typename T>
+void merge_parts(const Geometry& g, const float* parts, int64_t num_parts, int64_t kv_head,
+                 T* out_row) {
+  const int64_t G = g.group(), D = g.D, size = g.partial_size();
+  for (int64_t h = 0; h < G; ++h) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p) m = std::max(m, parts[p * size + h * (2 + D)]);
+    float l = 0.f;
+    float acc[kMaxHeadDim];
+    for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float* ph = parts + p * size + h * (2 + D);
+      const float w = num_parts == 1 ? 1.f : std::exp(ph[0] - m);
+      l += w * ph[1];
+      for (int64_t i = 0; i < D; ++i) acc[i] += w * ph[2 + i];
+    }
+    T* o = out_row + (kv_head * G + h) * D;
+    const float inv = 1.f / l;
+    for (int64_t i = 0; i < D; ++i) o[i] = static_cast<T>(acc[i] * inv);
+  }
+}
+
+template <typename T>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start,
+                          const Geometry& g, at::Tensor& out) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int32_t* starts = query_start.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  // Items grouped by (row, kv head): first[r * Hkv + h] .. first[r * Hkv + h + 1].
+  std::vector<Item> items;
+  std::vector<int64_t> first;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    for (int64_t row = starts[b]; row < starts[b + 1]; ++row) {
+      const int64_t num_keys = lens[b] - (starts[b + 1] - 1 - row);  // causal: up to this row
+      TORCH_CHECK(num_keys >= 1 && num_keys <= g.max_blocks * g.tokens_per_block,
+                  "a row sees ", num_keys, " keys, outside its block table");
+      for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+        first.push_back(static_cast<int64_t>(items.size()));
+        for (int64_t kb = 0; kb < num_keys; kb += kPart)
+          items.push_back({row, h, kb, std::min(kb + kPart, num_keys), b});
+      }
+    }
+  }
+  first.push_back(static_cast<int64_t>(items.size()));
+  std::vector<float> parts(items.size() * g.partial_size());
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      attend_part(g, qp + it.row * g.q_row_stride, kp, vp, tables + it.seq * g.max_blocks,
+                  it.kv_head, it.key_begin, it.key_end, parts.data() + i * g.partial_size(),
+                  scratch);
+    }
+  });
+  T* op = out.data_ptr<T>();
+  const int64_t groups = static_cast<int64_t>(first.size()) - 1;
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const int64_t row = gi / g.num_kv_heads, kv_head = gi % g.num_kv_heads;
+      merge_parts(g, parts.data() + first[gi] * g.partial_size(), first[gi + 1] - first[gi],
+                  kv_head, op + row * g.num_q_heads * g.D);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start,
+                           int64_t tokens_per_block, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with unit last stride");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the cache must be contiguous [slots, Hkv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables, seq_lens and query_start must be int32");
+  TORCH_CHECK(query_start.size(0) == seq_lens.size(0) + 1, "query_start must have B + 1 entries");
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim over ", kMaxHeadDim, " is not supported");
+  Geometry g{q.size(1), k_cache.size(1), q.size(2), tokens_per_block, block_tables.size(1),
+             q.stride(0), q.stride(1), k_cache.stride(0), static_cast<float>(scale)};
+  TORCH_CHECK(g.num_q_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == at::kBFloat16)
+    paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                                       g, out);
+  else
+    paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, query_start, g, out);
+  return out;
+}
+
+}  // namespace llm_forge

@@ -1,0 +1,192 @@
+// Fused per-layer ops of the Llama-family decoder: RMSNorm (with the residual add folded in),
+// SiLU(gate) * up, and rotary embedding with the KV-cache write folded in.
+//
+// Each replaces several torch ops (and their per-op dispatch cost) with one pass over the rows,
+// and rounds where the torch ops round (an intermediate stored as bf16 is rounded as bf16 here
+// too), so a bf16 engine computes what its pure-torch path computes, up to fp32 summation order.
+#include "vec.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+namespace llm_forge {
+namespace {
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t H, float eps) {
+  vf acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= H; i += kLanes) {
+    vf v = load(x + i);
+    acc = fmadd(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; i < H; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  i = 0;
+  for (; i + kLanes <= H; i += kLanes) {
+    vf h = round_to<T>(load(x + i) * splat(inv));  // torch: (x * rsqrt).to(dtype)
+    store(out + i, h * load(w + i));                // then weight * h, rounded on store
+  }
+  for (; i < H; ++i) out[i] = static_cast<T>(round_to<T>(to_float(x[i]) * inv) * to_float(w[i]));
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_norm_rows(xp + r * H, wp, op + r * H, H, (float)eps);
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
+                       at::Tensor& out, double eps) {
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      T* res = rp + r * H;
+      const T* add = xp + r * H;
+      int64_t i = 0;
+      for (; i + kLanes <= H; i += kLanes) store(res + i, load(res + i) + load(add + i));
+      for (; i < H; ++i) res[i] = static_cast<T>(to_float(res[i]) + to_float(add[i]));
+      rms_norm_rows(res, wp, op + r * H, H, (float)eps);
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t I = out.size(-1), rows = out.numel() / I;
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = gp + r * 2 * I;
+      const T* u = g + I;
+      T* o = op + r * I;
+      int64_t i = 0;
+      for (; i + kLanes <= I; i += kLanes) {
+        vf gv = load(g + i);
+        vf s = round_to<T>(gv / (splat(1.f) + vexp(-gv)));  // F.silu rounds its output
+        store(o + i, s * load(u + i));
+      }
+      for (; i < I; ++i) {
+        float gv = to_float(g[i]);
+        float s = round_to<T>(gv / (1.f + std::exp(-gv)));
+        o[i] = static_cast<T>(s * to_float(u[i]));
+      }
+    }
+  });
+}
+
+// Rotate q and k of each token in place (rotate-half form, as Llama) and write k and v into the
+// layer's cache at the token's slot. cos/sin rows are fp32 [max_positions, D] with both halves
+// equal; torch casts them to the activation dtype first, and so do we.
+template <typename T>
+void rope_write_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                           const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t T_ = qkv.size(0), D = cos.size(1), half = D / 2;
+  const int64_t row = qkv.stride(0);
+  T* base = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t kv_stride = num_kv_heads * D;
+  at::parallel_for(0, T_, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      T* q = base + t * row;
+      for (int64_t h = 0; h < num_q_heads + num_kv_heads; ++h) {
+        T* x = q + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+          float c1 = round_to<T>(c[i]), s1 = round_to<T>(s[i]);
+          float c2 = round_to<T>(c[i + half]), s2 = round_to<T>(s[i + half]);
+          float a1 = round_to<T>(x1 * c1), b1 = round_to<T>(-x2 * s1);
+          float a2 = round_to<T>(x2 * c2), b2 = round_to<T>(x1 * s2);
+          x[i] = static_cast<T>(a1 + b1);
+          x[i + half] = static_cast<T>(a2 + b2);
+        }
+      }
+      const T* k = q + num_q_heads * D;
+      const T* v = k + kv_stride;
+      std::memcpy(kc + slot[t] * kv_stride, k, kv_stride * sizeof(T));
+      std::memcpy(vc + slot[t] * kv_stride, v, kv_stride * sizeof(T));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              name, " must be bf16 or fp32");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "weight must match x");
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) rms_norm_impl<at::BFloat16>(x, weight, out, eps);
+  else rms_norm_impl<float>(x, weight, out, eps);
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(),
+              "x, residual and weight must share a dtype");
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) add_rms_norm_impl<at::BFloat16>(x, residual, weight, out, eps);
+  else add_rms_norm_impl<float>(x, residual, weight, out, eps);
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  auto sizes = gate_up.sizes().vec();
+  TORCH_CHECK(sizes.back() % 2 == 0, "gate_up must have an even last dimension");
+  sizes.back() /= 2;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) silu_mul_impl<at::BFloat16>(gate_up, out);
+  else silu_mul_impl<float>(gate_up, out);
+  return out;
+}
+
+void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous(), "cos/sin must be contiguous fp32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
+              "positions and slot_mapping must be int64");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "the cache must be contiguous in the dtype of qkv");
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * cos.size(1), "qkv width");
+  if (qkv.scalar_type() == at::kBFloat16)
+    rope_write_cache_impl<at::BFloat16>(qkv, positions, cos, sin, num_q_heads, num_kv_heads,
+                                        k_cache, v_cache, slot_mapping);
+  else
+    rope_write_cache_impl<float>(qkv, positions, cos, sin, num_q_heads, num_kv_heads, k_cache,
+                                 v_cache, slot_mapping);
+}
+
+}  // namespace llm_forge

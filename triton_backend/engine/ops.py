@@ -1,0 +1,106 @@
+"""The per-layer operations of the decoder, in two interchangeable backends.
+
+`TorchOps` is the reference: plain torch ops, runs on any device. `CppOps` runs the same
+operations through the CPU kernels of `kernels/csrc` (fused RMSNorm + residual, SiLU * up,
+rotary + KV-cache write, paged decode attention that reads the cache in place), with one call
+where torch needs several. Both round where the other rounds, so they agree up to fp32 summation
+order; tests hold them to that.
+
+The model calls `ops.<op>(...)`; which backend it gets is decided once at load
+(`select_ops`): the C++ one on a CPU when the kernels built, the torch one otherwise (or when
+`LLM_FORGE_KERNELS=torch`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from triton_backend.engine.attention import AttentionMetadata, paged_attention, prefill_attention
+from triton_backend.engine.kv_cache import PagedKVCache
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Computed in float32 and cast back, as transformers does."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the residual stream and the next input."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary,
+                  cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
+                  num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+        """Rotary on q and k, cache write, attention -> [T, num_heads * head_dim]."""
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, num_heads, head_dim)
+        k = k.view(-1, num_kv_heads, head_dim)
+        v = v.view(-1, num_kv_heads, head_dim)
+        q, k = rotary(positions, q, k)
+        return paged_attention(layer, q, k, v, cache, meta, scale).reshape(-1, q_size)
+
+
+class CppOps(TorchOps):
+    """The C++ kernels (`torch.ops.llm_forge`); load them before constructing."""
+
+    name = "cpp"
+
+    def __init__(self) -> None:
+        self._ops = torch.ops.llm_forge
+
+    def rms_norm(self, x, weight, eps):
+        return self._ops.rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        # The residual stream is updated in place: it is this step's own buffer.
+        return self._ops.add_rms_norm(x.contiguous(), residual, weight, eps), residual
+
+    def silu_mul(self, gate_up):
+        return self._ops.silu_mul(gate_up.contiguous())
+
+    def attention(self, layer, qkv, positions, rotary, cache, meta, num_heads, num_kv_heads,
+                  head_dim, scale):
+        if type(cache) is not PagedKVCache or cache.k.dtype != qkv.dtype:
+            # One-byte caches quantize on write and dequantize on read: the torch path does it.
+            return super().attention(layer, qkv, positions, rotary, cache, meta, num_heads,
+                                     num_kv_heads, head_dim, scale)
+        qkv = qkv.contiguous()
+        self._ops.rope_write_cache(qkv, positions, rotary.cos, rotary.sin, num_heads,
+                                   num_kv_heads, cache.k[layer], cache.v[layer],
+                                   meta.slot_mapping)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q = qkv[:, :q_size].view(-1, num_heads, head_dim)
+        out = torch.empty_like(q)
+        rows = meta.kernel_rows
+        if rows:  # short queries (decodes): the paged kernel, in place over the cache
+            out[:rows] = self._ops.paged_attention(
+                q[:rows], cache.k[layer], cache.v[layer], meta.block_tables, meta.seq_lens,
+                meta.query_start, cache.tokens_per_block, scale)
+        if meta.prefills:  # long chunks: torch's flash attention over the rotated q, k, v
+            k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
+            for chunk in meta.prefills:
+                out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk,
+                                                                   scale)
+        return out.view(-1, q_size)
+
+
+def select_ops(device: torch.device) -> TorchOps:
+    """The C++ backend on a CPU when its kernels load, else the torch reference."""
+    if device.type == "cpu":
+        from triton_backend.engine.kernels import load_cpu_kernels
+
+        if load_cpu_kernels():
+            return CppOps()
+    return TorchOps()
