@@ -24,26 +24,51 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                  eos_ids: dict[int, frozenset[int]]) -> list[tuple[int, float]]:
         """logits [n, V] float32, one row per chunk -> (token id, log prob) per chunk."""
-        results = []
-        for row, chunk in zip(logits, chunks):
-            row = self._mask(row.clone(), chunk, eos_ids[chunk.seq_id])
-            params = chunk.request.sampling
-            if params.has_penalties:
-                row = _apply_penalties(row, chunk)
-            if params.greedy:
-                log_probs = torch.log_softmax(row, dim=-1)
-                token = int(torch.argmax(row))
-            else:
-                row = row / params.temperature
-                log_probs = torch.log_softmax(row, dim=-1)
-                token = self._draw(_top_k_top_p(row, params.top_k, params.top_p), chunk)
-            results.append((token, float(log_probs[token])))
+        results: list[tuple[int, float] | None] = [None] * len(chunks)
+        plain = [i for i, chunk in enumerate(chunks) if _plain_greedy(chunk.request)]
+        if plain:
+            for i, pick in zip(plain, self._greedy_rows(logits, chunks, plain, eos_ids)):
+                results[i] = pick
+        for i, chunk in enumerate(chunks):
+            if results[i] is None:
+                results[i] = self._one_row(logits[i], chunk, eos_ids[chunk.seq_id])
         return results
+
+    def _greedy_rows(self, logits: torch.Tensor, chunks: list[ScheduledChunk], rows: list[int],
+                     eos_ids: dict[int, frozenset[int]]) -> list[tuple[int, float]]:
+        """Greedy picks of several rows in one pass (the min_tokens EOS mask included)."""
+        batch = logits if len(rows) == len(chunks) else logits[rows]
+        masked_rows, masked_ids = [], []
+        for r, i in enumerate(rows):
+            eos = eos_ids[chunks[i].seq_id]
+            if _below_min_tokens(chunks[i], eos):
+                masked_rows.extend([r] * len(eos))
+                masked_ids.extend(eos)
+        if masked_rows:
+            batch = batch.clone()
+            batch[masked_rows, masked_ids] = float("-inf")
+        tokens = batch.argmax(dim=-1)
+        log_probs = batch.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(batch, dim=-1)
+        return list(zip(tokens.tolist(), log_probs.tolist()))
+
+    def _one_row(self, row: torch.Tensor, chunk: ScheduledChunk, eos: frozenset[int]
+                 ) -> tuple[int, float]:
+        row = self._mask(row.clone(), chunk, eos)
+        params = chunk.request.sampling
+        if params.has_penalties:
+            row = _apply_penalties(row, chunk)
+        if params.greedy:
+            log_probs = torch.log_softmax(row, dim=-1)
+            token = int(torch.argmax(row))
+        else:
+            row = row / params.temperature
+            log_probs = torch.log_softmax(row, dim=-1)
+            token = self._draw(_top_k_top_p(row, params.top_k, params.top_p), chunk)
+        return token, float(log_probs[token])
 
     def _mask(self, row: torch.Tensor, chunk: ScheduledChunk, eos: frozenset[int]) -> torch.Tensor:
         request = chunk.request
-        generated = len(chunk.token_ids) - chunk.num_prompt_tokens
-        if generated < request.sampling.min_tokens and eos and not request.ignore_eos:
+        if _below_min_tokens(chunk, eos):
             row[list(eos)] = float("-inf")
         for bad in request.bad_token_sequences:
             prefix = bad[:-1]
@@ -60,6 +85,17 @@ class Sampler:
             self._generators[chunk.seq_id] = generator
         probs = torch.softmax(row, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _plain_greedy(request) -> bool:
+    """Greedy with nothing but the EOS mask: such rows are picked together in one pass."""
+    return (request.sampling.greedy and not request.sampling.has_penalties
+            and not request.bad_token_sequences)
+
+
+def _below_min_tokens(chunk: ScheduledChunk, eos: frozenset[int]) -> bool:
+    generated = len(chunk.token_ids) - chunk.num_prompt_tokens
+    return bool(eos) and not chunk.request.ignore_eos and generated < chunk.request.sampling.min_tokens
 
 
 def _apply_penalties(row: torch.Tensor, chunk: ScheduledChunk) -> torch.Tensor:
