@@ -55,8 +55,16 @@ def _int4_linear(out_f: int, in_f: int, group: int, prequant: bool, bias: bool):
     return linear, int4.dequantize(q, scales), pre, b
 
 
-@pytest.mark.parametrize("out_f,kernel", [(96, "cpu_int4pack"), (40, "dequant")])
-def test_int4_linear_matches_dequantized_reference(out_f, kernel):
+@pytest.mark.parametrize("out_f,ours,kernel", [(96, True, "cpp_int4"), (40, True, "cpp_int4"),
+                                               (96, False, "cpu_int4pack"), (40, False, "dequant")])
+def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypatch):
+    """Each CPU path: our kernel (any even width), torch's int4pack (widths of 16), dequant."""
+    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.quant import linear as quant_linear
+
+    if ours and not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    monkeypatch.setattr(quant_linear, "_cpp_int4_wins", lambda *shape: ours)
     torch.manual_seed(0)
     linear, w_ref, pre, b = _int4_linear(out_f, 64, 32, prequant=True, bias=True)
     assert linear.kernel == kernel

@@ -112,3 +112,57 @@ def packed_gemm_wins(key: str) -> bool:
     log.info("bf16 GEMM: packed kernel %s torch (torch/packed time at M=1, 16: %.2f, %.2f)",
              "beats" if packed_wins else "does not beat", *ratios)
     return packed_wins
+
+
+def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 q [N, K] (values in [-8, 7]) and scales [N, K / group] -> the INT4 kernel's
+    layout: int32 [ceil(N/16), K, 2] (word j of k: columns 8j..8j+7 as nibbles value + 8, column
+    8j in the lowest) and fp32 scales [ceil(N/16), K / group, 16]."""
+    n, k = q.shape
+    padded = -(-n // TILE) * TILE
+    nibbles = torch.full((padded, k), 8, dtype=torch.int64)  # padding columns hold zero weights
+    nibbles[:n] = q.to(torch.int64) + 8
+    nibbles = nibbles.view(padded // TILE, TILE, k).permute(0, 2, 1).reshape(-1, k, 2, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = (nibbles << shifts).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same 32 bits
+    groups = scales.shape[1]
+    tile_scales = torch.zeros(padded, groups, dtype=torch.float32)
+    tile_scales[:n] = scales.float()
+    tile_scales = tile_scales.view(padded // TILE, TILE, groups).permute(0, 2, 1).contiguous()
+    return words.contiguous(), tile_scales
+
+
+def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int) -> str:
+    """'cpp' (our INT4 kernel) or 'torch' (torch's int4pack kernel) for one weight shape: whichever
+    is faster at 1 and at 16 tokens (decode batch sizes), measured once per machine, kernel build
+    and shape, then read from the cache. Only the winner's layout is kept in memory."""
+    path = cache_root() / "kernels" / key / "int4_choice.json"
+    shape = f"{in_features}x{out_features}/g{group_size}"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if shape in cached:
+        return cached[shape]["kernel"]
+    from triton_backend.engine.quant import int4
+
+    q, scales = int4.quantize_rtn(torch.randn(out_features, in_features), group_size)
+    ours = pack_int4_tiles(q, scales)
+    theirs = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+    scale_t = scales.t().to(torch.bfloat16)
+    zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
+    ratios = []
+    for m in (1, 16):
+        x = torch.randn(m, in_features).to(torch.bfloat16)
+        t_ours = _median_time(lambda: torch.ops.llm_forge.linear_int4_packed(
+            x, ours[0], ours[1], None, None, group_size, out_features))
+        t_theirs = _median_time(lambda: torch._weight_int4pack_mm_for_cpu(x, theirs, group_size,
+                                                                          zeros))
+        ratios.append(t_theirs / t_ours)
+    kernel = "cpp" if min(ratios) >= 1.0 or sum(ratios) >= 2.0 else "torch"
+    cached[shape] = {"kernel": kernel, "torch_over_cpp_time": ratios}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cached, indent=1) + "\n")
+    log.info("INT4 %s: %s kernel (torch/ours time at M=1, 16: %.2f, %.2f)", shape, kernel, *ratios)
+    return kernel

@@ -2,8 +2,10 @@
 
 `Int4WeightOnlyLinear` (W4A16_AWQ): keys `weight` (packed int8 [out/2, in]),
 `weights_scaling_factor` [out, in/g], `prequant_scaling_factor` [in], optional `bias`. On a CPU it
-repacks once for torch's packed-int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations);
-elsewhere, or for shapes that kernel refuses, it dequantizes per call (keeping 4-bit residency).
+repacks once for the faster of two packed-int4 kernels, chosen per weight shape by a measurement
+cached per machine: ours (`torch.ops.llm_forge.linear_int4_packed`, nibbles widened to fp32 in
+registers) or torch's (`_weight_int4pack_mm_for_cpu`, bf16 activations); elsewhere, or for shapes
+neither takes, it dequantizes per call (keeping 4-bit residency).
 
 `Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
 per output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor
@@ -63,6 +65,17 @@ class _QuantizedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+def _cpp_int4_wins(in_features: int, out_features: int, group_size: int) -> bool:
+    """Our INT4 kernel is built and, for this shape, measured faster than torch's int4pack."""
+    from triton_backend.engine.kernels import build_key, kernels_wanted, load_cpu_kernels
+
+    if not kernels_wanted() or not load_cpu_kernels():
+        return False
+    from triton_backend.engine.kernels.linear import int4_kernel_choice
+
+    return int4_kernel_choice(build_key(), in_features, out_features, group_size) == "cpp"
+
+
 class Int4WeightOnlyLinear(_QuantizedLinear):
     """y = (x * prequant_scale) @ dequant(W).T + b, with W symmetric INT4 per `group_size` group."""
 
@@ -109,7 +122,15 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         self.packed_weight, self.scales = packed, scales.float()
 
     def _pack_for_cpu_kernel(self, q: torch.Tensor, scales: torch.Tensor) -> bool:
-        # The kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero = 0.
+        """Repack for the faster CPU kernel of this shape: ours (`llm_forge.linear_int4_packed`)
+        or torch's int4pack; False when neither is available."""
+        if _cpp_int4_wins(self.in_features, self.out_features, self.group_size):
+            from triton_backend.engine.kernels.linear import pack_int4_tiles
+
+            self.packed_weight, self.scales = pack_int4_tiles(q, scales)
+            self.kernel = "cpp_int4"
+            return True
+        # torch's kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero 0.
         if self.out_features % 16 or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             return False
         try:
@@ -123,6 +144,12 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, as a dense [out, in] tensor (for tests and checks)."""
+        if self.kernel == "cpp_int4":
+            eye = torch.eye(self.in_features)
+            dense = torch.ops.llm_forge.linear_int4_packed(eye, self.packed_weight, self.scales,
+                                                           None, None, self.group_size,
+                                                           self.out_features)
+            return dense.t().to(dtype)
         if self.kernel == "cpu_int4pack":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             dense = torch._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
@@ -131,6 +158,10 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype)
 
     def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernel == "cpp_int4":  # the AWQ scale is applied inside, as torch would round it
+            return torch.ops.llm_forge.linear_int4_packed(x2, self.packed_weight, self.scales,
+                                                          self.prequant, None, self.group_size,
+                                                          self.out_features).to(dtype)
         if self.prequant is not None:
             x2 = x2 * self.prequant.to(x2.dtype)
         if self.kernel == "cpu_int4pack":

@@ -1,15 +1,17 @@
-// y[M, N] = x[M, K] . W[N, K]^T (+ bias) with W in bf16, packed, and fp32 accumulation.
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias) for weights kept compact in memory: bf16, or symmetric
+// INT4 with one fp32 scale per (output, group of input) — TensorRT-LLM's W4A16 AWQ numbers.
 //
-// Why: on CPUs without bf16 dot-product instructions (AVX2-only x86, for one) torch's bf16 GEMM
-// runs an order of magnitude below its fp32 GEMM. Here each weight is widened to fp32 in registers
-// (a 16-bit shift) right before its FMAs, so the weights stay bf16 in memory (half the bytes of
-// fp32, which is what bounds decoding) while the arithmetic runs at fp32 FMA speed.
+// Why: decoding reads every weight once per step, so bytes in memory bound it, while CPUs
+// without bf16/int4 dot-product instructions (AVX2-only x86, for one) run torch's bf16 GEMM an
+// order of magnitude below its fp32 GEMM. Here each weight is widened to fp32 in registers right
+// before its FMAs: compact in memory, fp32 FMA speed in the arithmetic.
 //
-// Layout: W is packed once at load as [ceil(N/16), K, 16]: tile t holds output columns
-// [16t, 16t+16) with the 16 values of one k next to each other, so the micro-kernel reads two
-// 8-lane vectors per k and broadcasts one x value per row: MR rows x 16 columns of accumulators.
-// Each output element is accumulated over k in the same order whatever M is, so a row's result
-// does not depend on the rows batched with it.
+// Layout (packed once at load): output columns in tiles of 16. bf16: [tiles, K, 16], the 16
+// values of one k side by side. INT4: [tiles, K, 2] 32-bit words, word j holding columns
+// 8j..8j+7 of one k as unsigned nibbles (value + 8), and scales [tiles, K / group, 16]. The
+// micro-kernel reads two 8-lane vectors of weights per k and broadcasts one x value per row:
+// MR rows x 16 columns of accumulators (x NT tiles for tiny M). Every output element is summed over
+// k in the same order whatever M is, so a row's result does not depend on the rows batched with it.
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -22,70 +24,125 @@ namespace {
 
 constexpr int kTile = 16;
 constexpr int64_t kRowBlock = 96;  // rows of x kept hot in L2 while the tiles stream past
-constexpr int64_t kPrefetch = 32;  // k steps (1 KiB of a tile) ahead
+constexpr int64_t kPrefetch = 32;  // k steps ahead of the reads
+
+struct Bf16Tiles {
+  static constexpr bool kGrouped = false;
+  const uint16_t* data;
+  int64_t K;
+  const uint16_t* tile(int64_t t) const { return data + t * K * kTile; }
+  void prefetch(const uint16_t* tile, int64_t k) const {
+    if (k % 2 == 0) __builtin_prefetch(tile + (k + kPrefetch) * kTile);  // never faults
+  }
+  void load(const uint16_t* tile, int64_t k, vf& w0, vf& w1) const {
+    w0 = load_bits(tile + k * kTile);
+    w1 = load_bits(tile + k * kTile + kLanes);
+  }
+  int64_t group() const { return K; }
+  const float* scales(int64_t, int64_t) const { return nullptr; }
+};
+
+struct Int4Tiles {
+  static constexpr bool kGrouped = true;
+  const uint32_t* data;
+  const float* scale_data;
+  int64_t K, group_size;
+  const uint32_t* tile(int64_t t) const { return data + t * K * 2; }
+  void prefetch(const uint32_t* tile, int64_t k) const {
+    if (k % 8 == 0) __builtin_prefetch(tile + (k + 4 * kPrefetch) * 2);
+  }
+  static vf nibbles(uint32_t word) {
+    const vu shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+    vu lanes = vu{word, word, word, word, word, word, word, word} >> shifts;
+    return __builtin_convertvector((vi)(lanes & 15u) - 8, vf);
+  }
+  void load(const uint32_t* tile, int64_t k, vf& w0, vf& w1) const {
+    w0 = nibbles(tile[2 * k]);
+    w1 = nibbles(tile[2 * k + 1]);
+  }
+  int64_t group() const { return group_size; }
+  const float* scales(int64_t t, int64_t g) const {
+    return scale_data + (t * (K / group_size) + g) * kTile;
+  }
+};
 
 template <typename T>
-inline void store_row(T* out, const vf* acc, const float* bias, int64_t n0, int64_t n_valid) {
-  float tmp[kTile];
-  store(tmp, acc[0]);
-  store(tmp + kLanes, acc[1]);
-  for (int64_t j = 0; j < n_valid; ++j) {
-    float v = tmp[j] + (bias ? bias[n0 + j] : 0.f);
-    out[n0 + j] = static_cast<T>(v);
-  }
+inline void store_row(T* out, const float* values, const float* bias, int64_t n0,
+                      int64_t n_valid) {
+  for (int64_t j = 0; j < n_valid; ++j)
+    out[n0 + j] = static_cast<T>(values[j] + (bias ? bias[n0 + j] : 0.f));
 }
 
-// MR rows x NT tiles: MR * NT * 2 accumulators. NT > 1 only for tiny M, where one tile's two
-// accumulator chains per row could not hide the FMA latency.
-template <int MR, int NT, typename T>
-inline void micro_kernel(const float* x, int64_t K, const uint16_t* w, int64_t tile0,
-                         int64_t num_tiles, int64_t N, const float* bias, T* out) {
+// MR rows x NT tiles. Ungrouped weights keep their sums in registers over all of K; grouped
+// ones sum one group in registers, then add it, scaled, to sums in L1.
+template <int MR, int NT, typename W, typename T>
+void micro_kernel(const float* x, int64_t K, const W& w, int64_t tile0, int64_t num_tiles,
+                  int64_t N, const float* bias, T* out) {
   vf acc[MR][NT][2];
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t][0] = acc[m][t][1] = splat(0.f);
-  const uint16_t* wt[NT];
-  for (int t = 0; t < NT; ++t) wt[t] = w + (tile0 + t) * K * kTile;
-  for (int64_t k = 0; k < K; ++k) {
-    vf w0[NT], w1[NT];
-    // Ahead of the hardware prefetcher on these interleaved streams (a prefetch never faults,
-    // so running past a tile's end is harmless).
-    if (k % 2 == 0)
-      for (int t = 0; t < NT; ++t) __builtin_prefetch(wt[t] + (k + kPrefetch) * kTile);
-    for (int t = 0; t < NT; ++t) {
-      w0[t] = load_bits(wt[t] + k * kTile);
-      w1[t] = load_bits(wt[t] + k * kTile + kLanes);
-    }
-    for (int m = 0; m < MR; ++m) {
-      vf xb = splat(x[m * K + k]);
+  float sums[W::kGrouped ? MR : 1][NT][kTile] = {};
+  decltype(w.tile(0)) tiles[NT];
+  for (int t = 0; t < NT; ++t) tiles[t] = w.tile(tile0 + t);
+  const int64_t group = w.group();
+  for (int64_t k0 = 0; k0 < K; k0 += group) {
+    for (int m = 0; m < MR; ++m)
+      for (int t = 0; t < NT; ++t) acc[m][t][0] = acc[m][t][1] = splat(0.f);
+    for (int64_t k = k0; k < k0 + group; ++k) {
+      vf w0[NT], w1[NT];
       for (int t = 0; t < NT; ++t) {
-        acc[m][t][0] = fmadd(xb, w0[t], acc[m][t][0]);
-        acc[m][t][1] = fmadd(xb, w1[t], acc[m][t][1]);
+        w.prefetch(tiles[t], k);
+        w.load(tiles[t], k, w0[t], w1[t]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const vf xb = splat(x[m * K + k]);
+        for (int t = 0; t < NT; ++t) {
+          acc[m][t][0] = fmadd(xb, w0[t], acc[m][t][0]);
+          acc[m][t][1] = fmadd(xb, w1[t], acc[m][t][1]);
+        }
+      }
+    }
+    if constexpr (W::kGrouped) {
+      for (int t = 0; t < NT; ++t) {
+        const float* s = w.scales(tile0 + t, k0 / group);
+        const vf s0 = load(s), s1 = load(s + kLanes);
+        for (int m = 0; m < MR; ++m) {
+          store(sums[m][t], fmadd(s0, acc[m][t][0], load(sums[m][t])));
+          store(sums[m][t] + kLanes, fmadd(s1, acc[m][t][1], load(sums[m][t] + kLanes)));
+        }
       }
     }
   }
   for (int t = 0; t < NT && tile0 + t < num_tiles; ++t) {
-    int64_t n0 = (tile0 + t) * kTile;
-    int64_t n_valid = std::min<int64_t>(kTile, N - n0);
-    for (int m = 0; m < MR; ++m) store_row(out + m * N, acc[m][t], bias, n0, n_valid);
+    const int64_t n0 = (tile0 + t) * kTile;
+    const int64_t n_valid = std::min<int64_t>(kTile, N - n0);
+    for (int m = 0; m < MR; ++m) {
+      if constexpr (W::kGrouped) {
+        store_row(out + m * N, sums[m][t], bias, n0, n_valid);
+      } else {
+        float values[kTile];
+        store(values, acc[m][t][0]);
+        store(values + kLanes, acc[m][t][1]);
+        store_row(out + m * N, values, bias, n0, n_valid);
+      }
+    }
   }
 }
 
-template <int MR, typename T>
-inline void one_tile(const float* x, int64_t K, const uint16_t* w, int64_t t, int64_t num_tiles,
+template <int MR, typename W, typename T>
+inline void one_tile(const float* x, int64_t K, const W& w, int64_t t, int64_t num_tiles,
                      int64_t N, const float* bias, T* out) {
   micro_kernel<MR, 1>(x, K, w, t, num_tiles, N, bias, out);
 }
 
 // Rows [0, rows) of x against tiles [t_begin, t_end). Up to 3 rows: one pass, several tiles at a
-// time. More rows: tile by tile, every 6-row chunk against the tile while it is in L1, so the
-// weights stream from memory once per row block, not once per chunk.
-template <typename T>
-void gemm_block(const float* x, int64_t rows, int64_t K, const uint16_t* w, int64_t t_begin,
+// time (enough independent sums to hide the FMA latency). More rows: tile by tile, every 6-row
+// chunk against the tile while it is in L1, so weights stream from memory once per row block.
+template <typename W, typename T>
+void gemm_block(const float* x, int64_t rows, int64_t K, const W& w, int64_t t_begin,
                 int64_t t_end, int64_t num_tiles, int64_t N, const float* bias, T* out) {
   if (rows <= 3) {
     constexpr int kGroup[4] = {1, 4, 3, 2};  // tiles per pass for 1, 2, 3 rows
-    int64_t t = t_begin;
     const int group = kGroup[rows];
+    int64_t t = t_begin;
     for (; t + group <= t_end; t += group) {
       if (rows == 1) micro_kernel<1, 4>(x, K, w, t, num_tiles, N, bias, out);
       else if (rows == 2) micro_kernel<2, 3>(x, K, w, t, num_tiles, N, bias, out);
@@ -114,32 +171,58 @@ void gemm_block(const float* x, int64_t rows, int64_t K, const uint16_t* w, int6
   }
 }
 
-template <typename T>
-void run_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_tiles,
-              int64_t N, const float* bias, T* out) {
+template <typename W, typename T>
+void run_gemm(const float* x, int64_t M, int64_t K, const W& w, int64_t num_tiles, int64_t N,
+              const float* bias, T* out) {
   // Threads split the tiles (each streams its own share of the weights); rows are blocked so a
   // block of x stays in cache while a thread's tiles stream past it.
-  int64_t grain = M <= 4 ? 4 : 1;
+  const int64_t grain = M <= 4 ? 4 : 1;
   at::parallel_for(0, num_tiles, grain, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      int64_t rows = std::min(kRowBlock, M - m0);
+      const int64_t rows = std::min(kRowBlock, M - m0);
       gemm_block(x + m0 * K, rows, K, w, t_begin, t_end, num_tiles, N, bias, out + m0 * N);
     }
   });
 }
 
-// x as contiguous fp32 rows (a copy only when it is bf16 or strided).
-at::Tensor widen_rows(const at::Tensor& x2) {
-  if (x2.scalar_type() == at::kFloat && x2.is_contiguous()) return x2;
-  if (x2.scalar_type() != at::kBFloat16 || !x2.is_contiguous()) return x2.to(at::kFloat).contiguous();
-  at::Tensor xf = at::empty(x2.sizes(), x2.options().dtype(at::kFloat));
-  const auto* src = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
-  float* dst = xf.data_ptr<float>();
-  const int64_t n = x2.numel();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store(dst + i, load_bits(src + i));
-  for (; i < n; ++i) dst[i] = static_cast<float>(x2.data_ptr<at::BFloat16>()[i]);
+// x as contiguous fp32 rows, times the per-input `prequant` scale when given (AWQ smoothing,
+// rounded like torch's `x * prequant.to(x.dtype)`).
+at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& prequant) {
+  if (!prequant.has_value()) {
+    if (x2.scalar_type() == at::kFloat && x2.is_contiguous()) return x2;
+    if (x2.scalar_type() != at::kBFloat16 || !x2.is_contiguous())
+      return x2.to(at::kFloat).contiguous();
+  }
+  at::Tensor xc = x2.contiguous();
+  at::Tensor xf = xc.to(at::kFloat);
+  if (prequant.has_value()) xf = (xf * prequant->to(xc.scalar_type()).to(at::kFloat))
+                                     .to(xc.scalar_type()).to(at::kFloat).contiguous();
   return xf;
+}
+
+template <typename W>
+at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, int64_t N,
+                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& prequant) {
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x must be bf16 or fp32");
+  auto x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  at::Tensor xf = widen_rows(x2, prequant);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0) {
+    if (x.scalar_type() == at::kBFloat16)
+      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<at::BFloat16>());
+    else
+      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<float>());
+  }
+  return out.view(sizes);
 }
 
 }  // namespace
@@ -149,28 +232,25 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
                   packed.size(2) == kTile && packed.is_contiguous(),
               "packed weight must be a contiguous bf16 [tiles, K, 16] tensor");
+  const Bf16Tiles w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                    packed.size(1)};
+  return gemm(x, w, packed.size(1), packed.size(0), N, bias, c10::nullopt);
+}
+
+at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
+                              const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(2) == 2 &&
+                  packed.is_contiguous(),
+              "packed weight must be a contiguous int32 [tiles, K, 2] tensor");
   const int64_t K = packed.size(1), num_tiles = packed.size(0);
-  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
-  auto x2 = x.reshape({-1, K});
-  const int64_t M = x2.size(0);
-  at::Tensor xf = widen_rows(x2);
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  if (M > 0) {
-    if (x.scalar_type() == at::kBFloat16) {
-      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<at::BFloat16>());
-    } else {
-      TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
-      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<float>());
-    }
-  }
-  return out.view(sizes);
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({num_tiles, K / group_size, kTile}),
+              "scales must be a contiguous fp32 [tiles, K / group_size, 16] tensor");
+  const Int4Tiles w{reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
+                    scales.data_ptr<float>(), K, group_size};
+  return gemm(x, w, K, num_tiles, N, bias, prequant);
 }
 
 }  // namespace llm_forge

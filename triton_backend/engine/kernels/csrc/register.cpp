@@ -6,6 +6,9 @@ namespace llm_forge {
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
+                              const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
                         double eps);
@@ -23,6 +26,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY(llm_forge, m) {
   m.def("linear_bf16_packed(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
         &llm_forge::linear_bf16_packed);
+  m.def("linear_int4_packed(Tensor x, Tensor packed, Tensor scales, Tensor? prequant, "
+        "Tensor? bias, int group_size, int n) -> Tensor", &llm_forge::linear_int4_packed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &llm_forge::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &llm_forge::add_rms_norm);
