@@ -6,29 +6,34 @@ and `transformers` `generate` with the prompts as one static batch.
         [--extra-engine int4=engines/smollm2-135m-int4] [--sides engine,tensorrt_llm,...]
 
 Protocol: --num-prompts prompts of --prompt-len random token ids (seeded; their text re-tokenizes
-to the same ids), --max-tokens new tokens each with end ids ignored. c=1: one request alone (TTFT,
-then the decode rate of the rest); c=N: all at once (tokens/s including prefill, and the time
-until all have their first token). Sides run interleaved, --repeats times; the table shows
-medians and the JSON every run. Extra engines (e.g. a quantized build) run in-process only.
-The c=1 decode rate is also shown against this machine's memory-bandwidth roofline (weight bytes
-per token / a read bandwidth measured here). Run it on a quiet machine: on 2 cores any other job
-distorts every number.
+to the same ids), --max-tokens new tokens each with end ids ignored. c=1: one request alone (TTFT
+as the median of --ttft-samples single requests, then the decode rate of a full-length one);
+c=N: all at once (tokens/s including prefill, and the time until all have their first token).
+Sides run interleaved, --repeats times; the table shows medians and the JSON every run. Extra
+engines (e.g. a quantized build) run in-process only. The c=1 decode rate is also shown against
+this machine's memory-bandwidth roofline (weight bytes per token / a read bandwidth measured
+here). Run it on a quiet machine: on 2 cores any other job distorts every number, and a VM whose
+host takes a core away for a while turns a 2-thread step several times slower.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+# Every side runs with the OpenMP spin the engine process uses (set before torch loads).
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.bench.engine_level import (EngineProtocol, InProcessSide,  # noqa: E402
-                                        TransformersSide, as_dict, make_prompts)
+                                        TransformersSide, as_dict, make_prompts, measure_one)
 from builder.bench.roofline import decode_weight_bytes, measure_read_bandwidth  # noqa: E402
 from triton_backend.engine.config import EngineConfig  # noqa: E402
 from triton_backend.engine.tokenizer import load_tokenizer  # noqa: E402
@@ -48,6 +53,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ttft-samples", type=int, default=5,
+                        help="single requests per repeat whose median is the c=1 TTFT")
     parser.add_argument("--hf-checkpoint", help="checkpoint for the transformers side (default: "
                         "the one the engine was built from, per its manifest)")
     parser.add_argument("--transformers-dtype", default="bfloat16",
@@ -150,8 +157,8 @@ def main() -> None:
             print(f"warmed up {name}", file=sys.stderr)
         for repeat in range(args.repeats):  # interleaved, so drift hits every side alike
             for name, side in sides.items():
-                one = side.run_one(ids_list[repeat % len(ids_list)],
-                                   texts[repeat % len(texts)])
+                one = measure_one(side, ids_list, texts, repeat % len(ids_list),
+                                  args.ttft_samples)
                 every = side.run_all(ids_list, texts)
                 runs[name].append({"c1": as_dict(one), "cN": as_dict(every)})
                 print(f"repeat {repeat + 1}/{args.repeats} {name}: TTFT {one.ttft_s * 1e3:.0f} ms,"

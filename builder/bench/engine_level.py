@@ -13,6 +13,7 @@ the sides through a `tritonserver`.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,20 @@ class OneTimings:
     decode_tok_s: float
 
 
+def measure_one(side, ids_list: list[list[int]], texts: list[str], first: int,
+                ttft_samples: int) -> OneTimings:
+    """Concurrency 1 on `side`: the TTFT is the median over `ttft_samples` single requests
+    (prompts first, first + 1, ...: one prefill is too short a sample on a noisy machine); the
+    decode rate comes from the full-length request on prompt `first`."""
+    ttfts = []
+    for i in range(ttft_samples):
+        j = (first + i) % len(ids_list)
+        ttfts.append(side.run_one(ids_list[j], texts[j], max_tokens=1).ttft_s)
+    full = side.run_one(ids_list[first], texts[first])
+    ttfts.append(full.ttft_s)
+    return OneTimings(statistics.median(ttfts), full.decode_tok_s)
+
+
 @dataclass
 class AllTimings:
     """Concurrency N: all prompts at once."""
@@ -51,6 +66,8 @@ class AllTimings:
 def one_timings(start: float, token_times: list[float]) -> OneTimings:
     """From the submit time and the arrival time of every generated token."""
     ttft = token_times[0] - start
+    if len(token_times) < 2:
+        return OneTimings(ttft, 0.0)
     decode = (len(token_times) - 1) / (token_times[-1] - token_times[0])
     return OneTimings(ttft, decode)
 
@@ -93,13 +110,13 @@ class InProcessSide:
         self.engine = LLMEngine(engine_dir)
         self.protocol = protocol
 
-    def _request(self, ids: list[int]) -> Request:
-        n = self.protocol.max_tokens
+    def _request(self, ids: list[int], max_tokens: int | None = None) -> Request:
+        n = max_tokens or self.protocol.max_tokens
         return Request(list(ids), n, SamplingParams(min_tokens=n), streaming=True)
 
-    def run_one(self, ids: list[int], text: str) -> OneTimings:
+    def run_one(self, ids: list[int], text: str, max_tokens: int | None = None) -> OneTimings:
         start = time.perf_counter()
-        self.engine.add_request(self._request(ids))
+        self.engine.add_request(self._request(ids, max_tokens))
         times = []
         while self.engine.has_work():
             for response in self.engine.step():
@@ -151,23 +168,25 @@ class TransformersSide:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
-        n = protocol.max_tokens
-        self.generation = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                           eos_token_id=None, pad_token_id=0)
+        self._config = GenerationConfig
         self.protocol = protocol
 
-    def _generate(self, batch: list[list[int]]) -> tuple[float, list[float]]:
+    def _generate(self, batch: list[list[int]], max_tokens: int | None = None
+                  ) -> tuple[float, list[float]]:
+        n = max_tokens or self.protocol.max_tokens
+        config = self._config(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                              eos_token_id=None, pad_token_id=0)
         clock = _TokenClock()
         input_ids = torch.tensor(batch)
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                      generation_config=self.generation, streamer=clock)
-        assert out.shape[1] - input_ids.shape[1] == self.protocol.max_tokens
+                                      generation_config=config, streamer=clock)
+        assert out.shape[1] - input_ids.shape[1] == n
         return start, clock.times
 
-    def run_one(self, ids: list[int], text: str) -> OneTimings:
-        start, times = self._generate([ids])
+    def run_one(self, ids: list[int], text: str, max_tokens: int | None = None) -> OneTimings:
+        start, times = self._generate([ids], max_tokens)
         return one_timings(start, times)
 
     def run_all(self, ids_list: list[list[int]], texts: list[str]) -> AllTimings:

@@ -53,8 +53,8 @@ class TritonSide:
         tensor.set_data_from_numpy(array)
         return tensor
 
-    def _send(self, ids: list[int], text: str) -> str:
-        n = self.protocol.max_tokens
+    def _send(self, ids: list[int], text: str, max_tokens: int | None = None) -> str:
+        n = max_tokens or self.protocol.max_tokens
         if self.model == "tensorrt_llm":
             tensors = [self._input("input_ids", ids, "INT32"),
                        self._input("input_lengths", [len(ids)], "INT32"),
@@ -74,7 +74,8 @@ class TritonSide:
                                         enable_empty_final_response=True)
         return request_id
 
-    def _collect(self, request_ids: set[str]) -> dict[str, list[float]]:
+    def _collect(self, request_ids: set[str], max_tokens: int | None = None
+                 ) -> dict[str, list[float]]:
         """Arrival time of every generated token, per request, until all are final."""
         times: dict[str, list[float]] = {rid: [] for rid in request_ids}
         pending = set(request_ids)
@@ -90,16 +91,17 @@ class TritonSide:
             times[rid].extend([now] * max(0, new))
             if final:
                 pending.discard(rid)
+        expected = max_tokens or self.protocol.max_tokens
         for rid, arrivals in times.items():
-            if len(arrivals) != self.protocol.max_tokens:
+            if len(arrivals) != expected:
                 raise RuntimeError(f"{self.model}: request {rid} generated {len(arrivals)} "
-                                   f"tokens, expected {self.protocol.max_tokens}")
+                                   f"tokens, expected {expected}")
         return times
 
-    def run_one(self, ids: list[int], text: str) -> OneTimings:
+    def run_one(self, ids: list[int], text: str, max_tokens: int | None = None) -> OneTimings:
         start = time.perf_counter()
-        rid = self._send(ids, text)
-        return one_timings(start, self._collect({rid})[rid])
+        rid = self._send(ids, text, max_tokens)
+        return one_timings(start, self._collect({rid}, max_tokens)[rid])
 
     def run_all(self, ids_list: list[list[int]], texts: list[str]) -> AllTimings:
         start = time.perf_counter()

@@ -29,7 +29,7 @@ INPUT_NAMES = (
     "frequency_penalty", "seed", "return_log_probs", "return_perf_metrics",
     "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output", "stop",
     "streaming")
-POLL_SECONDS = 0.02
+CHECK_SECONDS = 0.1  # how often client cancellations are looked for
 
 
 @dataclass
@@ -106,14 +106,24 @@ class TensorrtLlmModel:
 
     # -- the response thread: the one place that sends ----------------------------------------
     def _response_loop(self) -> None:
-        next_stats = 0.0
+        # Responses go out the moment they arrive; cancellation checks and counters (each an IPC
+        # round trip to the server) run at most every CHECK_SECONDS / stats period, so an idle
+        # or prefilling engine is not interrupted by this process waking the server.
+        next_check = next_stats = 0.0
+        last_stats = None
         while not self.stopping.is_set():
-            for response in self.executor.await_responses(timeout=POLL_SECONDS):
+            for response in self.executor.await_responses(timeout=CHECK_SECONDS):
                 self._deliver(response)
-            self._check_cancellations()
-            if time.monotonic() >= next_stats:
-                self.metrics.publish(self.executor.get_stats())
-                next_stats = time.monotonic() + self.stats_period
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_cancellations()
+                next_check = now + CHECK_SECONDS
+            if now >= next_stats:
+                stats = self.executor.get_stats()
+                if stats != last_stats:
+                    self.metrics.publish(stats)
+                    last_stats = stats
+                next_stats = now + self.stats_period
 
     def _deliver(self, response) -> None:
         with self.lock:
