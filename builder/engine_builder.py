@@ -149,11 +149,16 @@ def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> Non
     if not load_cpu_kernels(log):
         return
     if config.dtype != "float32":
-        from triton_backend.engine.kernels.linear import packed_gemm_wins
+        from triton_backend.engine.kernels.linear import bf16_gemm_plan
 
-        log("bf16 projections: " + ("the packed bf16 kernel (faster than torch's bf16 GEMM on "
-                                    "this CPU)" if packed_gemm_wins(build_key()) else
-                                    "torch's bf16 GEMM (this CPU has bf16 matrix instructions)"))
+        plan = bf16_gemm_plan(build_key())
+        if not plan.packed:
+            log("bf16 projections: torch's bf16 GEMM (this CPU has bf16 matrix instructions)")
+            return
+        widened = (f"; from {plan.upcast_min_rows} tokens on, widened to fp32 for torch's fp32 "
+                   f"GEMM" if plan.upcast_min_rows else "")
+        log(f"bf16 projections: the packed bf16 kernel (faster than torch's bf16 GEMM on this "
+            f"CPU){widened}")
 
 
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:

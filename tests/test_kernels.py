@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from triton_backend.engine.kernels import load_cpu_kernels
-from triton_backend.engine.kernels.linear import PackedBf16Linear, pack_weight
+from triton_backend.engine.kernels.linear import (Bf16GemmPlan, PackedBf16Linear,
+                                                  _plan_from_timings, pack_weight)
 from triton_backend.engine.ops import CppOps, TorchOps
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels did not build")
@@ -53,6 +54,27 @@ def test_packed_linear_matches_a_float32_matmul(dtype, m):
     assert out.dtype == dtype and out.shape == (m, 50)
     expected = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
     _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_from_upcast_min_rows_the_weight_is_widened_for_torchs_gemm(dtype):
+    torch.manual_seed(2)
+    weight, bias = torch.randn(40, 48).to(torch.bfloat16), torch.randn(40).to(torch.bfloat16)
+    kernel, widening = PackedBf16Linear(weight, bias), PackedBf16Linear(weight, bias, 4)
+    few, many = torch.randn(3, 48).to(dtype), torch.randn(9, 48).to(dtype)
+    assert torch.equal(widening(few), kernel(few))  # below the threshold: the kernel itself
+    _close(widening(many), kernel(many), dtype)
+    _close(widening(many), F.linear(many.float(), weight.float(), bias.float()).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("torch_over_packed, upcast_over_packed, plan", [
+    ([0.9, 3.0], {256: 0.5, 512: 0.5}, Bf16GemmPlan(False)),      # torch's GEMM is as fast
+    ([1.5, 5.0], {256: 0.95, 512: 0.85, 1024: 0.8}, Bf16GemmPlan(True, 512)),
+    ([1.5, 5.0], {256: 0.8, 512: 1.2, 1024: 0.8}, Bf16GemmPlan(True, 1024)),  # must hold above
+    ([1.5, 5.0], {256: 1.0, 512: 1.0, 1024: 0.95}, Bf16GemmPlan(True, None)),  # never 10% better
+])
+def test_the_bf16_gemm_plan_follows_the_timings(torch_over_packed, upcast_over_packed, plan):
+    assert _plan_from_timings(torch_over_packed, upcast_over_packed) == plan
 
 
 def test_packed_linear_rows_do_not_depend_on_the_batch():

@@ -61,10 +61,11 @@ class ModelRunner:
                                  and self.kv_cache.k.dtype == self.dtype)
         if isinstance(self.ops, CppOps) and self.dtype == torch.bfloat16:
             from triton_backend.engine.kernels import build_key
-            from triton_backend.engine.kernels.linear import pack_linears, packed_gemm_wins
+            from triton_backend.engine.kernels.linear import bf16_gemm_plan, pack_linears
 
-            if packed_gemm_wins(build_key()):
-                pack_linears(self.model)
+            plan = bf16_gemm_plan(build_key())
+            if plan.packed:
+                pack_linears(self.model, plan)
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput, eos_ids: dict[int, frozenset[int]],

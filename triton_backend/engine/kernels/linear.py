@@ -1,8 +1,8 @@
 """bf16 projections on the packed-weight GEMM kernel, and when to use it.
 
-`pack_linears(model)` swaps every plain bf16 `nn.Linear` of a loaded model (and the LM head of
-tied embeddings) for a `PackedBf16Linear` that keeps the weight in the kernel's tile layout. It
-is applied only where the kernel beats torch's own bf16 GEMM on this machine (`packed_gemm_wins`,
+`pack_linears(model, plan)` swaps every plain bf16 `nn.Linear` of a loaded model (and the LM head
+of tied embeddings) for a `PackedBf16Linear` that keeps the weight in the kernel's tile layout.
+It is applied only where the kernel beats torch's own bf16 GEMM on this machine (`bf16_gemm_plan`,
 measured once per machine and cached): on CPUs with bf16 matrix instructions (AMX, AVX512-BF16)
 torch's oneDNN path is the faster one and the model is left as it is.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,17 +33,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedBf16Linear(nn.Module):
-    """y = x W^T (+ b) with W packed for `torch.ops.llm_forge.linear_bf16_packed`."""
+    """y = x W^T (+ b) with W packed for `torch.ops.llm_forge.linear_bf16_packed`; from
+    `upcast_min_rows` rows on, W is widened to fp32 for torch's fp32 GEMM instead."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 upcast_min_rows: int | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.upcast_min_rows = upcast_min_rows
         self.register_buffer("packed", pack_weight(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast_min_rows is not None and x.numel() >= self.upcast_min_rows * self.in_features:
+            return self.widened(x)
         return torch.ops.llm_forge.linear_bf16_packed(x, self.packed, self.bias,
                                                       self.out_features)
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 GEMM on the weight widened for this call (rounded once, at the end)."""
+        weight = self.packed.permute(0, 2, 1).reshape(-1, self.in_features)[:self.out_features]
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), weight.float(), bias).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows W[ids] (an embedding lookup when W is a tied embedding table)."""
@@ -63,18 +75,19 @@ class PackedEmbedding(nn.Module):
         return self.table[0].rows(ids)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, plan: Bf16GemmPlan) -> int:
     """Swap the model's bf16 `nn.Linear`s (and a tied LM head) for packed ones; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
-                setattr(parent, name, PackedBf16Linear(child.weight.data, child.bias))
+                setattr(parent, name, PackedBf16Linear(child.weight.data, child.bias,
+                                                       plan.upcast_min_rows))
                 count += 1
     if getattr(model, "lm_head", None) is None and model.tie_word_embeddings:
         embedding = model.transformer.vocab_embedding
         if embedding.weight.dtype == torch.bfloat16:
-            model.lm_head = PackedBf16Linear(embedding.weight.data, None)
+            model.lm_head = PackedBf16Linear(embedding.weight.data, None, plan.upcast_min_rows)
             model.transformer.vocab_embedding = PackedEmbedding(model.lm_head)
             count += 1
     return count
@@ -90,28 +103,52 @@ def _median_time(fn, repeats: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def packed_gemm_wins(key: str) -> bool:
-    """Whether the packed kernel beats torch's bf16 GEMM here, at one token and at 16 (decode
-    batch sizes). Measured once per machine and kernel build (`key`), then read from the cache."""
-    path = cache_root() / "kernels" / key / "bf16_gemm_choice.json"
+@dataclass(frozen=True)
+class Bf16GemmPlan:
+    """How bf16 projections run on this machine: the packed kernel or torch's own bf16 GEMM,
+    and from how many rows on (if ever) the packed weights are widened to fp32 for torch's
+    fp32 GEMM instead (MKL's blocking for large M beats the kernel's register tiles)."""
+
+    packed: bool
+    upcast_min_rows: int | None = None
+
+
+def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[int, float]
+                       ) -> Bf16GemmPlan:
+    packed = min(torch_over_packed) > 1.1
+    # The smallest measured M from which widening wins by 10% at that M and every larger one.
+    upcast_min_rows = None
+    for m in sorted(upcast_over_packed, reverse=True):
+        if upcast_over_packed[m] >= 1 / 1.1:
+            break
+        upcast_min_rows = m
+    return Bf16GemmPlan(packed, upcast_min_rows if packed else None)
+
+
+def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
+    """Measured once per machine and kernel build (`key`), then read from the cache."""
+    path = cache_root() / "kernels" / key / "bf16_gemm_plan.json"
     try:
-        return bool(json.loads(path.read_text())["packed"])
-    except (OSError, ValueError, KeyError):
+        return Bf16GemmPlan(**json.loads(path.read_text())["plan"])
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    weight = torch.randn(2048, 1024).to(torch.bfloat16)
-    packed = pack_weight(weight)
-    ratios = []
-    for m in (1, 16):
-        x = torch.randn(m, 1024).to(torch.bfloat16)
-        ours = _median_time(lambda: torch.ops.llm_forge.linear_bf16_packed(x, packed, None, 2048))
-        theirs = _median_time(lambda: F.linear(x, weight))
-        ratios.append(theirs / ours)
-    packed_wins = min(ratios) > 1.1
+    k, n = 1024, 2048
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    layer = PackedBf16Linear(weight, None)
+    torch_over_packed, upcast_over_packed = [], {}
+    for m in (1, 16, 256, 512, 1024):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        ours = _median_time(lambda: layer(x), repeats=5 if m < 256 else 3)
+        if m <= 16:
+            torch_over_packed.append(_median_time(lambda: F.linear(x, weight)) / ours)
+        else:
+            upcast_over_packed[m] = _median_time(lambda: layer.widened(x), repeats=3) / ours
+    plan = _plan_from_timings(torch_over_packed, upcast_over_packed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"packed": packed_wins, "torch_over_packed_time": ratios}) + "\n")
-    log.info("bf16 GEMM: packed kernel %s torch (torch/packed time at M=1, 16: %.2f, %.2f)",
-             "beats" if packed_wins else "does not beat", *ratios)
-    return packed_wins
+    path.write_text(json.dumps({"plan": plan.__dict__, "torch_over_packed_time": torch_over_packed,
+                                "upcast_over_packed_time": upcast_over_packed}, indent=1) + "\n")
+    log.info("bf16 GEMM plan: %s", plan)
+    return plan
 
 
 def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
