@@ -172,3 +172,15 @@ def test_stop_string_is_trimmed_in_streams_too(tokenizer):
               for i, t in enumerate(ids)]
     assert "".join(pieces) == "The quick brown fox jumps over the"
     assert text_delta(tokenizer, [], ids, "stop_words", stops) == "".join(pieces)
+
+
+def test_build_outputs_makes_only_the_requested_outputs_and_still_advances_the_stream():
+    state = StreamState(input_ids=[1, 2, 3], stop_words=[[7]])
+    first = build_outputs(Response(1, [5], False, num_output_tokens=1), state, 10,
+                          frozenset({"output_ids", "preceding_output_ids"}))
+    assert sorted(first) == ["output_ids", "preceding_output_ids"]
+    second = build_outputs(Response(1, [6], True, FinishReason.LENGTH, num_output_tokens=2),
+                           state, 20, frozenset({"preceding_output_ids", "finish_reason"}))
+    assert second["preceding_output_ids"].tolist() == [[5]]
+    assert second["finish_reason"].reshape(-1)[0] == b"length"
+    assert len(build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)) == 14

@@ -33,6 +33,10 @@ class TritonSide:
         self._client.start_stream(callback=self._on_response)
         self._counter = 0
         self._lock = threading.Lock()
+        # What a client reading the tokens asks for: the ids (or text) and the count.
+        payload = "output_ids" if model == "tensorrt_llm" else "text_output"
+        self._outputs = [grpcclient.InferRequestedOutput(name)
+                         for name in (payload, "num_output_tokens")]
 
     def _on_response(self, result: Any, error: Any) -> None:
         now = time.perf_counter()
@@ -71,7 +75,7 @@ class TritonSide:
             self._counter += 1
             request_id = f"engine-level-{self._counter}"
         self._client.async_stream_infer(self.model, tensors, request_id=request_id,
-                                        enable_empty_final_response=True)
+                                        enable_empty_final_response=True, outputs=self._outputs)
         return request_id
 
     def _collect(self, request_ids: set[str], max_tokens: int | None = None

@@ -40,11 +40,14 @@ def _one(value, dtype) -> np.ndarray:
     return np.asarray([[value]], dtype=dtype)
 
 
-def build_outputs(response: Response, state: StreamState, now_ns: int) -> dict[str, np.ndarray]:
+def build_outputs(response: Response, state: StreamState, now_ns: int,
+                  wanted: frozenset[str] | None = None) -> dict[str, np.ndarray]:
     """Output tensors for one executor response; advances `state` past it.
 
     With `exclude_input_in_output` false the prompt ids lead the first response's `output_ids`.
     `finish_reason` is "" while more responses follow and the executor's reason on the last one.
+    `wanted` (the request's requested outputs; None: all) limits what is built: a streamed token
+    costs a tensor per output, and the ensemble or a client may ask for only a few.
     """
     tokens = [int(t) for t in response.output_token_ids]
     if tokens:
@@ -60,19 +63,22 @@ def build_outputs(response: Response, state: StreamState, now_ns: int) -> dict[s
     reason = ""
     if response.is_final:
         reason = response.finish_reason.value if response.finish_reason else "length"
-    return {
-        "output_ids": _i32(tokens).reshape(1, 1, len(tokens)),
-        "sequence_length": _i32([[len(tokens)]]),
-        "cum_log_probs": np.asarray([[response.cum_log_prob]], dtype=np.float32),
-        "output_log_probs": np.asarray(log_probs, dtype=np.float32).reshape(1, 1, len(tokens)),
-        "batch_index": _one(0, np.int32),
-        "sequence_index": _one(0, np.int32),
-        "num_input_tokens": _one(response.num_input_tokens or len(state.input_ids), np.int32),
-        "num_output_tokens": _one(response.num_output_tokens, np.int32),
-        "arrival_time_ns": _one(state.arrival_time_ns, np.int64),
-        "first_token_time_ns": _one(state.first_token_time_ns, np.int64),
-        "last_token_time_ns": _one(state.last_token_time_ns, np.int64),
-        "finish_reason": np.asarray([[reason.encode()]], dtype=object),
-        "preceding_output_ids": _i32(preceding).reshape(1, len(preceding)),
-        "stop_words_ids": to_word_list(state.stop_words)[None],
+    makers = {
+        "output_ids": lambda: _i32(tokens).reshape(1, 1, len(tokens)),
+        "sequence_length": lambda: _i32([[len(tokens)]]),
+        "cum_log_probs": lambda: np.asarray([[response.cum_log_prob]], dtype=np.float32),
+        "output_log_probs": lambda: np.asarray(log_probs, dtype=np.float32).reshape(
+            1, 1, len(tokens)),
+        "batch_index": lambda: _one(0, np.int32),
+        "sequence_index": lambda: _one(0, np.int32),
+        "num_input_tokens": lambda: _one(response.num_input_tokens or len(state.input_ids),
+                                         np.int32),
+        "num_output_tokens": lambda: _one(response.num_output_tokens, np.int32),
+        "arrival_time_ns": lambda: _one(state.arrival_time_ns, np.int64),
+        "first_token_time_ns": lambda: _one(state.first_token_time_ns, np.int64),
+        "last_token_time_ns": lambda: _one(state.last_token_time_ns, np.int64),
+        "finish_reason": lambda: np.asarray([[reason.encode()]], dtype=object),
+        "preceding_output_ids": lambda: _i32(preceding).reshape(1, len(preceding)),
+        "stop_words_ids": lambda: to_word_list(state.stop_words)[None],
     }
+    return {name: make() for name, make in makers.items() if wanted is None or name in wanted}

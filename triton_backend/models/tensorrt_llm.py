@@ -37,6 +37,7 @@ class ActiveRequest:
     sender: object
     state: StreamState
     triton_id: str
+    wanted: frozenset[str] | None  # the outputs the caller asked for; None: all
     cancel_sent: bool = False
 
 
@@ -90,10 +91,11 @@ class TensorrtLlmModel:
                             exclude_input_in_output=parsed.exclude_input_in_output,
                             arrival_time_ns=time.time_ns(),
                             stop_words=parsed.request.stop_token_sequences)
+        wanted = frozenset(request.requested_output_names()) or None
         # Registered under the lock the response thread takes, so no response can miss its sender.
         with self.lock:
             request_id = self.executor.enqueue_request(parsed.request)
-            self.active[request_id] = ActiveRequest(sender, state, triton_id)
+            self.active[request_id] = ActiveRequest(sender, state, triton_id, wanted)
             if triton_id:
                 self.by_triton_id[triton_id] = request_id
 
@@ -138,7 +140,7 @@ class TensorrtLlmModel:
             if response.has_error:
                 send_error(active.sender, response.error)
                 return
-            outputs = build_outputs(response, active.state, time.time_ns())
+            outputs = build_outputs(response, active.state, time.time_ns(), active.wanted)
             active.sender.send(make_response(outputs), flags=FINAL if response.is_final else 0)
         except Exception:  # the client is gone: stop spending steps on it
             if not response.is_final:

@@ -184,8 +184,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+  parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       attend_part(g, qp + it.row * g.q_row_stride, kp, vp, tables + it.seq * g.max_blocks,

@@ -174,10 +174,12 @@ void gemm_block(const float* x, int64_t rows, int64_t K, const W& w, int64_t t_b
 template <typename W, typename T>
 void run_gemm(const float* x, int64_t M, int64_t K, const W& w, int64_t num_tiles, int64_t N,
               const float* bias, T* out) {
-  // Threads split the tiles (each streams its own share of the weights); rows are blocked so a
-  // block of x stays in cache while a thread's tiles stream past it.
-  const int64_t grain = M <= 4 ? 4 : 1;
-  at::parallel_for(0, num_tiles, grain, [&](int64_t t_begin, int64_t t_end) {
+  // Threads claim chunks of tiles (each streams its own weights); rows are blocked so a block of
+  // x stays in cache while a chunk's tiles stream past it. About 8 chunks per thread.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t chunk = std::max<int64_t>(4, num_tiles / (8 * threads));
+  chunk = (chunk + 3) / 4 * 4;  // whole groups of the small-M kernels' 4-tile passes
+  parallel_chunks(num_tiles, chunk, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - m0);
       gemm_block(x + m0 * K, rows, K, w, t_begin, t_end, num_tiles, N, bias, out + m0 * N);

@@ -5,7 +5,11 @@
 // the FMA helper, which uses the x86 intrinsic when the CPU has FMA.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include <cmath>
 #include <cstdint>
@@ -119,6 +123,28 @@ inline vf vexp(vf x) {
   y = y * r * r + r + splat(1.0f);
   vi bits = (n + 127) << 23;
   return y * (vf)bits;
+}
+
+// Work [0, n) in chunks claimed from a shared counter by every thread of the team. A thread that
+// the OS preempts (a server process needing the core for a moment) then delays only the chunk
+// it holds, not a fixed half of the work: with a static split the others would wait for its
+// whole share at the end of the region.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& body) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
+  if (threads <= 1) {
+    body(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (;;) {
+      const int64_t begin = next.fetch_add(chunk);
+      if (begin >= n) return;
+      body(begin, std::min(n, begin + chunk));
+    }
+  });
 }
 
 }  // namespace llm_forge
