@@ -63,7 +63,7 @@ class RepositoryOptions:
     default_top_p: float = 1.0
     stats_period_ms: int = 100
     # trtllm engines (see builder/repository_trtllm.py): `auto` = NVIDIA's C++ backend for trtllm
-    # engines, our Python model for the others; `python` drives TensorRT-LLM's executor from ours.
+    # engines, our Python model for the others.
     tensorrt_llm_backend: str = "auto"
     kv_cache_free_gpu_mem_fraction: float | None = None  # None: the hardware profile's
     batch_scheduler_policy: str = "guaranteed_no_evict"

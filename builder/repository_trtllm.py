@@ -5,8 +5,9 @@
   `model_repository/templates_trtllm/`, with our preprocessing (plus the end id the C++ backend
   needs), postprocessing and an ensemble wired to NVIDIA's outputs. Our `tensorrt_llm_bls` is not
   emitted: it reads outputs only our Python model returns (`finish_reason`, ...).
-- `python`: our Python `tensorrt_llm` model and all five models exactly as for a torch engine; the
-  executor it creates drives TensorRT-LLM's executor (`triton_backend/trtllm/`).
+- `python`: our Python `tensorrt_llm` model (all five models, as for a torch engine). For trtllm
+  engines that needs an executor over `tensorrt_llm.bindings.executor.Executor` with our verbs,
+  which is not written yet: the option is refused for trtllm engines rather than emitted broken.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def backend_for(config: EngineConfig, options) -> str:
     if backend == "tensorrtllm" and config.target != "trtllm":
         raise ValueError(f"repository.tensorrt_llm_backend: 'tensorrtllm' serves trtllm engines "
                          f"only; this engine's target is {config.target!r}")
+    if backend == "python" and config.target == "trtllm":
+        raise ValueError("repository.tensorrt_llm_backend: 'python' over TensorRT-LLM's executor "
+                         "is not built yet; trtllm engines are served by 'tensorrtllm'")
     return backend
 
 

@@ -70,11 +70,12 @@ def test_ensemble_reads_only_outputs_the_cpp_backend_has(trt_engine, tmp_path):
     assert 'input_map { key: "end_id" value: "_END_ID" }' in step
 
 
-def test_python_backend_keeps_our_five_models(trt_engine, tmp_path):
-    repo = emit_repository(trt_engine, tmp_path / "repo",
-                           RepositoryOptions(tensorrt_llm_backend="python"))
-    assert (repo / "tensorrt_llm_bls" / "config.pbtxt").is_file()
-    assert 'backend: "python"' in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+def test_python_backend_over_tensorrt_llm_is_refused_not_emitted_broken(trt_engine, tmp_path):
+    with pytest.raises(ValueError, match="repository.tensorrt_llm_backend: 'python' over "
+                                         "TensorRT-LLM's executor is not built yet"):
+        emit_repository(trt_engine, tmp_path / "repo",
+                        RepositoryOptions(tensorrt_llm_backend="python"))
+    assert not (tmp_path / "repo" / "tensorrt_llm").exists()
 
 
 def test_preprocessing_supplies_an_end_id_and_stops_on_every_eos():
