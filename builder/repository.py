@@ -67,6 +67,14 @@ class RepositoryOptions:
     stats_period_ms: int = 100
     engine_isolation: str = "process"
     engine_num_threads: int = 0
+    # trtllm engines (see builder/repository_trtllm.py): `auto` = NVIDIA's C++ backend for trtllm
+    # engines, our Python model for the others.
+    tensorrt_llm_backend: str = "auto"
+    kv_cache_free_gpu_mem_fraction: float | None = None  # None: the hardware profile's
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    enable_kv_cache_reuse: bool = True
+    enable_chunked_context: bool = True
+    trtllm_engine_path: str | None = None  # gpt_model_path as the server sees it (None: absolute)
 
     def __post_init__(self) -> None:
         if self.triton_max_batch_size is not None:
@@ -97,6 +105,9 @@ class RepositoryOptions:
                            top_p=self.default_top_p)
         except ValueError as exc:
             raise ValueError(f"repository.default_{exc}") from None
+        from builder.repository_trtllm import check_trtllm_options
+
+        check_trtllm_options(self)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "RepositoryOptions":
@@ -155,8 +166,8 @@ def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
     }
 
 
-def _template_files(model: str) -> list[Path]:
-    root = TEMPLATES_DIR / model
+def _template_files(model: str, templates_dir: Path = TEMPLATES_DIR) -> list[Path]:
+    root = templates_dir / model
     files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     if not (root / "config.pbtxt") in files:
         raise FileNotFoundError(f"{root}: template config.pbtxt missing")
@@ -165,34 +176,40 @@ def _template_files(model: str) -> list[Path]:
 
 def emit_repository(engine_dir: Path, output_dir: Path,
                     options: RepositoryOptions | None = None) -> Path:
-    """Write the five models for the engine in `engine_dir` into `output_dir`; return it.
+    """Write the models for the engine in `engine_dir` into `output_dir`; return it (five models;
+    four over NVIDIA's C++ backend for a trtllm engine, see builder/repository_trtllm.py).
 
     Renders every template first and writes only when all rendered (a failing render leaves an
     existing repository untouched). Our five model directories are replaced; anything else in
     `output_dir` is left alone.
     """
+    from builder import repository_trtllm
+
     engine_dir, output_dir = Path(engine_dir), Path(output_dir)
     options = options or RepositoryOptions()
     config = EngineConfig.load(engine_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     values = template_values(config, engine_dir, output_dir, options)
+    layout = repository_trtllm.layout(config, options)  # {model: (templates dir, shim or None)}
+    if layout.uses_trtllm_values:
+        values.update(repository_trtllm.template_values(config, engine_dir, options))
     rendered: dict[Path, str] = {}
-    for model in MODELS:
-        for template in _template_files(model):
-            relative = template.relative_to(TEMPLATES_DIR)
+    for model in layout.models:
+        for template in _template_files(model, layout.templates_dir(model)):
+            relative = Path(model) / template.relative_to(layout.templates_dir(model) / model)
             text = template.read_text()
             # Each template takes the values it names; render() fails on any other placeholder.
             wanted = {k: v for k, v in values.items() if "${" + k + "}" in text}
             rendered[relative] = render(text, wanted, source=str(relative))
-        if model in PYTHON_MODELS:
-            module, class_name = PYTHON_MODELS[model]
+        if layout.shim(model) is not None:
+            module, class_name = layout.shim(model)
             rendered[Path(model) / "1" / "model.py"] = render(
                 (TEMPLATES_DIR / SHIM_TEMPLATE).read_text(),
                 {"model_name": model, "module": module, "class_name": class_name},
                 source=SHIM_TEMPLATE)
     for model in MODELS:
         shutil.rmtree(output_dir / model, ignore_errors=True)
-    for model in MODELS:  # every model needs its version directory, the ensemble's stays empty
+    for model in layout.models:  # every model needs its version directory, the ensemble's stays empty
         (output_dir / model / "1").mkdir(parents=True)
     for relative, text in rendered.items():
         (output_dir / relative).write_text(text)

@@ -13,11 +13,12 @@ from typing import Any
 
 import yaml
 
+from builder.hardware import FP8_PROFILES, GPU_PROFILES, PROFILES
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits
 
-TARGETS_BUILT = ("torch", "naive")
-TARGETS_PLANNED = ("trtllm",)
-HARDWARE_PROFILES = ("cpu",)
+TARGETS_BUILT = ("torch", "naive", "trtllm")
+HARDWARE_PROFILES = tuple(PROFILES)
+TRTLLM_DTYPES = ("bfloat16", "float16")  # TensorRT-LLM's GEMM/attention plugins run in 16 bits
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -60,6 +61,24 @@ class QuantizationSpec:
 
 
 @dataclass
+class ParallelismSpec:
+    """TensorRT-LLM's tensor (`tp`) and pipeline (`pp`) parallelism: tp * pp GPUs, one rank each."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecError(f"parallelism.{key}: must be an integer >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass
 class BuildSpec:
     name: str
     checkpoint: str
@@ -70,21 +89,45 @@ class BuildSpec:
     limits: Limits | None = None  # None: derived from the model (see default_limits)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
     repository: dict = field(default_factory=dict)
     source: Path | None = None  # the YAML file this spec came from
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(self.name)):
             raise SpecError(f"name: letters, digits, '.', '_' and '-' only, got {self.name!r}")
-        if self.target in TARGETS_PLANNED:
-            raise SpecError(f"target: {self.target!r} is not yet built in llm-forge "
-                            f"(available: {list(TARGETS_BUILT)})")
         if self.target not in TARGETS_BUILT:
             raise SpecError(f"target: must be one of {list(TARGETS_BUILT)}, got {self.target!r}")
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.hardware not in HARDWARE_PROFILES:
             raise SpecError(f"hardware: must be one of {list(HARDWARE_PROFILES)}, got {self.hardware!r}")
+        if self.target == "trtllm":
+            self._check_trtllm()
+        else:
+            self._check_cpu_target()
+
+    def _check_cpu_target(self) -> None:
+        if self.hardware != "cpu":
+            raise SpecError(f"hardware: {self.hardware!r} is a GPU profile, for target trtllm; "
+                            f"target {self.target} runs on the CPU (hardware: cpu)")
+        if self.parallelism.world_size != 1:
+            raise SpecError(f"parallelism: tp/pp are TensorRT-LLM's (target trtllm); target "
+                            f"{self.target} runs on one device (tp: 1, pp: 1)")
+
+    def _check_trtllm(self) -> None:
+        """What the GPU cannot do fails here, naming the field and why."""
+        if self.hardware not in GPU_PROFILES:
+            raise SpecError(f"hardware: target trtllm needs a GPU profile {list(GPU_PROFILES)}, "
+                            f"got {self.hardware!r}")
+        if self.dtype not in TRTLLM_DTYPES:
+            raise SpecError(f"dtype: target trtllm builds {list(TRTLLM_DTYPES)} engines, "
+                            f"got {self.dtype!r}")
+        profile = PROFILES[self.hardware]
+        for key in ("weights", "kv_cache"):
+            if getattr(self.quantization, key) == "fp8" and not profile.fp8:
+                raise SpecError(f"quantization.{key}: fp8 needs FP8 tensor cores (SM >= 89: "
+                                f"{', '.join(FP8_PROFILES)}); {self.hardware} is SM {profile.sm}")
 
     @property
     def output_dir(self) -> Path:
@@ -98,7 +141,8 @@ def default_limits(max_position_embeddings: int) -> Limits:
                   max_input_len=max_seq_len // 2, max_seq_len=max_seq_len)
 
 
-_SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": QuantizationSpec}
+_SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": QuantizationSpec,
+             "parallelism": ParallelismSpec}
 
 
 def _build_section(key: str, klass: type, raw: Any) -> Any:
@@ -150,6 +194,10 @@ def spec_from_dict(data: dict, source: Path | None = None) -> BuildSpec:
             kwargs[key] = _build_section(key, klass, kwargs[key] or {})
     if "repository" in kwargs:
         _check_repository(kwargs["repository"])
+        backend = kwargs["repository"].get("tensorrt_llm_backend")
+        if backend == "tensorrtllm" and kwargs.get("target") != "trtllm":
+            raise SpecError("repository.tensorrt_llm_backend: 'tensorrtllm' (NVIDIA's C++ backend) "
+                            f"serves trtllm engines only; target is {kwargs.get('target', 'torch')!r}")
     return BuildSpec(source=source, **kwargs)
 
 

@@ -32,7 +32,7 @@ def test_engine_refuses_bad_spec_with_exit_2(tmp_path):
     result = forge("engine", "--spec", spec)
     assert result.exit_code == 2 and "limits.max_batch_size must be an integer >= 1" in result.output
     result = forge("engine", "--checkpoint", tmp_path, "--target", "trtllm")
-    assert result.exit_code == 2 and "target: 'trtllm' is not yet built" in result.output
+    assert result.exit_code == 2 and "hardware: target trtllm needs a GPU profile" in result.output
     result = forge("engine", "--checkpoint", tmp_path / "missing")
     assert result.exit_code == 2 and "checkpoint:" in result.output
 

@@ -17,7 +17,7 @@ BASE = {"name": "m", "checkpoint": "some/dir"}
     ({"kv_cache": {"tokens_per_block": -1}}, "kv_cache.tokens_per_block must be an integer >= 1"),
     ({"kv_cache": {"num_blocks": 4, "memory_bytes": "1GiB"}}, "give num_blocks or memory_bytes"),
     ({"kv_cache": {"memory_bytes": "lots"}}, "kv_cache.memory_bytes: expected bytes"),
-    ({"target": "trtllm"}, "target: 'trtllm' is not yet built"),
+    ({"target": "trtllm"}, "hardware: target trtllm needs a GPU profile"),
     ({"target": "tpu"}, "target: must be one of"),
     ({"dtype": "int3"}, "dtype: must be one of"),
     ({"hardware": "h100"}, "hardware: must be one of"),

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,11 +65,13 @@ def linear_bytes(state: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: QuantizeOptions,
-                        dtype: torch.dtype = torch.bfloat16,
-                        progress: Progress | None = None) -> QuantizationResult:
+                        dtype: torch.dtype = torch.bfloat16, progress: Progress | None = None,
+                        parallelism: tuple[int, int] = (1, 1)) -> QuantizationResult:
     """Calibrate and quantize `hf_dir` per `options`; write `engine_dir/trtllm_checkpoint/` and
     `engine_dir/model.safetensors` (unquantized tensors in `dtype`). The caller records the
     returned result in the engine config (`result.apply(config)`) and writes config.json.
+    `parallelism` (tp, pp) splits the TensorRT-LLM checkpoint into ranks; the runtime's weights
+    are repacked from a single-rank export of the same calibrated model.
 
     Raises ValueError (bad group size, too little calibration text) before any long work.
     """
@@ -89,8 +92,12 @@ def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: Qua
     modelopt_run.calibrate(model, options, batches, progress)
     seconds = time.perf_counter() - start
     ckpt_dir = engine_dir / trtllm_checkpoint.CHECKPOINT_DIR
-    trtllm_checkpoint.export(model, model.config.to_dict(), dtype, ckpt_dir)
-    ckpt_config, tensors = trtllm_checkpoint.read(ckpt_dir)
+    single_rank_dir = ckpt_dir if parallelism == (1, 1) else engine_dir / "trtllm_checkpoint.rank1"
+    trtllm_checkpoint.export(model, model.config.to_dict(), dtype, single_rank_dir)
+    ckpt_config, tensors = trtllm_checkpoint.read(single_rank_dir)
+    if single_rank_dir != ckpt_dir:
+        trtllm_checkpoint.export(model, model.config.to_dict(), dtype, ckpt_dir, *parallelism)
+        shutil.rmtree(single_rank_dir)
     state, kv_scales = repack.to_runtime_weights(ckpt_config, tensors,
                                                  bool(model.config.tie_word_embeddings))
     save_file(state, str(engine_dir / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -39,8 +39,10 @@ def rope_fields(hf_config: dict) -> dict:
     return fields
 
 
-def export(model: nn.Module, hf_config: dict, dtype: torch.dtype, out_dir: Path) -> dict:
-    """Write the quantized `model` as a TensorRT-LLM checkpoint in `out_dir`; returns its config."""
+def export(model: nn.Module, hf_config: dict, dtype: torch.dtype, out_dir: Path, tp: int = 1,
+           pp: int = 1) -> dict:
+    """Write `model` (quantized or not) as a TensorRT-LLM checkpoint in `out_dir`, split into
+    tp * pp ranks (`rank{N}.safetensors`, one config.json); returns the config."""
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
     from modelopt.torch.export.model_utils import get_model_type
 
@@ -51,7 +53,7 @@ def export(model: nn.Module, hf_config: dict, dtype: torch.dtype, out_dir: Path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         export_tensorrt_llm_checkpoint(model, decoder_type, dtype, export_dir=out_dir,
-                                       inference_tensor_parallel=1, inference_pipeline_parallel=1)
+                                       inference_tensor_parallel=tp, inference_pipeline_parallel=pp)
     path = out_dir / CONFIG_FILE
     config = json.loads(path.read_text())
     config.update(rope_fields(hf_config))

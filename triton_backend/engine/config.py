@@ -191,4 +191,8 @@ class EngineConfig:
         path = Path(engine_dir) / CONFIG_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no engine config (is {engine_dir} an engine directory?)")
-        return cls.from_dict(json.loads(path.read_text()))
+        config = cls.from_dict(json.loads(path.read_text()))
+        from triton_backend.engine.toolchain import check_toolchain
+
+        check_toolchain(engine_dir, config.target)
+        return config
