@@ -52,7 +52,7 @@ def repository_command(engine_dir, output_dir, settings) -> None:
 def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_timeout, demo_prompt,
                   demo_max_tokens) -> None:
     """Start tritonserver on loopback for a repository; stop it with Ctrl-C or SIGTERM."""
-    from builder.serve import start_tritonserver
+    from builder.serve import engine_report, start_tritonserver
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -67,6 +67,9 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         click.echo(f"  HTTP     http://{server.http_url}")
         click.echo(f"  gRPC     {server.grpc_url}")
         click.echo(f"  metrics  {server.metrics_url}")
+        report = engine_report(server.metrics_url)
+        if report:
+            click.echo(report)
         click.echo("try:")
         click.echo(f"  curl -s -X POST http://{server.http_url}/v2/models/ensemble/generate "
                    "-d '{\"text_input\": \"What is Triton?\", \"max_tokens\": 32}'")

@@ -194,6 +194,34 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def engine_report(metrics_url: str, timeout: float = 5.0) -> str | None:
+    """One line on the engine behind a running server, from its `/metrics`: the threads it
+    computes with (of the cores this machine allows) and whether the C++ kernels are on."""
+    deadline = time.monotonic() + timeout
+    stats: dict[str, float] = {}
+    while "num_threads" not in stats:  # the model publishes its first counters just after ready
+        if time.monotonic() > deadline:
+            return None
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=timeout) as reply:
+                text = reply.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        for line in text.splitlines():
+            if line.startswith("llm_forge_executor_stats{") and 'stat="' in line:
+                name = line.split('stat="', 1)[1].split('"', 1)[0]
+                stats[name] = float(line.rsplit(" ", 1)[1])
+        if "num_threads" not in stats:
+            time.sleep(0.2)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    kernels = {1.0: "C++ CPU kernels", 0.0: "pure-torch kernels"}.get(stats.get("cpp_kernels"), "")
+    return (f"engine: {int(stats['num_threads'])} torch threads ({cores} cores allowed here; "
+            f"repository option engine_num_threads), {kernels}").rstrip(", ")
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:

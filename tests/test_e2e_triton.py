@@ -6,6 +6,7 @@ ensemble and BLS, HTTP non-streaming, /generate, /generate_stream) and equal to 
 cancelled stream frees its KV blocks; bad input is refused naming the field.
 """
 import json
+import os
 import re
 import time
 import urllib.request
@@ -63,6 +64,17 @@ def forge_generate_text(engine_dir, prompt, max_tokens) -> str:
                                                    "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.output.strip().splitlines()[-1])["text"]
+
+
+def test_the_engine_runs_in_its_own_process_with_every_core_and_the_kernels(server):
+    """What `forge serve` reports: threads and kernels, read back from /metrics."""
+    from builder.serve import engine_report
+
+    stats = metrics(server)
+    cores = len(os.sched_getaffinity(0))
+    assert stats["num_threads"] == cores and stats["cpp_kernels"] == 1
+    assert stats["engine_pid"] not in (0, os.getpid(), server.process.pid)
+    assert engine_report(server.metrics_url).startswith(f"engine: {cores} torch threads")
 
 
 def test_greedy_text_is_identical_on_every_path(server, engine_dir):

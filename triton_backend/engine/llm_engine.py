@@ -140,4 +140,5 @@ class LLMEngine:
                     num_total_blocks=self.block_manager.num_blocks,
                     num_active_requests=len(self.scheduler.running),
                     num_waiting_requests=len(self.scheduler.waiting),
-                    tokens_per_block=self.block_manager.tokens_per_block)
+                    tokens_per_block=self.block_manager.tokens_per_block,
+                    cpp_kernels=int(self.runner.ops.name == "cpp"))
