@@ -153,21 +153,20 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
 
 def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT4 q [N, K] (values in [-8, 7]) and scales [N, K / group] -> the INT4 kernel's
-    layout: int32 [ceil(N/16), K, 2] (word j of k: columns 8j..8j+7 as nibbles value + 8, column
-    8j in the lowest) and fp32 scales [ceil(N/16), K / group, 16]."""
+    layout: uint8 [ceil(N/16), K, 8] (byte j of k: column j in the low nibble, column j + 8 in
+    the high one, each value + 8: one widening load gives both 8-lane vectors) and fp32 scales
+    [ceil(N/16), K / group, 16]."""
     n, k = q.shape
     padded = -(-n // TILE) * TILE
-    nibbles = torch.full((padded, k), 8, dtype=torch.int64)  # padding columns hold zero weights
-    nibbles[:n] = q.to(torch.int64) + 8
-    nibbles = nibbles.view(padded // TILE, TILE, k).permute(0, 2, 1).reshape(-1, k, 2, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
-    words = (nibbles << shifts).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same 32 bits
+    nibbles = torch.full((padded, k), 8, dtype=torch.uint8)  # padding columns hold zero weights
+    nibbles[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
+    nibbles = nibbles.view(padded // TILE, TILE, k).permute(0, 2, 1)  # [tiles, K, 16]
+    packed = nibbles[..., :8] | (nibbles[..., 8:] << 4)
     groups = scales.shape[1]
     tile_scales = torch.zeros(padded, groups, dtype=torch.float32)
     tile_scales[:n] = scales.float()
     tile_scales = tile_scales.view(padded // TILE, TILE, groups).permute(0, 2, 1).contiguous()
-    return words.contiguous(), tile_scales
+    return packed.contiguous(), tile_scales
 
 
 def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int) -> str:

@@ -44,21 +44,20 @@ struct Bf16Tiles {
 
 struct Int4Tiles {
   static constexpr bool kGrouped = true;
-  const uint32_t* data;
+  const uint8_t* data;
   const float* scale_data;
   int64_t K, group_size;
-  const uint32_t* tile(int64_t t) const { return data + t * K * 2; }
-  void prefetch(const uint32_t* tile, int64_t k) const {
-    if (k % 8 == 0) __builtin_prefetch(tile + (k + 4 * kPrefetch) * 2);
+  const uint8_t* tile(int64_t t) const { return data + t * K * kLanes; }
+  void prefetch(const uint8_t* tile, int64_t k) const {
+    if (k % 8 == 0) __builtin_prefetch(tile + (k + 4 * kPrefetch) * kLanes);
   }
-  static vf nibbles(uint32_t word) {
-    const vu shifts = {0, 4, 8, 12, 16, 20, 24, 28};
-    vu lanes = vu{word, word, word, word, word, word, word, word} >> shifts;
-    return __builtin_convertvector((vi)(lanes & 15u) - 8, vf);
-  }
-  void load(const uint32_t* tile, int64_t k, vf& w0, vf& w1) const {
-    w0 = nibbles(tile[2 * k]);
-    w1 = nibbles(tile[2 * k + 1]);
+  // 8 bytes of one k: byte j holds column j (low nibble) and column j + 8 (high), each value + 8.
+  void load(const uint8_t* tile, int64_t k, vf& w0, vf& w1) const {
+    vb8 bytes;
+    std::memcpy(&bytes, tile + k * kLanes, sizeof bytes);
+    const vu lanes = __builtin_convertvector(bytes, vu);
+    w0 = __builtin_convertvector((vi)(lanes & 15u) - 8, vf);
+    w1 = __builtin_convertvector((vi)(lanes >> 4) - 8, vf);
   }
   int64_t group() const { return group_size; }
   const float* scales(int64_t t, int64_t g) const {
@@ -242,16 +241,15 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
                               const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N) {
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(2) == 2 &&
-                  packed.is_contiguous(),
-              "packed weight must be a contiguous int32 [tiles, K, 2] tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.size(2) == kLanes && packed.is_contiguous(),
+              "packed weight must be a contiguous uint8 [tiles, K, 8] tensor");
   const int64_t K = packed.size(1), num_tiles = packed.size(0);
   TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({num_tiles, K / group_size, kTile}),
               "scales must be a contiguous fp32 [tiles, K / group_size, 16] tensor");
-  const Int4Tiles w{reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()),
-                    scales.data_ptr<float>(), K, group_size};
+  const Int4Tiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), K, group_size};
   return gemm(x, w, K, num_tiles, N, bias, prequant);
 }
 

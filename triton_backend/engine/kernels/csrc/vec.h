@@ -26,6 +26,7 @@ typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 typedef uint16_t vh __attribute__((vector_size(16)));
+typedef uint8_t vb8 __attribute__((vector_size(8)));
 
 using bf16 = c10::BFloat16;
 
