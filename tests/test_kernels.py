@@ -165,3 +165,35 @@ def test_torch_and_cpp_backends_agree_on_an_engine(tiny_engines, monkeypatch):
     assert [r.output_ids for r in generate(LLMEngine(engine_dir), requests())] == cpp_ids
     torch.testing.assert_close(prefill_logits(engine_dir, prompts[3]), cpp_logits, atol=1e-4,
                                rtol=1e-4)
+
+
+def _fast_and_python_ids(engine_dir):
+    """Greedy ids of a few requests (mixed lengths, streamed or not) with the decode fast path,
+    then without it; and how many steps the fast path ran."""
+    from triton_backend.engine import Request
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate
+
+    prompts = [[5 + i, 9, 13 + 2 * i, 7] * (i + 1) for i in range(4)]
+    requests = lambda: [Request(p, 10 + i, streaming=i % 2 == 0, ignore_eos=True)  # noqa: E731
+                        for i, p in enumerate(prompts)]
+    engine = LLMEngine(engine_dir)
+    fast = engine.runner.decode_forward
+    assert fast is not None and fast.supported
+    covered = []
+    covers = fast.covers
+    fast.covers = lambda meta, rows: covered.append(covers(meta, rows)) or covered[-1]
+    with_fast = [r.output_ids for r in generate(engine, requests())]
+    engine.runner.decode_forward = None
+    without = [r.output_ids for r in generate(engine, requests())]
+    return with_fast, without, sum(covered)
+
+
+@pytest.mark.parametrize("shape, dtype", [("llama_gqa", "float32"), ("qwen2_bias_tied", "float32"),
+                                          ("llama_gqa", "bfloat16")])
+def test_the_decode_fast_path_gives_the_python_models_tokens(tmp_path, shape, dtype):
+    import tiny
+
+    engine_dir = tiny.build_engine(tmp_path, shape, dtype=dtype)
+    with_fast, without, steps = _fast_and_python_ids(engine_dir)
+    assert steps > 10 and with_fast == without

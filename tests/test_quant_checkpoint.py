@@ -236,3 +236,27 @@ def test_fp8_kv_cache_doubles_the_tokens_in_one_budget(awq, tmp_path):
     baseline = LLMEngine(unquantized_dir, kv_cache_memory_bytes=budget).block_manager.num_blocks
     assert quantized >= 1.9 * baseline
 
+
+
+@pytest.fixture(scope="module")
+def awq_plain_kv(tmp_path_factory):
+    """INT4-AWQ weights with the 16-bit KV cache: what the decode fast path covers."""
+    return _quantized(tmp_path_factory, "llama_gqa", "int4_awq", "none")
+
+
+def test_int4_engines_decode_through_the_fast_path_with_the_python_models_tokens(awq_plain_kv,
+                                                                                monkeypatch):
+    from tests.test_kernels import _fast_and_python_ids
+    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.quant import linear as quant_linear
+
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    # Tiny shapes may measure torch's int4pack faster; this test is about our kernel's path.
+    monkeypatch.setattr(quant_linear, "_cpp_int4_wins", lambda *shape: True)
+    engine_dir = awq_plain_kv[0]
+    mlp = LLMEngine(engine_dir).runner.model.transformer.layers[0].mlp
+    assert mlp.gate_up.kernel == "cpp_int4"
+    with_fast, without, steps = _fast_and_python_ids(engine_dir)
+    assert steps > 10 and with_fast == without

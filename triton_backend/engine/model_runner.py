@@ -66,6 +66,11 @@ class ModelRunner:
             plan = bf16_gemm_plan(build_key())
             if plan.packed:
                 pack_linears(self.model, plan)
+        self.decode_forward = None
+        if self.kernel_attention:
+            from triton_backend.engine.kernels.forward import DecodeForward
+
+            self.decode_forward = DecodeForward(self.model, self.kv_cache, self.dtype)
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput, eos_ids: dict[int, frozenset[int]],
@@ -74,7 +79,10 @@ class ModelRunner:
         the kernel attends come first)."""
         chunks = self._packing_order(output.chunks)
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops)
+        if self.decode_forward is not None and self.decode_forward.covers(meta, len(input_ids)):
+            hidden = self.decode_forward(input_ids, positions, meta)  # all layers in one call
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops)
         all_logits = self.model.logits(hidden) if return_logits else None
         sampling_chunks = [c for c in chunks if c.needs_sample]
         if not sampling_chunks:

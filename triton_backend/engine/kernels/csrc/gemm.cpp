@@ -53,9 +53,7 @@ struct Int4Tiles {
   }
   // 8 bytes of one k: byte j holds column j (low nibble) and column j + 8 (high), each value + 8.
   void load(const uint8_t* tile, int64_t k, vf& w0, vf& w1) const {
-    vb8 bytes;
-    std::memcpy(&bytes, tile + k * kLanes, sizeof bytes);
-    const vu lanes = __builtin_convertvector(bytes, vu);
+    const vu lanes = widen_bytes(tile + k * kLanes);
     w0 = __builtin_convertvector((vi)(lanes & 15u) - 8, vf);
     w1 = __builtin_convertvector((vi)(lanes >> 4) - 8, vf);
   }

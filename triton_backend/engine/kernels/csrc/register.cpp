@@ -21,6 +21,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
                            int64_t tokens_per_block, double scale);
 
+at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start,
+                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache,
+                          const c10::List<c10::optional<at::Tensor>>& weights,
+                          at::IntArrayRef kinds, at::IntArrayRef out_features,
+                          at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t tokens_per_block, double eps, double scale);
+
 }  // namespace llm_forge
 
 TORCH_LIBRARY(llm_forge, m) {
@@ -38,4 +48,9 @@ TORCH_LIBRARY(llm_forge, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start, int tokens_per_block, float scale) -> Tensor",
         &llm_forge::paged_attention);
+  m.def("decode_forward(Tensor hidden, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] weights, int[] kinds, "
+        "int[] out_features, int[] group_sizes, int num_heads, int num_kv_heads, int head_dim, "
+        "int tokens_per_block, float eps, float scale) -> Tensor", &llm_forge::decode_forward);
 }

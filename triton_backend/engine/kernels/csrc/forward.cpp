@@ -1,0 +1,101 @@
+// All decoder layers of a decode step in one call: the same kernels the Python model calls one by
+// one (norms, projections, rotary + KV write, paged attention, SiLU * up), without a Python
+// round trip per op. It covers steps whose every row is attended by the paged kernel (decodes
+// and short chunks) over a cache in the activation dtype, with projections of three kinds:
+// packed bf16, packed INT4, or a dense weight in the activation dtype. Everything else takes the
+// Python model (`model.py`), which stays the reference: tests hold the two to each other.
+#include <ATen/ATen.h>
+
+namespace llm_forge {
+
+at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
+                              const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start,
+                           int64_t tokens_per_block, double scale);
+
+namespace {
+
+enum LinearKind : int64_t { kPackedBf16 = 0, kPackedInt4 = 1, kDense = 2 };
+// weights: per layer [input norm, post norm, then per projection (qkv, dense, gate_up, proj):
+// weight, scales, prequant, bias], then the final norm.
+constexpr int64_t kSlotsPerLinear = 4;
+constexpr int64_t kSlotsPerLayer = 2 + 4 * kSlotsPerLinear;
+
+using Weights = c10::List<c10::optional<at::Tensor>>;
+
+at::Tensor required(const Weights& weights, int64_t index) {
+  c10::optional<at::Tensor> t = weights.get(index);
+  TORCH_CHECK(t.has_value(), "decode_forward: weight slot ", index, " is empty");
+  return *t;
+}
+
+at::Tensor project(const at::Tensor& x, const Weights& weights, int64_t slot, int64_t kind,
+                   int64_t out_features, int64_t group_size) {
+  const at::Tensor weight = required(weights, slot);
+  const c10::optional<at::Tensor> bias = weights.get(slot + 3);
+  switch (kind) {
+    case kPackedBf16:
+      return linear_bf16_packed(x, weight, bias, out_features);
+    case kPackedInt4:
+      return linear_int4_packed(x, weight, required(weights, slot + 1), weights.get(slot + 2),
+                                bias, group_size, out_features);
+    case kDense:
+      return at::linear(x, weight, bias);
+    default:
+      TORCH_CHECK(false, "decode_forward: unknown projection kind ", kind);
+  }
+}
+
+}  // namespace
+
+at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start,
+                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const Weights& weights,
+                          at::IntArrayRef kinds, at::IntArrayRef out_features,
+                          at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t tokens_per_block, double eps, double scale) {
+  const int64_t layers = k_cache.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer + 1 &&
+                  static_cast<int64_t>(kinds.size()) == 4 * layers &&
+                  out_features.size() == kinds.size() && group_sizes.size() == kinds.size(),
+              "decode_forward: weights for ", layers, " layers expected");
+  const int64_t q_size = num_heads * head_dim;
+  at::Tensor x = hidden.contiguous();  // this step's own buffer: the residual stream lives in it
+  at::Tensor residual = x;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t base = layer * kSlotsPerLayer;
+    auto proj = [&](int64_t i, const at::Tensor& in) {
+      const int64_t p = 4 * layer + i;
+      return project(in, weights, base + 2 + i * kSlotsPerLinear, kinds[p], out_features[p],
+                     group_sizes[p]);
+    };
+    at::Tensor h = layer == 0 ? rms_norm(x, required(weights, base), eps)
+                              : add_rms_norm(x, residual, required(weights, base), eps);
+    at::Tensor qkv = proj(0, h).contiguous();
+    at::Tensor k_layer = k_cache.select(0, layer), v_layer = v_cache.select(0, layer);
+    rope_write_cache(qkv, positions, cos, sin, num_heads, num_kv_heads, k_layer, v_layer,
+                     slot_mapping);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads, head_dim});
+    at::Tensor o = paged_attention(q, k_layer, v_layer, block_tables, seq_lens, query_start,
+                                   tokens_per_block, scale);
+    h = add_rms_norm(proj(1, o.view({-1, q_size})), residual, required(weights, base + 1), eps);
+    x = proj(3, silu_mul(proj(2, h)));
+  }
+  return add_rms_norm(x, residual, required(weights, layers * kSlotsPerLayer), eps);
+}
+
+}  // namespace llm_forge

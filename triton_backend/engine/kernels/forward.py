@@ -1,0 +1,85 @@
+"""The decode fast path: every decoder layer of a step in one C++ call (`llm_forge.decode_forward`).
+
+A decode step runs about ten kernels per layer; called one by one from Python each costs a few
+microseconds of dispatch, a few milliseconds per step on a small model. `DecodeForward` gathers
+the loaded model's weights once, in the order the C++ side reads them, and runs a step there when
+the step is one it covers: every row attended by the paged kernel (no long prefill chunk), a cache
+in the activation dtype, and projections that are packed bf16, packed INT4 (our kernel) or dense
+in the activation dtype (below the row count where bf16 projections switch to torch's GEMM).
+Anything else, and every other device, takes the Python model, which stays the reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from triton_backend.engine.attention import AttentionMetadata
+from triton_backend.engine.kernels.linear import PackedBf16Linear
+from triton_backend.engine.kv_cache import PagedKVCache
+
+PACKED_BF16, PACKED_INT4, DENSE = 0, 1, 2
+
+
+def _projection_slots(module: nn.Module, dtype: torch.dtype) -> tuple[int, list, int] | None:
+    """(kind, [weight, scales, prequant, bias], group size) of a projection, None if unsupported."""
+    if isinstance(module, PackedBf16Linear):
+        return PACKED_BF16, [module.packed, None, None, module.bias], 0
+    if type(module) is nn.Linear and module.weight.dtype == dtype:
+        return DENSE, [module.weight, None, None, module.bias], 0
+    if getattr(module, "kernel", None) == "cpp_int4":
+        bias = None if module.bias is None else module.bias.float()
+        return PACKED_INT4, [module.packed_weight, module.scales, module.prequant, bias], \
+            module.group_size
+    return None
+
+
+class DecodeForward:
+    def __init__(self, model: nn.Module, cache: PagedKVCache, dtype: torch.dtype) -> None:
+        self.model, self.cache = model, cache
+        shape = model.config.model
+        self.dims = (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim)
+        self.eps = shape.rms_norm_eps
+        self.scale = shape.head_dim ** -0.5
+        self.weights: list[torch.Tensor | None] = []
+        self.kinds: list[int] = []
+        self.out_features: list[int] = []
+        self.group_sizes: list[int] = []
+        self.upcast_min_rows: int | None = None
+        self.supported = self._gather(model, dtype)
+
+    def _gather(self, model: nn.Module, dtype: torch.dtype) -> bool:
+        for layer in model.transformer.layers:
+            self.weights += [layer.input_layernorm.weight, layer.post_layernorm.weight]
+            for proj in (layer.attention.qkv, layer.attention.dense, layer.mlp.gate_up,
+                         layer.mlp.proj):
+                slots = _projection_slots(proj, dtype)
+                if slots is None:
+                    return False
+                kind, tensors, group = slots
+                self.weights += tensors
+                self.kinds.append(kind)
+                self.out_features.append(proj.out_features)
+                self.group_sizes.append(group)
+                rows = getattr(proj, "upcast_min_rows", None)
+                if rows is not None:
+                    self.upcast_min_rows = min(rows, self.upcast_min_rows or rows)
+        self.weights.append(model.transformer.ln_f.weight)
+        return True
+
+    def covers(self, meta: AttentionMetadata, num_rows: int) -> bool:
+        """True when every row of the step is the paged kernel's and no projection would
+        switch to torch's GEMM at this many rows."""
+        return (self.supported and meta.kernel_rows == num_rows and not meta.prefills
+                and meta.decode_token_index is None
+                and (self.upcast_min_rows is None or num_rows < self.upcast_min_rows))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the step's rows (the KV cache is written)."""
+        hidden = self.model.transformer.vocab_embedding(input_ids)
+        rotary = self.model.rotary
+        return torch.ops.llm_forge.decode_forward(
+            hidden, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.query_start, rotary.cos, rotary.sin, self.cache.k, self.cache.v, self.weights,
+            self.kinds, self.out_features, self.group_sizes, *self.dims,
+            self.cache.tokens_per_block, self.eps, self.scale)
