@@ -4,26 +4,9 @@
 // and short chunks) over a cache in the activation dtype, with projections of three kinds:
 // packed bf16, packed INT4, or a dense weight in the activation dtype. Everything else takes the
 // Python model (`model.py`), which stays the reference: tests hold the two to each other.
-#include <ATen/ATen.h>
+#include "ops.h"
 
 namespace llm_forge {
-
-at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const c10::optional<at::Tensor>& bias, int64_t N);
-at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
-                              const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
-                        double eps);
-at::Tensor silu_mul(const at::Tensor& gate_up);
-void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
-                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping);
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           int64_t tokens_per_block, double scale);
 
 namespace {
 

@@ -1,37 +1,7 @@
 // The torch operator library `llm_forge`: torch.ops.llm_forge.<name> once the library is loaded.
-#include <ATen/ATen.h>
 #include <torch/library.h>
 
-namespace llm_forge {
-
-at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const c10::optional<at::Tensor>& bias, int64_t N);
-at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
-                              const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
-                        double eps);
-at::Tensor silu_mul(const at::Tensor& gate_up);
-void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
-                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping);
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           int64_t tokens_per_block, double scale);
-
-at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
-                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                          const at::Tensor& seq_lens, const at::Tensor& query_start,
-                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache,
-                          const c10::List<c10::optional<at::Tensor>>& weights,
-                          at::IntArrayRef kinds, at::IntArrayRef out_features,
-                          at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t tokens_per_block, double eps, double scale);
-
-}  // namespace llm_forge
+#include "ops.h"
 
 TORCH_LIBRARY(llm_forge, m) {
   m.def("linear_bf16_packed(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
