@@ -249,12 +249,13 @@ def test_int4_engines_decode_through_the_fast_path_with_the_python_models_tokens
     from tests.test_kernels import _fast_and_python_ids
     from triton_backend.engine.kernels import load_cpu_kernels
     from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.kernels.linear import Int4Choice
     from triton_backend.engine.quant import linear as quant_linear
 
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")
     # Tiny shapes may measure torch's int4pack faster; this test is about our kernel's path.
-    monkeypatch.setattr(quant_linear, "_cpp_int4_wins", lambda *shape: True)
+    monkeypatch.setattr(quant_linear, "_cpp_int4_choice", lambda *shape: Int4Choice("cpp"))
     engine_dir = awq_plain_kv[0]
     mlp = LLMEngine(engine_dir).runner.model.transformer.layers[0].mlp
     assert mlp.gate_up.kernel == "cpp_int4"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from triton_backend.engine.config import EngineConfig, ModelShape
 from triton_backend.engine.kv_cache import PagedKVCache
@@ -60,11 +61,13 @@ def _int4_linear(out_f: int, in_f: int, group: int, prequant: bool, bias: bool):
 def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypatch):
     """Each CPU path: our kernel (any even width), torch's int4pack (widths of 16), dequant."""
     from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.kernels.linear import Int4Choice
     from triton_backend.engine.quant import linear as quant_linear
 
     if ours and not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")
-    monkeypatch.setattr(quant_linear, "_cpp_int4_wins", lambda *shape: ours)
+    monkeypatch.setattr(quant_linear, "_cpp_int4_choice",
+                        lambda *shape: Int4Choice("cpp") if ours else None)
     torch.manual_seed(0)
     linear, w_ref, pre, b = _int4_linear(out_f, 64, 32, prequant=True, bias=True)
     assert linear.kernel == kernel
@@ -74,6 +77,22 @@ def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypa
         y = linear(x.to(dtype)).float()
         assert (y - ref).abs().max() / ref.abs().max() < tol
     assert torch.allclose(linear.dequantized_weight(), w_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monkeypatch):
+    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.quant import linear as quant_linear
+
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    monkeypatch.setattr(quant_linear, "_cpp_int4_choice", lambda *shape: Int4Choice("cpp", 4))
+    torch.manual_seed(1)
+    linear, w_ref, pre, b = _int4_linear(40, 64, 32, prequant=True, bias=True)
+    assert linear.upcast_min_rows == 4
+    for rows in (3, 9):  # the kernel, then the dequantized weight
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), F.linear(x * pre, w_ref, b), atol=1e-4, rtol=1e-4)
 
 
 def test_int4_linear_rejects_a_mis_shaped_checkpoint():

@@ -93,14 +93,16 @@ def pack_linears(model: nn.Module, plan: Bf16GemmPlan) -> int:
     return count
 
 
-def _median_time(fn, repeats: int = 7) -> float:
+def _best_time(fn, repeats: int = 7) -> float:
+    """The fastest of `repeats` calls: other processes only ever add time, so the minimum is
+    the steadiest estimate of the kernel's own cost (these choices are cached per machine)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 @dataclass(frozen=True)
@@ -113,16 +115,23 @@ class Bf16GemmPlan:
     upcast_min_rows: int | None = None
 
 
-def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[int, float]
-                       ) -> Bf16GemmPlan:
-    packed = min(torch_over_packed) > 1.1
-    # The smallest measured M from which widening wins by 10% at that M and every larger one.
-    upcast_min_rows = None
+UPCAST_ROWS = (256, 512, 1024)  # where widening for torch's fp32 GEMM is measured
+
+
+def _upcast_threshold(upcast_over_packed: dict[int, float]) -> int | None:
+    """The smallest measured M from which widening wins by 10% at that M and every larger one."""
+    threshold = None
     for m in sorted(upcast_over_packed, reverse=True):
         if upcast_over_packed[m] >= 1 / 1.1:
             break
-        upcast_min_rows = m
-    return Bf16GemmPlan(packed, upcast_min_rows if packed else None)
+        threshold = m
+    return threshold
+
+
+def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[int, float]
+                       ) -> Bf16GemmPlan:
+    packed = min(torch_over_packed) > 1.1
+    return Bf16GemmPlan(packed, _upcast_threshold(upcast_over_packed) if packed else None)
 
 
 def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
@@ -136,13 +145,13 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     weight = torch.randn(n, k).to(torch.bfloat16)
     layer = PackedBf16Linear(weight, None)
     torch_over_packed, upcast_over_packed = [], {}
-    for m in (1, 16, 256, 512, 1024):
+    for m in (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, k).to(torch.bfloat16)
-        ours = _median_time(lambda: layer(x), repeats=5 if m < 256 else 3)
+        ours = _best_time(lambda: layer(x), repeats=5 if m < 256 else 3)
         if m <= 16:
-            torch_over_packed.append(_median_time(lambda: F.linear(x, weight)) / ours)
+            torch_over_packed.append(_best_time(lambda: F.linear(x, weight)) / ours)
         else:
-            upcast_over_packed[m] = _median_time(lambda: layer.widened(x), repeats=3) / ours
+            upcast_over_packed[m] = _best_time(lambda: layer.widened(x), repeats=3) / ours
     plan = _plan_from_timings(torch_over_packed, upcast_over_packed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"plan": plan.__dict__, "torch_over_packed_time": torch_over_packed,
@@ -169,10 +178,20 @@ def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
     return packed.contiguous(), tile_scales
 
 
-def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int) -> str:
-    """'cpp' (our INT4 kernel) or 'torch' (torch's int4pack kernel) for one weight shape: whichever
-    is faster at 1 and at 16 tokens (decode batch sizes), measured once per machine, kernel build
-    and shape, then read from the cache. Only the winner's layout is kept in memory."""
+@dataclass(frozen=True)
+class Int4Choice:
+    """For one INT4 weight shape: which kernel ('cpp' ours, 'torch' torch's int4pack) and, for
+    ours, from how many rows on the weights are dequantized for torch's fp32 GEMM instead."""
+
+    kernel: str
+    upcast_min_rows: int | None = None
+
+
+def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int
+                       ) -> Int4Choice:
+    """Our kernel wins at 1 and 16 tokens (decode batch sizes) or torch's does; measured once
+    per machine, kernel build and shape, then read from the cache. Only the winner's layout is
+    kept in memory."""
     path = cache_root() / "kernels" / key / "int4_choice.json"
     shape = f"{in_features}x{out_features}/g{group_size}"
     try:
@@ -180,7 +199,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     except (OSError, ValueError):
         cached = {}
     if shape in cached:
-        return cached[shape]["kernel"]
+        return Int4Choice(**cached[shape]["choice"])
     from triton_backend.engine.quant import int4
 
     q, scales = int4.quantize_rtn(torch.randn(out_features, in_features), group_size)
@@ -188,17 +207,29 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     theirs = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     scale_t = scales.t().to(torch.bfloat16)
     zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
-    ratios = []
-    for m in (1, 16):
+    kernel = lambda x: torch.ops.llm_forge.linear_int4_packed(  # noqa: E731
+        x, ours[0], ours[1], None, None, group_size, out_features)
+    torch_over_ours, upcast_over_ours = [], {}
+    for m in (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, in_features).to(torch.bfloat16)
-        t_ours = _median_time(lambda: torch.ops.llm_forge.linear_int4_packed(
-            x, ours[0], ours[1], None, None, group_size, out_features))
-        t_theirs = _median_time(lambda: torch._weight_int4pack_mm_for_cpu(x, theirs, group_size,
-                                                                          zeros))
-        ratios.append(t_theirs / t_ours)
-    kernel = "cpp" if min(ratios) >= 1.0 or sum(ratios) >= 2.0 else "torch"
-    cached[shape] = {"kernel": kernel, "torch_over_cpp_time": ratios}
+        t_ours = _best_time(lambda: kernel(x), repeats=7 if m <= 16 else 3)
+        if m <= 16:
+            torch_over_ours.append(_best_time(lambda: torch._weight_int4pack_mm_for_cpu(
+                x, theirs, group_size, zeros)) / t_ours)
+        else:
+            upcast_over_ours[m] = _best_time(lambda: F.linear(x.float(), dequantize_int4(
+                ours[0], ours[1], group_size, out_features)), repeats=3) / t_ours
+    wins = min(torch_over_ours) >= 1.0 or sum(torch_over_ours) >= 2.0
+    choice = Int4Choice("cpp", _upcast_threshold(upcast_over_ours)) if wins else Int4Choice("torch")
+    cached[shape] = {"choice": choice.__dict__, "torch_over_ours_time": torch_over_ours,
+                     "upcast_over_ours_time": upcast_over_ours}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cached, indent=1) + "\n")
-    log.info("INT4 %s: %s kernel (torch/ours time at M=1, 16: %.2f, %.2f)", shape, kernel, *ratios)
-    return kernel
+    log.info("INT4 %s: %s", shape, choice)
+    return choice
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                    out_features: int) -> torch.Tensor:
+    """The dense fp32 [out, in] weight of the INT4 kernel's packed layout."""
+    return torch.ops.llm_forge.dequantize_int4_packed(packed, scales, group_size, out_features)

@@ -65,15 +65,17 @@ class _QuantizedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-def _cpp_int4_wins(in_features: int, out_features: int, group_size: int) -> bool:
-    """Our INT4 kernel is built and, for this shape, measured faster than torch's int4pack."""
+def _cpp_int4_choice(in_features: int, out_features: int, group_size: int):
+    """Our INT4 kernel's `Int4Choice` for this shape when it is built and measured faster than
+    torch's int4pack; None otherwise."""
     from triton_backend.engine.kernels import build_key, kernels_wanted, load_cpu_kernels
 
     if not kernels_wanted() or not load_cpu_kernels():
-        return False
+        return None
     from triton_backend.engine.kernels.linear import int4_kernel_choice
 
-    return int4_kernel_choice(build_key(), in_features, out_features, group_size) == "cpp"
+    choice = int4_kernel_choice(build_key(), in_features, out_features, group_size)
+    return choice if choice.kernel == "cpp" else None
 
 
 class Int4WeightOnlyLinear(_QuantizedLinear):
@@ -89,6 +91,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         self.group_size = group_size
         self.has_bias = bias
         self.kernel = "unloaded"
+        self.upcast_min_rows: int | None = None  # rows from which a call dequantizes (cpp_int4)
         # Runtime tensors are non-persistent buffers: they follow .to() but are never saved.
         for buffer in ("packed_weight", "scales", "scales_and_zeros", "prequant", "bias"):
             self.register_buffer(buffer, None, persistent=False)
@@ -124,11 +127,12 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
     def _pack_for_cpu_kernel(self, q: torch.Tensor, scales: torch.Tensor) -> bool:
         """Repack for the faster CPU kernel of this shape: ours (`llm_forge.linear_int4_packed`)
         or torch's int4pack; False when neither is available."""
-        if _cpp_int4_wins(self.in_features, self.out_features, self.group_size):
+        choice = _cpp_int4_choice(self.in_features, self.out_features, self.group_size)
+        if choice is not None:
             from triton_backend.engine.kernels.linear import pack_int4_tiles
 
             self.packed_weight, self.scales = pack_int4_tiles(q, scales)
-            self.kernel = "cpp_int4"
+            self.kernel, self.upcast_min_rows = "cpp_int4", choice.upcast_min_rows
             return True
         # torch's kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero 0.
         if self.out_features % 16 or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
@@ -145,11 +149,10 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, as a dense [out, in] tensor (for tests and checks)."""
         if self.kernel == "cpp_int4":
-            eye = torch.eye(self.in_features)
-            dense = torch.ops.llm_forge.linear_int4_packed(eye, self.packed_weight, self.scales,
-                                                           None, None, self.group_size,
-                                                           self.out_features)
-            return dense.t().to(dtype)
+            from triton_backend.engine.kernels.linear import dequantize_int4
+
+            return dequantize_int4(self.packed_weight, self.scales, self.group_size,
+                                   self.out_features).to(dtype)
         if self.kernel == "cpu_int4pack":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             dense = torch._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
@@ -158,7 +161,13 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype)
 
     def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.kernel == "cpp_int4":  # the AWQ scale is applied inside, as torch would round it
+        if self.kernel == "cpp_int4":
+            if self.upcast_min_rows is not None and x2.shape[0] >= self.upcast_min_rows:
+                # A large prefill: torch's fp32 GEMM on the weight dequantized for this call.
+                if self.prequant is not None:
+                    x2 = x2 * self.prequant.to(x2.dtype)
+                return F.linear(x2.float(), self.dequantized_weight()).to(dtype)
+            # The AWQ scale is applied inside, rounded as torch would round it.
             return torch.ops.llm_forge.linear_int4_packed(x2, self.packed_weight, self.scales,
                                                           self.prequant, None, self.group_size,
                                                           self.out_features).to(dtype)

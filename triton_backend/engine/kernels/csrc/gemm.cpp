@@ -251,4 +251,33 @@ at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
   return gemm(x, w, K, num_tiles, N, bias, prequant);
 }
 
+at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& scales,
+                                  int64_t group_size, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.size(2) == kLanes && packed.is_contiguous(),
+              "packed weight must be a contiguous uint8 [tiles, K, 8] tensor");
+  const int64_t num_tiles = packed.size(0), K = packed.size(1);
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
+  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
+  const Int4Tiles w{packed.data_ptr<uint8_t>(), scales.contiguous().data_ptr<float>(), K,
+                    group_size};
+  at::Tensor out = at::empty({N, K}, packed.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  parallel_chunks(num_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
+    float values[kTile];
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t n_valid = std::min<int64_t>(kTile, N - t * kTile);
+      for (int64_t k = 0; k < K; ++k) {
+        vf w0, w1;
+        w.load(w.tile(t), k, w0, w1);
+        const float* s = w.scales(t, k / group_size);
+        store(values, w0 * load(s));
+        store(values + kLanes, w1 * load(s + kLanes));
+        for (int64_t j = 0; j < n_valid; ++j) dst[(t * kTile + j) * K + k] = values[j];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace llm_forge

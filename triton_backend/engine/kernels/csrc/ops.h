@@ -10,6 +10,8 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
                               const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N);
+at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& scales,
+                                  int64_t group_size, int64_t N);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
                         double eps);
