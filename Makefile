@@ -44,3 +44,10 @@ bench: setup
 .PHONY: gpu-smoke
 gpu-smoke:
 	bash scripts/gpu_smoke.sh
+
+# Overload (4x capacity, 2 min) and soak (3,000 requests, 20% cancelled/disconnected) on a real
+# tritonserver; prints a table, writes $(SOAK_OUT). Shorter: make soak SOAK_ARGS="--overload-seconds 30 --soak-requests 500"
+SOAK_OUT ?= soak.json
+.PHONY: soak
+soak: setup
+	$(PY) scripts/soak.py --out $(SOAK_OUT) $(SOAK_ARGS)

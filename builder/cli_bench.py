@@ -26,9 +26,23 @@ def _concurrencies(text: str) -> tuple[int, ...]:
     return values
 
 
-def _targets(url: str, model: str, protocol: str, compare: tuple[str, str] | None,
-             baseline: str | None, labels: str | None, baseline_model: str | None) -> list:
+PROTOCOLS = ("grpc", "http", "openai")
+
+
+def _protocols(text: str, count: int) -> list[str]:
+    """One protocol for every server, or one per server (`openai,grpc` with --compare)."""
+    values = [p.strip() for p in text.split(",")]
+    if any(p not in PROTOCOLS for p in values) or len(values) not in (1, count):
+        raise _BadInput(f"--protocol must be one of {', '.join(PROTOCOLS)}, or one per server "
+                        f"with --compare (e.g. openai,grpc), got {text!r}")
+    return values * count if len(values) == 1 else values
+
+
+def _targets(url: str, model: str | None, protocol: str, compare: tuple[str, str] | None,
+             baseline: str | None, labels: str | None, baseline_model: str | None,
+             metrics: str | None = None) -> list:
     from builder.bench.runner import Target
+    from builder.bench.server_stats import metrics_url
 
     if compare and baseline:
         raise _BadInput("give --compare A_URL B_URL or --baseline URL, not both")
@@ -42,8 +56,17 @@ def _targets(url: str, model: str, protocol: str, compare: tuple[str, str] | Non
         names = [s.strip() for s in labels.split(",")]
         if len(names) != len(urls) or not all(names) or len(set(names)) != len(names):
             raise _BadInput(f"--labels needs {len(urls)} distinct names, got {labels!r}")
+    protocols = _protocols(protocol, len(urls))
     models = [model, baseline_model or model][:len(urls)]
-    return [Target(n, u, m, protocol) for n, u, m in zip(names, urls, models)]
+    scraped = [metrics_url(s.strip()) if s.strip() else None
+               for s in (metrics.split(",") if metrics else [])]
+    if scraped and len(scraped) != len(urls):
+        raise _BadInput(f"--metrics-url needs {len(urls)} comma-separated endpoints (one per "
+                        f"server, empty to skip one), got {metrics!r}")
+    scraped = scraped or [None] * len(urls)
+    # An OpenAI endpoint without --model measures the model it serves.
+    models = [m or (None if p == "openai" else "ensemble") for m, p in zip(models, protocols)]
+    return [Target(n, u, m, p, s) for n, u, m, p, s in zip(names, urls, models, protocols, scraped)]
 
 
 def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[RequestRecord], None]]:
@@ -58,9 +81,13 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
 
 @click.command("bench")
 @click.option("--url", default="localhost:8001", show_default=True,
-              help="Server endpoint host:port (gRPC port, or HTTP port with --protocol http).")
-@click.option("--model", default="ensemble", show_default=True, help="ensemble or tensorrt_llm_bls.")
-@click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
+              help="Server endpoint host:port (gRPC port, or the HTTP / OpenAI port).")
+@click.option("--model", default=None,
+              help="ensemble (default) or tensorrt_llm_bls; with --protocol openai the served "
+                   "model's name (default: the one it lists).")
+@click.option("--protocol", default="grpc", show_default=True,
+              help="grpc, http or openai (/v1/completions); with --compare one per server, "
+                   "e.g. openai,grpc.")
 @click.option("--workload", default="chat", show_default=True,
               help="query-rewrite, voicebot, chat, or a JSONL file of {prompt, max_tokens}.")
 @click.option("--scale", type=float, default=1.0, show_default=True,
@@ -85,6 +112,9 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
               help="The engine served at --url: its tokenizer, and the model of --baseline naive.")
 @click.option("--baseline-model", default=None, help="Model name on the baseline (default --model).")
 @click.option("--labels", default=None, help="Names of the servers in the report, e.g. ours,naive.")
+@click.option("--metrics-url", "metrics", default=None, metavar="HOST:PORT[,HOST:PORT]",
+              help="Each server's metrics endpoint (forge serve: port 8002): report the prefix "
+                   "cache hit rate and draft acceptance it counted during each level.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed requests per server.")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds before a request is cancelled (counted as cancelled).")
@@ -94,7 +124,8 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
 @click.option("--plots/--no-plots", default=True, show_default=True)
 def bench_command(url, model, protocol, workload, scale, seed, concurrency, requests_, duration,
                   rate, stream, fixed_output, tokenizer, compare, baseline, engine_dir,
-                  baseline_model, labels, warmup, timeout, keep_text, out_dir, plots) -> None:
+                  baseline_model, labels, metrics, warmup, timeout, keep_text, out_dir,
+                  plots) -> None:
     """Drive a running server with WORKLOAD at each concurrency; print a table, write
     results.json (every request's timings) and PNG plots into --out."""
     from rich.console import Console
@@ -104,12 +135,14 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
 
     if requests_ is not None and duration is not None:
         raise _BadInput("give --requests or --duration, not both")
+    if baseline == "naive" and protocol not in ("grpc", "http"):
+        raise _BadInput("--baseline naive serves Triton only: use --protocol grpc or http")
     if baseline == "naive" and not engine_dir:
         raise _BadInput("--baseline naive needs --engine DIR (the engine served at --url)")
     levels = _concurrencies(concurrency)
     settings = BenchSettings(levels, requests_ or (None if duration else "4x"), duration, rate,
                              warmup, timeout, fixed_output, seed, keep_text)
-    _targets(url, model, protocol, compare, baseline, labels, baseline_model)  # validate early
+    _targets(url, model, protocol, compare, baseline, labels, baseline_model, metrics)  # early
     console = Console()
     try:
         counts = [settings.num_requests(c) for c in levels]
@@ -128,7 +161,8 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
             except ValueError as exc:
                 raise _BadInput(str(exc))
             baseline = server.grpc_url if protocol == "grpc" else server.http_url
-        targets = _targets(url, model, protocol, compare, baseline, labels, baseline_model)
+        targets = _targets(url, model, protocol, compare, baseline, labels, baseline_model,
+                           metrics)
         _run_and_report(console, targets, wl, settings, tok, Path(out_dir), plots)
 
 

@@ -125,8 +125,10 @@ def spec_data(spec_path, overrides: dict, sections: dict) -> tuple[dict, Path | 
 
 def _emit_repository(data: dict, engine_dir: Path, repository: Path) -> None:
     from builder.repository import RepositoryOptions, emit_repository
+    from builder.spec import spec_from_dict
 
-    emit_repository(engine_dir, repository, RepositoryOptions.from_dict(data.get("repository")))
+    emit_repository(engine_dir, repository, RepositoryOptions.from_dict(data.get("repository")),
+                    spec_from_dict(data).serving)
     click.echo(f"repository re-emitted: {repository}", err=True)
 
 

@@ -49,17 +49,35 @@ def repository_command(engine_dir, output_dir, settings) -> None:
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True)
 @click.option("--demo-prompt", help="Stream this prompt through the ensemble once, then stop.")
 @click.option("--demo-max-tokens", type=int, default=64, show_default=True)
+@click.option("--openai-port", type=int, default=None,
+              help="Also serve the OpenAI-compatible API on this port (0: a free one).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the OpenAI-compatible API binds to.")
+@click.option("--openai-triton-model", type=click.Choice(["ensemble", "tensorrt_llm_bls"]),
+              default="ensemble", show_default=True, help="The model the OpenAI API calls.")
+@click.option("--openai-max-concurrent-requests", type=int, default=256, show_default=True,
+              help="Requests in flight on the OpenAI API; more get HTTP 429.")
+@click.option("--drain-timeout", type=click.FloatRange(0, 3600), default=30.0,
+              show_default=True,
+              help="On SIGTERM or Ctrl-C, seconds requests in flight may take to finish; then "
+                   "they are cancelled (each ends with its final response).")
+@click.option("--max-reloads", type=click.IntRange(0, 100), default=3, show_default=True,
+              help="Reloads of a tensorrt_llm model that cannot serve, within 5 minutes, before "
+                   "the supervisor gives up and leaves the server not ready.")
 def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_timeout, demo_prompt,
-                  demo_max_tokens) -> None:
-    """Start tritonserver on loopback for a repository; stop it with Ctrl-C or SIGTERM."""
+                  demo_max_tokens, openai_port, host, openai_triton_model,
+                  openai_max_concurrent_requests, drain_timeout, max_reloads) -> None:
+    """Start tritonserver on loopback for a repository and supervise it; Ctrl-C or SIGTERM drain
+    it and exit 0; exit 1 if tritonserver itself dies."""
     from builder.serve import engine_report, start_tritonserver
 
-    stop = threading.Event()
+    stop, openai, supervisor = threading.Event(), None, None
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         server = start_tritonserver(repository_dir, http_port=http_port, grpc_port=grpc_port,
-                                    metrics_port=metrics_port, ready_timeout=ready_timeout)
+                                    metrics_port=metrics_port, ready_timeout=ready_timeout,
+                                    drain_timeout=drain_timeout)
     except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
         _fail(str(exc), code=1)
     try:
@@ -76,12 +94,61 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         if demo_prompt:
             _demo(server, demo_prompt, demo_max_tokens)
             return
+        if openai_port is not None:
+            openai = _start_openai(repository_dir, server, openai_port, host, openai_triton_model,
+                                   openai_max_concurrent_requests)
+        supervisor = _start_supervisor(server, max_reloads)
         while not stop.wait(1.0):
             if not server.is_alive():
-                _fail(f"tritonserver exited:\n{server.log_tail()}", code=1)
+                _fail(f"tritonserver exited with code {server.process.returncode}:\n"
+                      f"{server.log_tail()}", code=1)
+            if openai is not None and not openai.is_alive():
+                _fail("the OpenAI server stopped", code=1)
+        supervisor.stop()
+        from builder.supervisor import drain
+
+        click.echo(f"draining: no new requests; requests in flight may finish within "
+                   f"{drain_timeout:g} s")
+        drain(server, drain_timeout, report=click.echo)
     finally:
+        if supervisor is not None:
+            supervisor.stop()
+        if openai is not None:
+            click.echo("stopping the OpenAI server")
+            openai.stop()
         click.echo("stopping tritonserver")
         server.stop()
+
+
+def _start_supervisor(server, max_reloads: int):
+    from builder.supervisor import Supervisor
+
+    supervisor = Supervisor(server.http_url, max_reloads=max_reloads, report=click.echo)
+    supervisor.start()
+    click.echo(f"supervisor: probing tensorrt_llm every {supervisor.period:g} s; at most "
+               f"{max_reloads} reloads within 5 minutes")
+    return supervisor
+
+
+def _start_openai(repository_dir, server, port, host, triton_model, max_concurrent_requests):
+    from builder.openai.config import OpenAIServerConfig
+    from builder.openai.server import start_openai_server
+
+    try:
+        config = OpenAIServerConfig.from_repository(
+            repository_dir, server.grpc_url, host=host, port=port, triton_model=triton_model,
+            max_concurrent_requests=max_concurrent_requests)
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    try:
+        openai = start_openai_server(config)
+    except (RuntimeError, TimeoutError) as exc:
+        _fail(str(exc), code=1)
+    click.echo(f"OpenAI API ready: {openai.base_url} (model {config.model_name!r})")
+    click.echo(f"  curl -s {openai.base_url}/chat/completions -H 'Content-Type: application/json' "
+               f"-d '{{\"model\": \"{config.model_name}\", \"messages\": [{{\"role\": \"user\", "
+               f"\"content\": \"What is the capital of France?\"}}]}}'")
+    return openai
 
 
 def _demo(server, prompt: str, max_tokens: int) -> None:
@@ -107,14 +174,17 @@ def _demo(server, prompt: str, max_tokens: int) -> None:
 @click.option("--top-p", type=float)
 @click.option("--seed", type=int)
 @click.option("--stop-word", "stop_words", multiple=True)
+@click.option("--chat", is_flag=True,
+              help="Send the prompt as a user message of the model's chat template.")
 def query_command(prompt, url, protocol, stream, model, max_tokens, temperature, top_k, top_p,
-                  seed, stop_words) -> None:
+                  seed, stop_words, chat) -> None:
     """Send one prompt to a running server and print the text (as it streams with --stream)."""
     from builder.client import decode_text, generate_http, stream_grpc, text_inputs
 
     url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
     values = dict(text_input=prompt, max_tokens=max_tokens, temperature=temperature,
-                  top_k=top_k, top_p=top_p, seed=seed, stop_words=list(stop_words) or None)
+                  top_k=top_k, top_p=top_p, seed=seed, stop_words=list(stop_words) or None,
+                  apply_chat_template=True if chat else None)
     try:
         if protocol == "grpc":
             for chunk in stream_grpc(url, model, text_inputs(stream=stream, **values)):

@@ -24,6 +24,7 @@ INPUT_DTYPES = {
     "return_log_probs": np.bool_, "return_perf_metrics": np.bool_,
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
     "beam_width": np.int32, "stream": np.bool_, "num_return_sequences": np.int32,
+    "apply_chat_template": np.bool_, "timeout_ms": np.uint64, "priority": np.int32,
 }
 LIST_INPUTS = ("bad_words", "stop_words")
 
@@ -56,8 +57,12 @@ def decode_text(outputs: dict) -> str:
 
 
 def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id: str = "",
-                timeout: float = 120.0) -> Iterator[dict]:
+                timeout: float = 120.0, headers: dict[str, str] | None = None,
+                request_timeout_us: int = 0) -> Iterator[dict]:
     """Stream one request over gRPC; yields each response's outputs; raises on an error response.
+    `request_timeout_us`: Triton's own request timeout (0: none), a deadline the models honour.
+
+    `headers` go out as the stream's gRPC metadata (e.g. `x-llm-forge-client`).
 
     The stream is closed (and the request cancelled if still running) when the caller stops
     iterating early.
@@ -76,11 +81,13 @@ def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id:
         tensor = grpcclient.InferInput(name, list(array.shape), _triton_dtype(array))
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.start_stream(callback=lambda result, error: results.put((result, error)),
+                        headers=headers)
     finished = False
     try:
         client.async_stream_infer(model, tensors, request_id=request_id,
-                                  enable_empty_final_response=True)
+                                  enable_empty_final_response=True,
+                                  timeout=request_timeout_us or None)
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:

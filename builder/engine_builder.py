@@ -1,6 +1,7 @@
 """`forge engine`: spec -> checkpoint -> engine directory (-> repository), one visible step at a time."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 
 from builder import convert
 from builder.checkpoint import resolve_checkpoint
+from builder.install import check_replaceable, staging_dir, swap_in
 from builder.manifest import write_manifest
 from builder.quality import QualityThresholds, run_quality_gate
 from builder.quantize import QuantizeOptions, quantize_checkpoint
@@ -54,7 +56,8 @@ def engine_config_for(spec: BuildSpec, hf_dir: Path, hf_config: dict) -> EngineC
     return EngineConfig(name=spec.name, target=spec.target, dtype=spec.dtype, model=shape,
                         limits=spec.limits or default_limits(shape.max_position_embeddings),
                         kv_cache=spec.kv_cache, quantization=quant,
-                        tokenizer=tokenizer, hardware=spec.hardware)
+                        tokenizer=tokenizer, hardware=spec.hardware,
+                        speculative=dataclasses.replace(spec.speculative))
 
 
 def _has_chat_template(hf_dir: Path) -> bool:
@@ -105,6 +108,7 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
     """Build `spec` into its engine directory and (unless told not to) its Triton repository at
     `repository_dir` (default model_repository/<name>); returns the engine directory.
     `build_key` (a builder.build_key.BuildKey) is saved into the engine once it is complete."""
+    check_replaceable(spec.output_dir)  # before any long work
     steps = BuildSteps(total=_step_count(spec) + emit_repository, console=console)
     hf_dir, config = _resolve(spec, steps)
     if spec.target == "naive":
@@ -131,9 +135,21 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
 def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
                         steps: BuildSteps) -> Path:
     engine_dir = spec.output_dir
-    tmp_dir = engine_dir.with_name(engine_dir.name + ".partial")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
+    check_replaceable(engine_dir)
+    tmp_dir = staging_dir(engine_dir)
+    try:
+        _stage_torch_engine(spec, config, hf_dir, steps, tmp_dir)
+    except BaseException:  # a failed or rejected build leaves the previous engine as it was
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    swap_in(tmp_dir, engine_dir)
+    return engine_dir
+
+
+def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, steps: BuildSteps,
+                        tmp_dir: Path) -> None:
+    """Write and check the engine in `tmp_dir`: weights, tokenizer, config, manifest, then the
+    kernels and the quality gate (or the logits check), all before it is swapped in."""
     options = QuantizeOptions.from_spec(spec.quantization)
     if options.enabled:
         with steps.step(f"quantize: weights {options.weights}, KV cache {options.kv_cache} "
@@ -151,22 +167,23 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
                 f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB")
     with steps.step("tokenizer, config.json, manifest.json") as log:
         copy_tokenizer(hf_dir, tmp_dir)
+        if config.speculative.mode == "draft_model":
+            from builder.speculative import check_draft_engine
+
+            log(check_draft_engine(config, tmp_dir, engine_dir))
         config.save(tmp_dir)
         write_manifest(tmp_dir, spec, hf_dir)
         log(f"eos ids {config.tokenizer.eos_token_ids}, chat template: "
             f"{config.tokenizer.has_chat_template}")
-    shutil.rmtree(engine_dir, ignore_errors=True)
-    tmp_dir.rename(engine_dir)
     with steps.step("CPU kernels for this machine (compiled once, cached)") as log:
         prepare_cpu_kernels(config, log)
     if options.enabled:
         with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:
-            run_quality_gate(engine_dir, hf_dir, QualityThresholds.from_spec(spec.quantization.quality),
+            run_quality_gate(tmp_dir, hf_dir, QualityThresholds.from_spec(spec.quantization.quality),
                              progress=log, echo=log)
     else:
         with steps.step("check: prefill logits vs transformers") as log:
-            log(check_against_transformers(engine_dir, hf_dir))
-    return engine_dir
+            log(check_against_transformers(tmp_dir, hf_dir))
 
 
 def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> None:
@@ -192,7 +209,8 @@ def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> Non
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:
     from builder.repository import RepositoryOptions, emit_repository
 
-    return emit_repository(engine_dir, output, RepositoryOptions.from_dict(spec.repository))
+    return emit_repository(engine_dir, output, RepositoryOptions.from_dict(spec.repository),
+                           spec.serving)
 
 
 def check_against_transformers(engine_dir: Path, hf_dir: Path) -> str:

@@ -39,21 +39,20 @@ def build_naive_engine(spec: BuildSpec, hf_dir: Path, engine_dir: Path | None = 
     into `engine_dir` (default `spec.output_dir`); returns the engine directory. The directory is
     assembled beside the target and renamed into place, so a failed build leaves no half engine."""
     from builder.engine_builder import copy_tokenizer, engine_config_for
+    from builder.install import check_replaceable, staging_dir, swap_in
 
     if spec.target != "naive":
         raise ValueError(f"target: build_naive_engine builds target 'naive', got {spec.target!r}")
     engine_dir = Path(engine_dir) if engine_dir is not None else spec.output_dir
     hf_dir = Path(hf_dir)
     config = engine_config_for(spec, hf_dir, convert.read_hf_config(hf_dir))
-    tmp_dir = engine_dir.with_name(engine_dir.name + ".partial")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
+    check_replaceable(engine_dir)
+    tmp_dir = staging_dir(engine_dir)
     names = copy_checkpoint(hf_dir, tmp_dir / HF_DIR)
     log(f"checkpoint copied to {HF_DIR}/ ({', '.join(names)})")
     copy_tokenizer(hf_dir, tmp_dir)
     config.save(tmp_dir)
     write_manifest(tmp_dir, spec, hf_dir)
-    shutil.rmtree(engine_dir, ignore_errors=True)
-    tmp_dir.rename(engine_dir)
+    swap_in(tmp_dir, engine_dir)
     log(f"naive engine ({config.dtype}, transformers generate, one request at a time): {engine_dir}")
     return engine_dir

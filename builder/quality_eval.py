@@ -55,7 +55,8 @@ class EngineModel:
 
         config = EngineConfig.load(engine_dir)
         blocks = -(-max_tokens // config.kv_cache.tokens_per_block) + 2
-        self.engine = LLMEngine(engine_dir, num_kv_blocks=blocks)
+        # Every window's logits are read, so none may come from the prefix cache.
+        self.engine = LLMEngine(engine_dir, num_kv_blocks=blocks, enable_prefix_caching=False)
         self.max_input_len = config.limits.max_input_len
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from builder.install import swap_in
 from builder.template import render
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.process_executor import ENGINE_ISOLATIONS
 from triton_backend.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from builder.spec import ServingSpec
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates"
 MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
@@ -72,7 +78,10 @@ class RepositoryOptions:
     tensorrt_llm_backend: str = "auto"
     kv_cache_free_gpu_mem_fraction: float | None = None  # None: the hardware profile's
     batch_scheduler_policy: str = "guaranteed_no_evict"
+    # Off switches (true: as the engine's config.json says). enable_kv_cache_reuse is NVIDIA's name
+    # for prefix caching and serves both targets.
     enable_kv_cache_reuse: bool = True
+    enable_speculative_decoding: bool = True
     enable_chunked_context: bool = True
     trtllm_engine_path: str | None = None  # gpt_model_path as the server sees it (None: absolute)
 
@@ -86,7 +95,7 @@ class RepositoryOptions:
         for name in ("max_queue_size", "max_queue_delay_microseconds"):
             _int_at_least(name, getattr(self, name), 0)
         for name in ("decoupled", "exclude_input_in_output", "add_special_tokens",
-                     "skip_special_tokens"):
+                     "skip_special_tokens", "enable_speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"repository.{name} must be true or false, "
                                  f"got {getattr(self, name)!r}")
@@ -133,12 +142,25 @@ def portable_path(target: Path, repository_dir: Path) -> str:
     return os.path.relpath(target, repository_dir)
 
 
+def serving_values(config: EngineConfig, serving: "ServingSpec | None" = None) -> dict:
+    """The `tensorrt_llm` model's admission and priority parameters (the spec's `serving:`)."""
+    from builder.spec import ServingSpec
+
+    serving = serving or ServingSpec()
+    return {"max_waiting_requests": serving.max_waiting_requests,
+            "max_waiting_prompt_tokens": serving.waiting_prompt_tokens(config.limits),
+            "priority_aging_rate": float(serving.priority_aging_rate)}
+
+
 def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
-                    options: RepositoryOptions) -> dict[str, object]:
-    """Every placeholder value of every template, from the engine config and the options."""
+                    options: RepositoryOptions,
+                    serving: "ServingSpec | None" = None) -> dict[str, object]:
+    """Every placeholder value of every template, from the engine config, the repository options
+    and the spec's `serving:` section (None: its defaults)."""
     engine_dir = engine_dir.resolve()
     opt = options
     return {
+        **serving_values(config, serving),
         "triton_max_batch_size": opt.triton_max_batch_size or config.limits.max_batch_size,
         "max_queue_size": opt.max_queue_size,
         "max_queue_delay_microseconds": opt.max_queue_delay_microseconds,
@@ -163,6 +185,9 @@ def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
         "stats_period_ms": opt.stats_period_ms,
         "engine_isolation": opt.engine_isolation,
         "engine_num_threads": opt.engine_num_threads,
+        "enable_kv_cache_reuse": opt.enable_kv_cache_reuse and config.kv_cache.enable_prefix_caching,
+        "enable_speculative_decoding": (opt.enable_speculative_decoding
+                                        and config.speculative.enabled),
     }
 
 
@@ -175,9 +200,11 @@ def _template_files(model: str, templates_dir: Path = TEMPLATES_DIR) -> list[Pat
 
 
 def emit_repository(engine_dir: Path, output_dir: Path,
-                    options: RepositoryOptions | None = None) -> Path:
+                    options: RepositoryOptions | None = None,
+                    serving: "ServingSpec | None" = None) -> Path:
     """Write the models for the engine in `engine_dir` into `output_dir`; return it (five models;
     four over NVIDIA's C++ backend for a trtllm engine, see builder/repository_trtllm.py).
+    `serving`: the spec's `serving:` section (None: its defaults).
 
     Renders every template first and writes only when all rendered (a failing render leaves an
     existing repository untouched). Our five model directories are replaced; anything else in
@@ -189,7 +216,7 @@ def emit_repository(engine_dir: Path, output_dir: Path,
     options = options or RepositoryOptions()
     config = EngineConfig.load(engine_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    values = template_values(config, engine_dir, output_dir, options)
+    values = template_values(config, engine_dir, output_dir, options, serving)
     layout = repository_trtllm.layout(config, options)  # {model: (templates dir, shim or None)}
     if layout.uses_trtllm_values:
         values.update(repository_trtllm.template_values(config, engine_dir, options))
@@ -207,10 +234,18 @@ def emit_repository(engine_dir: Path, output_dir: Path,
                 (TEMPLATES_DIR / SHIM_TEMPLATE).read_text(),
                 {"model_name": model, "module": module, "class_name": class_name},
                 source=SHIM_TEMPLATE)
-    for model in MODELS:
-        shutil.rmtree(output_dir / model, ignore_errors=True)
-    for model in layout.models:  # every model needs its version directory, the ensemble's stays empty
-        (output_dir / model / "1").mkdir(parents=True)
-    for relative, text in rendered.items():
-        (output_dir / relative).write_text(text)
+    # Written into a staging directory first, then each model swapped in by a rename.
+    staging = Path(tempfile.mkdtemp(prefix=".models.", suffix=".partial", dir=output_dir))
+    try:
+        for model in layout.models:  # every model needs its version directory
+            (staging / model / "1").mkdir(parents=True)
+        for relative, text in rendered.items():
+            (staging / relative).write_text(text)
+        for model in MODELS:
+            if model not in layout.models:
+                shutil.rmtree(output_dir / model, ignore_errors=True)
+        for model in layout.models:
+            swap_in(staging / model, output_dir / model)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return output_dir

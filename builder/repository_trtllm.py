@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from builder.template import Raw, pbtxt_escape
 from triton_backend.engine.config import EngineConfig
 
 TRTLLM_TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates_trtllm"
@@ -99,9 +100,10 @@ def template_values(config: EngineConfig, engine_dir: Path, options) -> dict[str
         "gpt_model_path": options.trtllm_engine_path or str((Path(engine_dir) / ENGINE_SUBDIR).resolve()),
         "batch_scheduler_policy": options.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": fraction,
-        "enable_kv_cache_reuse": options.enable_kv_cache_reuse and paged_context,
+        "enable_kv_cache_reuse": (options.enable_kv_cache_reuse and paged_context
+                                  and config.kv_cache.enable_prefix_caching),
         "enable_chunked_context": options.enable_chunked_context and paged_context,
-        "optional_parameters": "\n".join(
-            f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
-            for key, value in optional),
+        "optional_parameters": Raw("\n".join(
+            f'parameters {{ key: "{pbtxt_escape(key)}" value: {{ string_value: '
+            f'"{pbtxt_escape(str(value))}" }} }}' for key, value in optional)),
     }

@@ -1,5 +1,8 @@
 """Find, start, probe and stop a `tritonserver` for a model repository.
 
+The server runs in explicit model-control mode with every model loaded at start, so that
+`forge serve`'s supervisor (`supervisor.py`) may unload and load a model that cannot serve.
+
 `forge serve`, `make demo`, the end-to-end tests and `forge bench` all start the server through
 `start_tritonserver`, so there is one launcher with one set of defaults.
 
@@ -17,7 +20,9 @@ same site-packages as the process that started it.
 """
 from __future__ import annotations
 
+import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -31,7 +36,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triton_backend.models.serving_control import CONTROL_TOKEN_ENV, DRAIN_SECONDS_ENV
+
 LOOPBACK = "127.0.0.1"
+# Headers that say who a client is, passed to the models (matched ignoring case).
+CLIENT_HEADER_PATTERN = "^(authorization|x-llm-forge-client)$"
+# How long requests in flight may take to finish when the server stops (forge serve's drain).
+DEFAULT_DRAIN_SECONDS = 30.0
+# What tritonserver's own exit timeout adds to the drain: unloading the models (finalize).
+UNLOAD_SECONDS = 30.0
 STUB_NAME = "triton_python_backend_stub"
 
 
@@ -124,6 +137,7 @@ class TritonServer:
     log_path: Path
     workdir: Path
     _stopped: bool = field(default=False, repr=False)
+    control_token: str = field(default="", repr=False)  # the secret of its drain request
 
     @property
     def http_url(self) -> str:
@@ -161,14 +175,20 @@ class TritonServer:
             time.sleep(0.25)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM, then SIGKILL of the whole process group (the stubs too) after `timeout`."""
+    drain_timeout: float = DEFAULT_DRAIN_SECONDS
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM to tritonserver, then SIGKILL of its whole process group (stubs, engines) after
+        `timeout` (default: tritonserver's exit timeout plus 15 s). Only the server gets the
+        SIGTERM: an engine process that got it too would die under requests still draining."""
+        if timeout is None:
+            timeout = self.drain_timeout + UNLOAD_SECONDS + 15.0
         if self._stopped:
             return self.process.returncode
         self._stopped = True
         try:
             if self.is_alive():
-                _signal_group(self.process, signal.SIGTERM)
+                self.process.send_signal(signal.SIGTERM)
                 try:
                     self.process.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
@@ -231,13 +251,26 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 
 
 def server_command(install: TritonInstall, repository: Path, ports: tuple[int, int, int],
-                   backend_dir: Path | None, log_verbose: int = 0) -> list[str]:
+                   backend_dir: Path | None, log_verbose: int = 0,
+                   drain_timeout: float = DEFAULT_DRAIN_SECONDS) -> list[str]:
+    """The tritonserver command line. On SIGTERM Triton waits up to `--exit-timeout-secs` for
+    requests in flight and for unloading the models: the drain timeout plus UNLOAD_SECONDS."""
+    if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
+            or not 0 <= drain_timeout <= 3600:
+        raise ValueError(f"drain timeout must be a number of seconds in [0, 3600], "
+                         f"got {drain_timeout!r}")
     http_port, grpc_port, metrics_port = ports
     cmd = [str(install.binary), f"--model-repository={repository}",
            f"--http-address={LOOPBACK}", f"--http-port={http_port}",
            f"--grpc-address={LOOPBACK}", f"--grpc-port={grpc_port}",
            f"--metrics-address={LOOPBACK}", f"--metrics-port={metrics_port}",
-           "--allow-gpu-metrics=false", "--exit-timeout-secs=5",
+           "--allow-gpu-metrics=false",
+           f"--exit-timeout-secs={math.ceil(drain_timeout + UNLOAD_SECONDS)}",
+           "--model-control-mode=explicit", "--load-model=*",
+           # The models see who sent a request (as request parameters): a `stop` by request id
+           # cancels only a request of the same client (tensorrt_llm.py).
+           f"--grpc-header-forward-pattern={CLIENT_HEADER_PATTERN}",
+           f"--http-header-forward-pattern={CLIENT_HEADER_PATTERN}",
            f"--log-verbose={log_verbose}"]
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")
@@ -247,7 +280,8 @@ def server_command(install: TritonInstall, repository: Path, ports: tuple[int, i
 def start_tritonserver(repository_dir: str | Path, *, http_port: int | None = None,
                        grpc_port: int | None = None, metrics_port: int | None = None,
                        ready_timeout: float = 180.0, log_path: str | Path | None = None,
-                       log_verbose: int = 0, install: TritonInstall | None = None) -> TritonServer:
+                       log_verbose: int = 0, install: TritonInstall | None = None,
+                       drain_timeout: float = DEFAULT_DRAIN_SECONDS) -> TritonServer:
     """Start tritonserver on loopback for `repository_dir` and wait until it is ready.
 
     Ports left as None are picked free. Returns a `TritonServer` with `.grpc_url`, `.http_url`,
@@ -261,12 +295,15 @@ def start_tritonserver(repository_dir: str | Path, *, http_port: int | None = No
     backend_dir = _prepare_backend_dir(install, workdir) if install.from_wheel else None
     ports = (http_port or free_port(), grpc_port or free_port(), metrics_port or free_port())
     log = Path(log_path) if log_path else workdir / "tritonserver.log"
+    command = server_command(install, repository, ports, backend_dir, log_verbose, drain_timeout)
+    token = secrets.token_hex(16)
+    env = dict(server_environment(install), **{DRAIN_SECONDS_ENV: str(drain_timeout),
+                                               CONTROL_TOKEN_ENV: token})
     with open(log, "ab") as sink:
-        process = subprocess.Popen(
-            server_command(install, repository, ports, backend_dir, log_verbose),
-            stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=server_environment(install), start_new_session=True)
-    server = TritonServer(process, *ports, log_path=log, workdir=workdir)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    server = TritonServer(process, *ports, log_path=log, workdir=workdir, control_token=token)
+    server.drain_timeout = drain_timeout
     try:
         server.wait_ready(ready_timeout)
     except BaseException:

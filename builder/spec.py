@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from builder.hardware import FP8_PROFILES, GPU_PROFILES, PROFILES
-from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits
+from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
 
 TARGETS_BUILT = ("torch", "naive", "trtllm")
 HARDWARE_PROFILES = tuple(PROFILES)
@@ -79,6 +79,42 @@ class ParallelismSpec:
 
 
 @dataclass
+class ServingSpec:
+    """Overload behaviour of the served model (the `tensorrt_llm` model's parameters).
+
+    Admission: a request that would make more than `max_waiting_requests` requests, or more than
+    `max_waiting_prompt_tokens` prompt tokens, wait to be scheduled is refused at once with
+    "server busy" (0 = unbounded). `max_waiting_prompt_tokens` None: 8 x the engine's
+    max_num_tokens (eight full prefill steps), at least its max_input_len.
+    Priorities: a waiting request gains `priority_aging_rate` priority levels per second, so a
+    priority p request counts as having arrived p / rate seconds earlier.
+    """
+
+    max_waiting_requests: int = 64
+    max_waiting_prompt_tokens: int | None = None
+    priority_aging_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        for key in ("max_waiting_requests", "max_waiting_prompt_tokens"):
+            value = getattr(self, key)
+            if value is None and key == "max_waiting_prompt_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"serving.{key} must be an integer >= 0 (0: unbounded), "
+                                f"got {value!r}")
+        rate = self.priority_aging_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1e6:
+            raise SpecError(f"serving.priority_aging_rate must be a number of priority levels "
+                            f"per second in (0, 1000000], got {rate!r}")
+
+    def waiting_prompt_tokens(self, limits: Limits) -> int:
+        """The bound on waiting prompt tokens for an engine with these limits."""
+        if self.max_waiting_prompt_tokens is not None:
+            return self.max_waiting_prompt_tokens
+        return max(limits.max_input_len, 8 * limits.max_num_tokens)
+
+
+@dataclass
 class BuildSpec:
     name: str
     checkpoint: str
@@ -90,7 +126,9 @@ class BuildSpec:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
     parallelism: ParallelismSpec = field(default_factory=ParallelismSpec)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     repository: dict = field(default_factory=dict)
+    serving: ServingSpec = field(default_factory=ServingSpec)
     source: Path | None = None  # the YAML file this spec came from
 
     def __post_init__(self) -> None:
@@ -123,6 +161,9 @@ class BuildSpec:
         if self.dtype not in TRTLLM_DTYPES:
             raise SpecError(f"dtype: target trtllm builds {list(TRTLLM_DTYPES)} engines, "
                             f"got {self.dtype!r}")
+        if self.speculative.enabled:
+            raise SpecError(f"speculative.mode: {self.speculative.mode!r} runs on the torch target; "
+                            f"TensorRT-LLM's speculative decoding is not wired up (use mode: none)")
         profile = PROFILES[self.hardware]
         for key in ("weights", "kv_cache"):
             if getattr(self.quantization, key) == "fp8" and not profile.fp8:
@@ -142,7 +183,8 @@ def default_limits(max_position_embeddings: int) -> Limits:
 
 
 _SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": QuantizationSpec,
-             "parallelism": ParallelismSpec}
+             "parallelism": ParallelismSpec, "speculative": SpeculativeConfig,
+             "serving": ServingSpec}
 
 
 def _build_section(key: str, klass: type, raw: Any) -> Any:

@@ -29,9 +29,21 @@ def _format(value: object, key: str, source: str) -> str:
         text = str(value)
         if "${" in text:
             raise TemplateError(f"{source}: value of {key} contains '${{': {text!r}")
+        if isinstance(value, str) and not isinstance(value, Raw):
+            text = pbtxt_escape(text)  # every plain string goes between double quotes
         return text
     raise TemplateError(f"{source}: value of {key} must be str, int, float or bool, "
                         f"got {type(value).__name__}")
+
+
+class Raw(str):
+    """A value inserted as it is (already-formatted pbtxt lines), not escaped."""
+
+
+def pbtxt_escape(text: str) -> str:
+    """Escape a string for the inside of a protobuf text-format "..." literal."""
+    return (text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            .replace("\r", "\\r").replace("\t", "\\t"))
 
 
 def render(template: str, values: Mapping[str, object], source: str = "<template>") -> str:

@@ -138,10 +138,11 @@ def build_trtllm_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
     """Checkpoint, config, manifest and build.sh; then trtllm-build where it can run."""
     from builder.engine_builder import copy_tokenizer
 
+    from builder.install import check_replaceable, staging_dir, swap_in
+
     engine_dir = spec.output_dir
-    tmp_dir = engine_dir.with_name(engine_dir.name + ".partial")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir(parents=True)
+    check_replaceable(engine_dir)
+    tmp_dir = staging_dir(engine_dir)
     quantized = _write_checkpoint(spec, config, hf_dir, tmp_dir, steps)
     with steps.step("tokenizer, config.json, manifest.json, build.sh") as log:
         copy_tokenizer(hf_dir, tmp_dir)
@@ -152,11 +153,14 @@ def build_trtllm_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
         log(f"limits: batch {config.limits.max_batch_size}, tokens/step "
             f"{config.limits.max_num_tokens}, input {config.limits.max_input_len}, "
             f"sequence {config.limits.max_seq_len}")
-    shutil.rmtree(engine_dir, ignore_errors=True)
-    tmp_dir.rename(engine_dir)
-    if quantized:
+    if quantized:  # on the staged engine: a rejected one never replaces a good one
         with steps.step("quality gate: quantized weights vs the unquantized checkpoint") as log:
-            _quality_gate(engine_dir, config, hf_dir, spec, log)
+            try:
+                _quality_gate(tmp_dir, config, hf_dir, spec, log)
+            except BaseException:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                raise
+    swap_in(tmp_dir, engine_dir)
     with steps.step("trtllm-build") as log:
         missing = trtllm_available()
         if missing:

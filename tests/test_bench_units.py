@@ -200,7 +200,9 @@ def test_comparison_ratios_report_and_plots(tmp_path):
     print_report(result, console)
     text = console.export_text()
     assert "ours vs naive" in text and "5.00x" in text
-    assert "| 4 | 300.0 | 60.0 | 5.00x | 80 | 400 |" in markdown_comparison(result)
+    markdown = markdown_comparison(result)
+    assert "| 4 | 300.0 | 60.0 | 5.00x | " in markdown
+    assert " / 80 | " in markdown and " / 400 | " in markdown
     path = write_results(result, tmp_path)
     assert json.loads(path.read_text())["comparison"][0]["concurrency"] == 1
     from builder.bench.plots import write_plots
@@ -216,6 +218,7 @@ def test_comparison_ratios_report_and_plots(tmp_path):
     (["--workload", "nope"], "workload must be one of"),
     (["--compare", "a:1", "b:2", "--baseline", "c:3"], "not both"),
     (["--compare", "a:1", "b:2", "--labels", "x"], "--labels"),
+    (["--compare", "a:1", "b:2", "--metrics-url", "a:3"], "--metrics-url needs 2"),
 ])
 def test_cli_bad_input_exits_2(args, message):
     result = CliRunner().invoke(bench_command, args)
@@ -226,3 +229,42 @@ def test_cli_bad_input_exits_2(args, message):
 def test_cli_baseline_naive_needs_an_engine():
     result = CliRunner().invoke(bench_command, ["--baseline", "naive"])
     assert result.exit_code == 2 and "--engine" in result.output
+
+
+def test_rewrite_workload_copies_its_input(tokenizer):
+    from builder.bench import corpus
+
+    wl = build_workload("rewrite", 8, scale=0.5, tokenizer=tokenizer)
+    assert wl.items == build_workload("rewrite", 8, scale=0.5, tokenizer=tokenizer).items
+    asks = [item.prompt.split("\n")[0] for item in wl.items]
+    assert asks[0].startswith("Rewrite") and asks[1] == "Article:" and asks[2].startswith("Summarise")
+    code = wl.items[3].prompt
+    assert any(source in code for source, _ in corpus.CODE_SNIPPETS) and "_value`" in code
+    for item in wl.items:
+        assert item.stream and item.max_tokens == 48
+        assert len(tokenizer.encode(item.prompt, add_special_tokens=False)) == item.num_input_tokens
+
+
+def test_server_counters_over_a_level():
+    from builder.bench.report import server_counters
+    from builder.bench.server_stats import level_delta, metrics_url, parse_stats
+
+    page = """# HELP llm_forge_executor_stats counters
+llm_forge_executor_stats{model="tensorrt_llm",stat="prefix_cache_queried_tokens",version="1"} %d
+llm_forge_executor_stats{model="tensorrt_llm",stat="prefix_cache_hit_tokens",version="1"} %d
+llm_forge_executor_stats{model="tensorrt_llm",stat="spec_num_draft_tokens",version="1"} %d
+llm_forge_executor_stats{model="tensorrt_llm",stat="spec_num_accepted_tokens",version="1"} %d
+llm_forge_executor_stats{model="tensorrt_llm",stat="spec_num_verify_steps",version="1"} %d
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm"} 3
+"""
+    before = parse_stats(page % (1000, 0, 40, 10, 10))
+    after = parse_stats(page % (3000, 1900, 140, 70, 35))
+    assert before["prefix_cache_queried_tokens"] == 1000 and "used" not in before
+    delta = level_delta(before, after)
+    assert delta["prefix_cache_hit_rate"] == pytest.approx(0.95)
+    assert delta["spec_acceptance_rate"] == pytest.approx(0.6)
+    assert delta["spec_mean_accepted_length"] == pytest.approx((60 + 25) / 25)
+    assert server_counters({"server": delta}) == "95% / 60% / 3.40"
+    assert server_counters({}) == "- / - / -"
+    assert metrics_url("localhost:8002") == "http://localhost:8002/metrics"
+    assert metrics_url("http://h:1/metrics") == "http://h:1/metrics"

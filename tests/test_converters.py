@@ -72,12 +72,35 @@ def test_defaults_apply_when_inputs_are_absent():
     ({"runtime_top_p": 0.0}, r"runtime_top_p \(top_p\) must be > 0.0"),
     ({"runtime_top_k": -1}, r"runtime_top_k \(top_k\) must be an integer >= 0"),
     ({"temperature": -1.0}, "temperature must be >= 0.0"),
+    ({"timeout_ms": 86_400_001},
+     r"timeout_ms must be an integer in \[0, 86400000\] \(0: no deadline\), got 86400001"),
+    ({"timeout_ms": 2.5}, r"timeout_ms must be an integer, got 2.5"),
+    ({"timeout_ms": True}, r"timeout_ms must be an integer in \[0, 86400000\] .*got True"),
+    ({"priority": 101}, r"priority must be an integer in \[-100, 100\], got 101"),
+    ({"priority": -101}, r"priority must be an integer in \[-100, 100\], got -101"),
 ])
 def test_bad_inputs_are_refused_naming_the_field(change, message):
     inputs = trt_inputs()
     inputs.update({k: np.array([[v]]) for k, v in change.items()})
     with pytest.raises(RequestError, match=message):
         parse_request(inputs, LIMITS, 100)
+
+
+def test_deadline_and_priority_reach_the_executor_request():
+    parsed = parse_request(trt_inputs(timeout_ms=250, priority=-7), LIMITS, 100,
+                           arrival_time_ns=123)
+    request = parsed.request
+    assert (request.timeout_ms, request.timeout_field, request.priority) == (250, "timeout_ms", -7)
+    assert request.arrival_time_ns == 123
+    # Triton's own request timeout (microseconds) counts too: the earlier deadline wins
+    request = parse_request(trt_inputs(timeout_ms=250), LIMITS, 100,
+                            request_timeout_us=100_500).request
+    assert (request.timeout_ms, request.timeout_field) == (101, "timeout")
+    request = parse_request(trt_inputs(timeout_ms=250), LIMITS, 100,
+                            request_timeout_us=900_000).request
+    assert (request.timeout_ms, request.timeout_field) == (250, "timeout_ms")
+    request = parse_request(trt_inputs(timeout_ms=0), LIMITS, 100).request
+    assert request.timeout_ms is None and request.priority == 0  # 0: no deadline
 
 
 def test_prompt_limits_and_vocabulary():
@@ -183,4 +206,16 @@ def test_build_outputs_makes_only_the_requested_outputs_and_still_advances_the_s
                            state, 20, frozenset({"preceding_output_ids", "finish_reason"}))
     assert second["preceding_output_ids"].tolist() == [[5]]
     assert second["finish_reason"].reshape(-1)[0] == b"length"
-    assert len(build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)) == 14
+    assert len(build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)) == 20
+
+
+def test_perf_metric_outputs_carry_cache_reuse_and_draft_acceptance():
+    response = Response(1, [5], True, FinishReason.LENGTH, num_reused_blocks=3, num_new_blocks=2,
+                        num_draft_tokens=8, num_accepted_draft_tokens=6)
+    out = build_outputs(response, StreamState(input_ids=[1]), 0)
+    assert out["kv_cache_reused_blocks"].tolist() == [[3]]
+    assert out["kv_cache_alloc_new_blocks"].tolist() == [[2]]
+    assert out["kv_cache_alloc_total_blocks"].tolist() == [[5]]
+    assert out["acceptance_rate"].dtype == np.float32 and out["acceptance_rate"][0, 0] == 0.75
+    assert out["total_draft_tokens"].tolist() == [[8]]
+    assert out["total_accepted_draft_tokens"].tolist() == [[6]]

@@ -1,9 +1,11 @@
 """End to end on a real tritonserver: the emitted repository of a tiny engine, on loopback.
 
-One server for the whole module. Greedy text must be identical on every path (gRPC streaming on
-ensemble and BLS, HTTP non-streaming, /generate, /generate_stream) and equal to `forge generate`;
-16 concurrent streams get exactly their sequential text while sharing executor steps; a
-cancelled stream frees its KV blocks; bad input is refused naming the field.
+One server for the whole module, its engine with prefix caching and prompt-lookup speculation.
+Greedy text must be identical on every path (gRPC streaming on ensemble and BLS, HTTP
+non-streaming, /generate, /generate_stream) and equal to `forge generate`; 16 concurrent streams
+get exactly their sequential text while sharing executor steps; a cancelled stream frees its KV
+blocks; bad input is refused naming the field; a shared prefix is reused and drafts verified,
+reported per request and on /metrics, with the text of the engine without either.
 """
 import json
 import os
@@ -18,22 +20,44 @@ import pytest
 from builder.client import decode_text, generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
+from triton_backend.engine.faults import FAULT_FILE_ENV
 
 pytestmark = pytest.mark.slow
 PROMPT = "The quick brown fox"
 
 
+# Every test here runs with prefix caching (on by default) and prompt-lookup speculation, which
+# must leave every text unchanged.
+SPECULATIVE = {"mode": "ngram", "num_draft_tokens": 4, "prompt_lookup_min": 1,
+               "disable_by_batch_size": 16}
+
+
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    return build_tiny_engine(tmp_path_factory.mktemp("e2e"), max_seq_len=1024)
+    return build_tiny_engine(tmp_path_factory.mktemp("e2e"), max_seq_len=1024, max_input_len=256,
+                             speculative=SPECULATIVE)
 
 
 @pytest.fixture(scope="module")
-def server(engine_dir):
+def fault_file(engine_dir):
+    """Writing a fault name here injects it into the served engine's next step (faults.py)."""
+    return engine_dir.parent / "fault"
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, fault_file):
     repo = emit_repository(engine_dir, engine_dir.parent.parent / "repo",
                            RepositoryOptions(stats_period_ms=20))
-    with running_tritonserver(repo) as running:
-        yield running
+    old = os.environ.get(FAULT_FILE_ENV)
+    os.environ[FAULT_FILE_ENV] = str(fault_file)  # inherited by the server and its engine
+    try:
+        with running_tritonserver(repo) as running:
+            yield running
+    finally:
+        if old is None:
+            os.environ.pop(FAULT_FILE_ENV, None)
+        else:
+            os.environ[FAULT_FILE_ENV] = old
 
 
 def metrics(server) -> dict[str, float]:
@@ -152,11 +176,62 @@ def test_stop_request_with_the_same_id_cancels_the_running_one(server):
     assert reasons[-1] == b"cancelled"
 
 
+def _end(chunks) -> tuple[bytes, int]:
+    """(finish reason, output tokens) of a stream whose first chunk the caller took."""
+    chunks = list(chunks)
+    return (chunks[-1]["finish_reason"].reshape(-1)[0],
+            1 + sum(c["output_ids"].size for c in chunks))
+
+
+def test_stop_by_id_cancels_only_a_request_of_the_same_client(server):
+    """Two clients use the same request id: a `stop` ends only the request of its own client
+    (told apart by the forwarded `x-llm-forge-client` / `authorization` headers)."""
+    inputs = {"input_ids": np.array([[5, 6, 7]], np.int32),
+              "input_lengths": np.array([[3]], np.int32),
+              "request_output_len": np.array([[400]], np.int32),
+              "streaming": np.array([[True]])}
+    stop = {"input_ids": np.array([[0]], np.int32), "input_lengths": np.array([[1]], np.int32),
+            "request_output_len": np.array([[1]], np.int32), "stop": np.array([[True]])}
+    mallory = {"x-llm-forge-client": "mallory"}
+    alice = {"authorization": "Bearer alice-token"}
+
+    def start(headers):
+        chunks = stream_grpc(server.grpc_url, "tensorrt_llm", inputs, request_id="shared-id",
+                             headers=headers)
+        next(chunks)
+        return chunks
+
+    def send_stop(headers):
+        list(stream_grpc(server.grpc_url, "tensorrt_llm", stop, request_id="shared-id",
+                         headers=headers))
+
+    # A request may finish before a stop arrives; a run where Mallory's own stop came too late
+    # shows nothing about scoping, so such runs are repeated (a few at most).
+    for _ in range(4):
+        # Mallory's request first: an id-only lookup would find Alice's, registered last.
+        mallorys, alices = start(mallory), start(alice)
+        for headers in (None, {"x-llm-forge-client": "alice"}, mallory):  # the last is hers
+            send_stop(headers)
+        mallory_end, alice_end = _end(mallorys), _end(alices)
+        assert alice_end == (b"length", 400), (mallory_end, alice_end)  # no stop reached hers
+        if mallory_end[0] == b"cancelled":
+            break
+    else:
+        pytest.fail("every request finished before its stop arrived")
+    for _ in range(4):  # Alice's own stop ends hers
+        alices = start(alice)
+        send_stop(alice)
+        if _end(alices)[0] == b"cancelled":
+            break
+    else:
+        pytest.fail("Alice's stop never ended her request")
+
+
 BAD_INPUTS = [
     ({"text_input": PROMPT, "max_tokens": 0}, "max_tokens must be >= 1"),
     ({"text_input": PROMPT, "max_tokens": -5}, "max_tokens must be >= 1"),
     ({"text_input": PROMPT, "max_tokens": 5000}, "max_seq_len 1024"),
-    ({"text_input": "fox " * 100, "max_tokens": 8}, "max_input_len 64"),
+    ({"text_input": "fox " * 400, "max_tokens": 8}, "max_input_len 256"),
     ({"text_input": PROMPT, "max_tokens": 8, "beam_width": 2}, "beam_width must be 1"),
     ({"text_input": b"caf\xc3 \xff", "max_tokens": 8}, "text_input is not valid UTF-8"),
     ({"text_input": PROMPT, "max_tokens": 8, "top_p": 0.0}, "top_p"),
@@ -188,3 +263,94 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_stays_healthy(serv
         assert grpc_request(server, model, text_inputs(max_tokens=8, stream=True)) == []
     assert server.is_ready()
     assert streamed_text(server, model, text_input=PROMPT, max_tokens=8)
+
+
+# -- prefix caching and speculative decoding ------------------------------------------------
+SYSTEM = "You are a helpful assistant. The quick brown fox jumps over the lazy dog. " * 3
+
+
+def _generate(server, model, prompt, max_tokens, stream=True):
+    chunks = list(stream_grpc(server.grpc_url, model, text_inputs(
+        text_input=prompt, max_tokens=max_tokens, stream=stream, return_perf_metrics=True)))
+    return "".join(decode_text(c) for c in chunks), chunks[-1]
+
+
+def _offline_text(engine_dir, prompt, max_tokens) -> str:
+    """The engine in-process with both features off: the reference text."""
+    from transformers import AutoTokenizer
+
+    from triton_backend.engine import Request
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate
+
+    tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / "tokenizer"))
+    engine = LLMEngine(engine_dir, enable_prefix_caching=False, enable_speculative_decoding=False)
+    ids = tokenizer.encode(prompt)
+    out = generate(engine, [Request(ids, max_tokens)])[0].output_ids
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_shared_prefix_is_reused_and_reported_per_request(server, engine_dir, model):
+    before = metrics(server)
+    texts, lasts = [], []
+    for question in ("What is a fox?", "Who is lazy?"):
+        prompt = f"{model}: {SYSTEM}{question}"  # nothing shared with the other model's test
+        text, last = _generate(server, model, prompt, 24)
+        assert text == _offline_text(engine_dir, prompt, 24)
+        texts.append(text)
+        lasts.append(last)
+    reused = [int(last["kv_cache_reused_blocks"].reshape(-1)[0]) for last in lasts]
+    total = [int(last["kv_cache_alloc_total_blocks"].reshape(-1)[0]) for last in lasts]
+    assert reused[0] == 0 and reused[1] >= 3 and total[1] > reused[1]
+    after = metrics(server)
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= 48
+    assert after["prefix_cache_enabled"] == 1 and after["num_cached_blocks"] >= 3
+
+
+def test_speculation_is_reported_and_leaves_greedy_text_unchanged(server, engine_dir):
+    prompt = "over the lazy dog " * 12
+    text, last = _generate(server, "ensemble", prompt, 48, stream=False)
+    assert text == _offline_text(engine_dir, prompt, 48)
+    drafts = int(last["total_draft_tokens"].reshape(-1)[0])
+    accepted = int(last["total_accepted_draft_tokens"].reshape(-1)[0])
+    assert drafts > 0 and 0 <= accepted <= drafts
+    assert abs(float(last["acceptance_rate"].reshape(-1)[0]) - accepted / drafts) < 1e-6
+    stats = metrics(server)
+    assert stats["spec_enabled"] == 1 and stats["spec_num_draft_tokens"] >= drafts
+
+
+# Probes from review: each used to kill the engine loop for every client, or to slow every stream.
+REVIEW_PROBES = [
+    ({"temperature": 1e-38}, "temperature must be 0 (greedy) or within [0.01, 100.0]"),
+    ({"end_id": 10**6, "min_tokens": 2}, "end_id must be a token id in [0, "),
+    ({"repetition_penalty": 1e-38}, "repetition_penalty must be >= 0.01"),
+    ({"frequency_penalty": -3e38}, "frequency_penalty must be >= -100.0"),
+    ({"stop_words": ["x"] * 50_000}, "stop_words has 50000 entries, over the limit of 256"),
+    ({"bad_words": ["y"] * 300}, "bad_words has 300 entries, over the limit of 256"),
+]
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_review_probes_are_refused_and_the_next_request_is_served(server, model):
+    for values, message in REVIEW_PROBES:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            grpc_request(server, model, text_inputs(text_input=PROMPT, max_tokens=8, **values))
+        assert server.is_ready()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="text_input has 52428800 characters, over the limit"):
+        generate_http(server.http_url, model, {"text_input": "a" * (50 << 20), "max_tokens": 8})
+    assert server.is_ready()
+    assert streamed_text(server, model, text_input=PROMPT, max_tokens=8)
+
+
+def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(server, fault_file):
+    fault_file.write_text("oom:injected out of memory")
+    with pytest.raises(RuntimeError, match="the engine step failed: MemoryError: injected out of "
+                                           "memory"):
+        grpc_request(server, "ensemble", text_inputs(text_input=PROMPT, max_tokens=16,
+                                                     stream=True))
+    assert not fault_file.exists()
+    assert server.is_ready()
+    assert streamed_text(server, "ensemble", text_input=PROMPT, max_tokens=8)
+    assert metrics(server).get("num_failed_steps") == 1

@@ -10,6 +10,8 @@ import pytest
 from triton_backend.engine import FinishReason, Request
 from triton_backend.engine.process_executor import EngineProcessError, ProcessExecutor
 
+from tiny import final_response
+
 CLIENT = """
 import time
 from triton_backend.engine.process_executor import ProcessExecutor
@@ -17,15 +19,6 @@ ex = ProcessExecutor({engine!r}, num_kv_blocks=64)
 print(ex.get_stats()["engine_pid"], flush=True)
 time.sleep(600)
 """
-
-
-def _final(executor, request_id, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for response in executor.await_responses(request_id, timeout=1.0):
-            if response.is_final:
-                return response
-    raise AssertionError(f"no final response for {request_id} within {timeout}s")
 
 
 def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
@@ -46,7 +39,7 @@ def test_engine_runs_in_its_own_process_with_the_threads_asked_for(tiny_engines)
         assert stats["engine_pid"] != os.getpid()
         assert stats["num_threads"] == 1 and stats["num_total_blocks"] == 64
         rid = ex.enqueue_request(Request([5, 6, 7], 4, ignore_eos=True))
-        final = _final(ex, rid)
+        final = final_response(ex, rid)
         assert final.finish_reason == FinishReason.LENGTH and len(final.output_token_ids) == 4
     finally:
         ex.shutdown()
@@ -59,10 +52,39 @@ def test_a_killed_engine_ends_requests_in_flight_with_an_error(tiny_engines):
         rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
         assert ex.await_responses(rid, timeout=30)  # it is running
         os.kill(ex.get_stats()["engine_pid"], signal.SIGKILL)
-        final = _final(ex, rid)
+        final = final_response(ex, rid)
         assert final.finish_reason == FinishReason.ERROR
         assert "engine process exited with code -9" in final.error
-        with pytest.raises(RuntimeError, match="shut down .*exited with code -9"):
+        # A new engine process is started in place and serves the next request.
+        rid = ex.enqueue_request(Request([5, 6], 3, ignore_eos=True))
+        final = final_response(ex, rid, timeout=300)
+        assert final.finish_reason == FinishReason.LENGTH and len(final.output_token_ids) == 3
+        stats = ex.get_stats()
+        assert stats["num_engine_restarts"] == 1 and ex.is_alive()
+    finally:
+        ex.shutdown()
+
+
+def test_an_engine_that_keeps_dying_is_down_after_the_crash_loop_limit(tiny_engines):
+    from triton_backend.engine.supervision import RestartPolicy
+
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=64,
+                         restart_policy=RestartPolicy(max_restarts=1, window_seconds=600))
+    try:
+        for _ in range(2):
+            pid = ex.get_stats()["engine_pid"]
+            os.kill(pid, signal.SIGKILL)
+            assert _wait_gone(pid)
+            deadline = time.monotonic() + 120
+            while ex.is_alive() and ex.get_stats()["engine_pid"] == pid \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while ex.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ex.is_alive()
+        assert "not restarted" in ex.down_reason
+        with pytest.raises(RuntimeError, match="shut down .*2 crashes within 600 s"):
             ex.enqueue_request(Request([5], 2))
     finally:
         ex.shutdown()

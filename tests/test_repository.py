@@ -87,3 +87,40 @@ def test_options_from_dict_rejects_unknown_keys():
         RepositoryOptions.from_dict({"max_queue_sise": 3})
     assert RepositoryOptions.from_dict({"decoupled": False}).decoupled is False
     assert json.dumps(RepositoryOptions().to_dict())
+
+
+def test_off_switches_follow_the_engine_and_the_options(tmp_path):
+    engine = make_engine_dir(tmp_path / "engines" / "t")
+    config = EngineConfig.load(engine)
+    values = template_values(config, engine, tmp_path / "repo", RepositoryOptions())
+    assert values["enable_kv_cache_reuse"] is True        # the engine caches by default
+    assert values["enable_speculative_decoding"] is False  # and does not speculate
+    config.speculative.mode = "ngram"
+    off = RepositoryOptions(enable_kv_cache_reuse=False, enable_speculative_decoding=False)
+    values = template_values(config, engine, tmp_path / "repo", off)
+    assert values["enable_kv_cache_reuse"] is False and values["enable_speculative_decoding"] is False
+    values = template_values(config, engine, tmp_path / "repo", RepositoryOptions())
+    assert values["enable_speculative_decoding"] is True
+    repo = emit_repository(engine, tmp_path / "repo", off)
+    trt = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "enable_kv_cache_reuse" value: { string_value: "false" }' in trt
+
+
+def test_the_serving_section_becomes_tensorrt_llm_parameters(tmp_path):
+    from builder.spec import ServingSpec
+
+    engine = make_engine_dir(tmp_path / "engines" / "t")
+    repo = emit_repository(engine, tmp_path / "repo", RepositoryOptions(),
+                           ServingSpec(max_waiting_requests=5, priority_aging_rate=2.5))
+    trt = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "max_waiting_requests" value: { string_value: "5" }' in trt
+    # default: 8 x max_num_tokens (Limits' default 1024), at least max_input_len
+    assert 'key: "max_waiting_prompt_tokens" value: { string_value: "8192" }' in trt
+    assert 'key: "priority_aging_rate" value: { string_value: "2.5" }' in trt
+    for model in ("tensorrt_llm", "ensemble", "tensorrt_llm_bls"):
+        text = (repo / model / "config.pbtxt").read_text()
+        assert '{ name: "timeout_ms" data_type: TYPE_UINT64' in text, model
+        assert '{ name: "priority" data_type: TYPE_INT32' in text, model
+    ensemble = (repo / "ensemble" / "config.pbtxt").read_text()
+    assert 'input_map { key: "timeout_ms" value: "timeout_ms" }' in ensemble
+    assert 'input_map { key: "priority" value: "priority" }' in ensemble

@@ -32,6 +32,28 @@ BASE = {"name": "m", "checkpoint": "some/dir"}
      "quantization.calibration.samples: must be an integer >= 1"),
     ({"quantization": {"quality": {"bogus": 1}}}, "quantization.quality.bogus"),
     ({"repository": {"instances": 2}}, "repository: unknown key(s) instances"),
+    ({"kv_cache": {"enable_prefix_caching": "yes"}},
+     "kv_cache.enable_prefix_caching must be true or false"),
+    ({"speculative": {"mode": "medusa"}}, "speculative.mode must be one of"),
+    ({"speculative": {"mode": "ngram", "num_draft_tokens": 0}},
+     "speculative.num_draft_tokens must be an integer >= 1"),
+    ({"speculative": {"mode": "ngram", "num_draft_tokens": 16}},
+     "speculative.num_draft_tokens must be <= 15"),
+    ({"speculative": {"mode": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}},
+     "speculative.prompt_lookup_min (4) must be <="),
+    ({"speculative": {"mode": "draft_model"}}, "speculative.draft_engine is required"),
+    ({"speculative": {"mode": "ngram", "draft_engine": "x"}}, "speculative.draft_engine is required"),
+    ({"speculative": {"mode": "ngram", "lookahead": 3}}, "speculative.lookahead: unknown key"),
+    ({"target": "trtllm", "hardware": "h100-80gb", "speculative": {"mode": "ngram"}},
+     "speculative.mode: 'ngram' runs on the torch target"),
+    ({"serving": {"max_waiting_requests": -1}},
+     "serving.max_waiting_requests must be an integer >= 0 (0: unbounded), got -1"),
+    ({"serving": {"max_waiting_prompt_tokens": "lots"}},
+     "serving.max_waiting_prompt_tokens must be an integer >= 0 (0: unbounded), got 'lots'"),
+    ({"serving": {"priority_aging_rate": 0}},
+     "serving.priority_aging_rate must be a number of priority levels per second in "
+     "(0, 1000000], got 0"),
+    ({"serving": {"max_queue": 3}}, "serving.max_queue: unknown key"),
 ])
 def test_bad_specs_name_the_key(patch, message):
     with pytest.raises(SpecError) as err:
@@ -53,3 +75,51 @@ def test_engine_refuses_unknown_format_version(tiny_engines, tmp_path):
     config["format_version"] = 99
     with pytest.raises(ValueError, match="format_version 99 is not supported"):
         EngineConfig.from_dict(config)
+
+
+def test_prefix_caching_is_on_and_speculation_off_by_default():
+    spec = spec_from_dict(BASE)
+    assert spec.kv_cache.enable_prefix_caching is True and spec.speculative.mode == "none"
+    spec = spec_from_dict({**BASE, "kv_cache": {"enable_prefix_caching": False},
+                           "speculative": {"mode": "ngram", "num_draft_tokens": 5}})
+    assert not spec.kv_cache.enable_prefix_caching and spec.speculative.num_draft_tokens == 5
+
+
+def test_a_draft_engine_must_share_the_targets_tokenizer(tiny_engines, tmp_path):
+    import shutil
+
+    import tiny
+    from builder.speculative import check_draft_engine
+    from triton_backend.engine.spec_decode.draft_model import resolve_draft_engine
+
+    target = tiny_engines("llama_gqa")
+    config = EngineConfig.load(target)
+    config.speculative.mode, config.speculative.draft_engine = "draft_model", str(target)
+    new_engine = tmp_path / "engines" / "new"
+    message = check_draft_engine(config, target, new_engine)
+    assert "draft engine tiny-llama-gqa" in message
+    stored = config.speculative.draft_engine  # relative: the pair moves together
+    assert not stored.startswith("/") and resolve_draft_engine(new_engine, stored) == target
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(target, other)
+    shutil.rmtree(other / "tokenizer")
+    tiny.make_tokenizer(other / "tokenizer", vocab_size=300)
+    config.speculative.draft_engine = str(other)
+    with pytest.raises(ValueError, match="speculative.draft_engine: .* another tokenizer"):
+        check_draft_engine(config, target, tmp_path / "engines" / "new")
+    config.speculative.draft_engine = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match="speculative.draft_engine: .*no engine config"):
+        check_draft_engine(config, target, tmp_path / "engines" / "new")
+
+
+def test_serving_defaults_size_the_prompt_token_bound_from_the_engine():
+    from triton_backend.engine.config import Limits
+
+    serving = spec_from_dict(BASE).serving
+    assert serving.max_waiting_requests == 64 and serving.priority_aging_rate == 1.0
+    limits = Limits(max_batch_size=8, max_num_tokens=256, max_input_len=2048, max_seq_len=4096)
+    assert serving.waiting_prompt_tokens(limits) == 2048  # at least one longest prompt
+    limits = Limits(max_batch_size=8, max_num_tokens=2048, max_input_len=2048, max_seq_len=4096)
+    assert serving.waiting_prompt_tokens(limits) == 16384  # eight full prefill steps
+    explicit = spec_from_dict({**BASE, "serving": {"max_waiting_prompt_tokens": 0}}).serving
+    assert explicit.waiting_prompt_tokens(limits) == 0  # unbounded

@@ -2,6 +2,7 @@
 from them. Shared by the test modules (import it as `tiny`)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -90,3 +91,14 @@ def build_engine(tmp: Path, shape: str = "llama_gqa", dtype: str = "float32",
             spec[key] = value
     return _build(spec_from_dict(spec), console=Console(quiet=True), emit_repository=repository,
                   repository_dir=tmp / "model_repository")
+
+
+def final_response(executor, request_id, timeout=60.0):
+    """The final response of `request_id` from an executor (either isolation), waiting at most
+    `timeout` seconds in all."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for response in executor.await_responses(request_id, timeout=1.0):
+            if response.is_final:
+                return response
+    raise AssertionError(f"no final response for {request_id} within {timeout}s")

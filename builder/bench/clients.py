@@ -1,4 +1,5 @@
-"""Clients the load generator drives: gRPC streaming (tritonclient) and HTTP generate[_stream].
+"""Clients the load generator drives: gRPC streaming (tritonclient) and HTTP generate[_stream]
+(the OpenAI endpoint's client is in `openai_client`).
 
 Each client owns one connection (one gRPC stream) and sends one request at a time; the load
 generator runs one client per concurrent slot. Timestamps are taken with `time.perf_counter` the
@@ -35,6 +36,13 @@ class ModelInputs:
 
 def fetch_model_inputs(url: str, model: str, protocol: str, timeout: float = 10.0) -> ModelInputs:
     """Ask the server which inputs `model` takes (so optional ones are sent only when accepted)."""
+    if protocol == "openai":
+        from builder.bench.openai_client import ACCEPTED, served_models
+
+        served = served_models(url, timeout)
+        if model not in served:
+            raise ValueError(f"--model {model!r}: not served at {url} (served: {served})")
+        return ModelInputs(dict(ACCEPTED))
     if protocol == "grpc":
         import tritonclient.grpc as grpcclient
 
@@ -244,4 +252,9 @@ def make_client(protocol: str, url: str, model: str, inputs: ModelInputs, fixed_
         return GrpcStreamClient(url, model, inputs, fixed_output, timeout_s)
     if protocol == "http":
         return HttpGenerateClient(url, model, inputs, fixed_output, timeout_s)
-    raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
+    if protocol == "openai":
+        from builder.bench.openai_client import OpenAICompletionsClient
+
+        return OpenAICompletionsClient(url, model, fixed_output and inputs.accepts("min_tokens"),
+                                       timeout_s)
+    raise ValueError(f"protocol must be grpc, http or openai, got {protocol!r}")

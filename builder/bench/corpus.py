@@ -103,6 +103,46 @@ SHORT_QUERIES: list[str] = [
 ]
 
 
+# Small functions written for llm-forge, for prompts that edit code: (source, a name to rename).
+CODE_SNIPPETS: list[tuple[str, str]] = [
+    ("""def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+""", "subtotal"),
+    ("""def moving_average(values, window):
+    averages = []
+    running = sum(values[:window])
+    averages.append(running / window)
+    for i in range(window, len(values)):
+        running += values[i] - values[i - window]
+        averages.append(running / window)
+    return averages
+""", "running"),
+    ("""def parse_settings(lines):
+    settings = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        settings[key.strip()] = value.strip()
+    return settings
+""", "settings"),
+    ("""def find_gaps(timestamps, limit):
+    gaps = []
+    previous = timestamps[0]
+    for current in timestamps[1:]:
+        if current - previous > limit:
+            gaps.append((previous, current))
+        previous = current
+    return gaps
+""", "previous"),
+]
+
+
 def passage(rng: random.Random, min_words: int) -> str:
     """Consecutive sentences from a random starting point, wrapping around, >= `min_words` words."""
     start = rng.randrange(len(SENTENCES))

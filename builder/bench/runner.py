@@ -6,6 +6,7 @@ always enjoys a freshly idle machine), on the same requests. Results are plain d
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -16,18 +17,32 @@ from typing import Any, Callable
 from builder.bench.clients import ModelInputs, fetch_model_inputs, make_client
 from builder.bench.loadgen import LevelPlan, LevelRun, run_level
 from builder.bench.records import RequestRecord
+from builder.bench.server_stats import level_delta, scrape
 from builder.bench.stats import summarize
 from builder.bench.workloads import Workload
 
 
 @dataclass(frozen=True)
 class Target:
-    """A server to measure: `url` is host:port of its gRPC (or HTTP) endpoint."""
+    """A server to measure: `url` is host:port of its gRPC (or HTTP, or OpenAI) endpoint.
+    `model` None on an OpenAI endpoint means the model it serves."""
 
     label: str
     url: str
-    model: str = "ensemble"
+    model: str | None = "ensemble"
     protocol: str = "grpc"
+    metrics_url: str | None = None  # its /metrics: the server's own counters per level
+
+
+def _resolved(target: Target) -> Target:
+    if target.protocol != "openai" or target.model:
+        return target
+    from builder.bench.openai_client import served_models
+
+    served = served_models(target.url)
+    if not served:
+        raise ValueError(f"{target.label}: {target.url} serves no model")
+    return dataclasses.replace(target, model=served[0])
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,7 @@ class BenchSettings:
         return LevelPlan(concurrency, self.num_requests(concurrency), duration, self.rate, self.seed)
 
 
+STATS_SETTLE_S = 0.5  # > the repository's stats_period_ms (100 ms by default)
 ProgressFactory = Callable[[str, int | None], Callable[[RequestRecord], None]]
 
 
@@ -80,6 +96,7 @@ def _run_one(target: Target, inputs: ModelInputs, workload: Workload, plan: Leve
                            settings.fixed_output, settings.timeout_s)
                for _ in range(plan.concurrency)]
     on_done = progress(f"{target.label} c={plan.concurrency}", plan.num_requests) if progress else None
+    before = scrape(target.metrics_url) if target.metrics_url else None
     try:
         run: LevelRun = run_level(clients, workload.items, plan, on_done)
     finally:
@@ -88,6 +105,9 @@ def _run_one(target: Target, inputs: ModelInputs, workload: Workload, plan: Leve
     for record in run.records:
         record.count_output_tokens(tokenizer)
     summary = summarize(run.records, run.wall_s, plan.concurrency)
+    if before is not None:
+        time.sleep(STATS_SETTLE_S)  # the server publishes its counters periodically
+        summary["server"] = level_delta(before, scrape(target.metrics_url))
     summary["requests_detail"] = [r.to_dict(settings.keep_text) for r in run.records]
     return summary
 
@@ -101,6 +121,7 @@ def run_bench(targets: list[Target], workload: Workload, settings: BenchSettings
     interrupted run still leaves the levels it finished)."""
     if not 1 <= len(targets) <= 2:
         raise ValueError(f"bench compares one or two servers, got {len(targets)}")
+    targets = [_resolved(t) for t in targets]
     inputs = {t.label: fetch_model_inputs(t.url, t.model, t.protocol) for t in targets}
     for target in targets:
         missing = [n for n in ("text_input", "max_tokens") if not inputs[target.label].accepts(n)]
@@ -149,7 +170,9 @@ def compare_levels(a_levels: list[dict], b_levels: list[dict]) -> list[dict[str,
             "concurrency": a["concurrency"],
             "output_tokens_per_s_ratio": _ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
             "requests_per_s_ratio": _ratio(a["requests_per_s"], b["requests_per_s"]),
+            "ttft_p50_ratio": _ratio(a["ttft_s"]["p50"], b["ttft_s"]["p50"]),
             "ttft_p99_ratio": _ratio(a["ttft_s"]["p99"], b["ttft_s"]["p99"]),
+            "ttft_p50_ratio": _ratio(a["ttft_s"]["p50"], b["ttft_s"]["p50"]),
             "ttft_p99_s": [a["ttft_s"]["p99"], b["ttft_s"]["p99"]],
             "itl_p50_ratio": _ratio(a["itl_s"]["p50"], b["itl_s"]["p50"]),
             "e2e_p50_ratio": _ratio(a["e2e_s"]["p50"], b["e2e_s"]["p50"]),

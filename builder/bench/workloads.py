@@ -119,10 +119,34 @@ def chat(rng: random.Random, fitter: PromptFitter, scale: float, index: int) -> 
                     num_input_tokens=fitter.count(prompt))
 
 
+_REWRITE_ASKS = (
+    "Rewrite the following text in British spelling, keeping everything else exactly the "
+    "same.\n\nText:\n{text}\n\nRewritten text:\n",
+    "Article:\n{text}\n\nQuote the article's first three sentences word for word.\nQuote:\n",
+    "Summarise the following text, reusing its own words.\n\nText:\n{text}\n\nSummary:\n",
+)
+
+
+def rewrite(rng: random.Random, fitter: PromptFitter, scale: float, index: int) -> WorkItem:
+    """Answers that copy long spans of the prompt: rewrite, quote, summarise (a ~160-token
+    passage), or rename a variable in a function; ~96 output tokens, streamed. Where
+    prompt-lookup speculation pays."""
+    if index % 4 == 3:
+        code, name = rng.choice(corpus.CODE_SNIPPETS)
+        prompt = (f"Here is a Python function:\n```python\n{code}```\nRename `{name}` to "
+                  f"`{name}_value` and output the full updated function.\n```python\n")
+    else:
+        text = fitter.fit(corpus.passage(rng, fitter.words_for(160)), _scaled(160, scale, 16))
+        prompt = _REWRITE_ASKS[index % 4].format(text=text)
+    return WorkItem(prompt, _scaled(96, scale, floor=16), stream=True,
+                    num_input_tokens=fitter.count(prompt))
+
+
 BUILTIN: dict[str, Callable[[random.Random, PromptFitter, float, int], WorkItem]] = {
     "query-rewrite": query_rewrite,
     "voicebot": voicebot,
     "chat": chat,
+    "rewrite": rewrite,
 }
 
 

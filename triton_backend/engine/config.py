@@ -80,10 +80,19 @@ class Limits:
     max_num_tokens: int = 1024
     max_input_len: int = 1024
     max_seq_len: int = 2048
+    # While sequences decode, prefill chunks are sized so that a step is predicted to take at
+    # most this many times a decode-only step (step_cost.py); 0 lets prefills take the whole
+    # max_num_tokens budget. Not a trtllm-build setting: our scheduler's.
+    max_decode_slowdown: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len"):
             _positive(f"limits.{name}", getattr(self, name))
+        slowdown = self.max_decode_slowdown
+        _require(not isinstance(slowdown, bool) and isinstance(slowdown, (int, float))
+                 and (slowdown == 0 or 1 < slowdown <= 100),
+                 f"limits.max_decode_slowdown must be 0 (off) or a number in (1, 100], "
+                 f"got {slowdown!r}")
         _require(self.max_input_len < self.max_seq_len,
                  f"limits.max_input_len ({self.max_input_len}) must be < limits.max_seq_len "
                  f"({self.max_seq_len})")
@@ -97,9 +106,15 @@ class KVCacheConfig:
     num_blocks: int | None = None
     memory_bytes: int | None = None
     dtype: str = "auto"  # auto = the engine dtype; fp8 / int8 come with quantization
+    # Reuse the KV of full blocks whose tokens an earlier request computed (TensorRT-LLM's
+    # enable_block_reuse); the repository's enable_kv_cache_reuse turns it off at serving time.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive("kv_cache.tokens_per_block", self.tokens_per_block)
+        _require(isinstance(self.enable_prefix_caching, bool),
+                 f"kv_cache.enable_prefix_caching must be true or false, "
+                 f"got {self.enable_prefix_caching!r}")
         _require(self.num_blocks is None or self.memory_bytes is None,
                  "kv_cache: give num_blocks or memory_bytes, not both")
         if self.num_blocks is not None:
@@ -108,6 +123,45 @@ class KVCacheConfig:
             _positive("kv_cache.memory_bytes", self.memory_bytes)
         _require(self.dtype in ("auto", "fp8", "int8"),
                  f"kv_cache.dtype must be auto, fp8 or int8, got {self.dtype!r}")
+
+
+SPECULATIVE_MODES = ("none", "ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: propose `num_draft_tokens` tokens per step and verify them in one
+    forward pass of this engine. `ngram` looks the last `prompt_lookup_max`..`prompt_lookup_min`
+    tokens up in the sequence so far (prompt lookup); `draft_model` runs the engine in
+    `draft_engine` (same tokenizer; a relative path is relative to this engine's directory).
+    Speculation pauses while more than `disable_by_batch_size` sequences run: a batch that big
+    is compute-bound, and verifying drafts would cost more than it saves."""
+
+    mode: str = "none"
+    num_draft_tokens: int = 4
+    draft_engine: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.mode in SPECULATIVE_MODES,
+                 f"speculative.mode must be one of {SPECULATIVE_MODES}, got {self.mode!r}")
+        for name in ("num_draft_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
+            _positive(f"speculative.{name}", getattr(self, name))
+        _require(self.num_draft_tokens <= 15,
+                 f"speculative.num_draft_tokens must be <= 15, got {self.num_draft_tokens}")
+        _require(self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                 f"speculative.prompt_lookup_max ({self.prompt_lookup_max})")
+        _require((self.mode == "draft_model") == bool(self.draft_engine),
+                 f"speculative.draft_engine is required with mode draft_model and only with it "
+                 f"(mode {self.mode!r}, draft_engine {self.draft_engine!r})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
 
 
 @dataclass
@@ -151,6 +205,7 @@ class EngineConfig:
     features: Features = field(default_factory=Features)
     quantization: QuantConfig = field(default_factory=QuantConfig)
     tokenizer: TokenizerInfo = field(default_factory=TokenizerInfo)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     hardware: str = "cpu"
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # sections owned by later stages (repository, quality)
@@ -179,7 +234,8 @@ class EngineConfig:
                 f"engine format_version {version!r} is not supported by this runtime "
                 f"(it reads format_version {FORMAT_VERSION}); rebuild the engine with this llm-forge")
         sections = {"model": ModelShape, "limits": Limits, "kv_cache": KVCacheConfig,
-                    "features": Features, "quantization": QuantConfig, "tokenizer": TokenizerInfo}
+                    "features": Features, "quantization": QuantConfig, "tokenizer": TokenizerInfo,
+                    "speculative": SpeculativeConfig}
         kwargs = dict(data)
         for key, klass in sections.items():
             if key in kwargs:

@@ -41,6 +41,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-kv-blocks", type=int)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--num-threads", type=int, default=0, help="0: every core allowed")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-speculative-decoding", action="store_true")
+    parser.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
+    parser.add_argument("--max-waiting-prompt-tokens", type=int, default=0, help="0: unbounded")
+    parser.add_argument("--priority-aging-rate", type=float, default=None,
+                        help="priority levels a waiting request gains per second")
     return parser.parse_args(argv)
 
 
@@ -52,10 +58,17 @@ def _build_executor(args: argparse.Namespace):
         from triton_backend.naive.executor import NaiveExecutor
 
         return NaiveExecutor(args.engine_dir, start_loop=False)
+    from triton_backend.engine.admission import AdmissionLimits
     from triton_backend.engine.executor import Executor
+    from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 
+    admission = AdmissionLimits(args.max_waiting_requests, args.max_waiting_prompt_tokens)
     return Executor(args.engine_dir, num_kv_blocks=args.num_kv_blocks,
-                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, start_loop=False)
+                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, start_loop=False,
+                    enable_prefix_caching=False if args.no_prefix_caching else None,
+                    enable_speculative_decoding=False if args.no_speculative_decoding else None,
+                    admission=admission,
+                    priority_aging_rate=args.priority_aging_rate or DEFAULT_AGING_RATE)
 
 
 class _Channel:

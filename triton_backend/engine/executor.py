@@ -9,6 +9,16 @@ The loop runs on a background thread by default, or on the caller's thread with
 `start_loop=False` + `run_loop()`: torch runs at full speed only when its ops come from the
 thread that owns the process's OpenMP team, so the engine process (`engine_process.py`) runs the
 loop on its main thread and only moves messages on other threads.
+
+Admission: with `AdmissionLimits`, a request that would make too much wait is refused at once
+with `ServerBusy` (see `admission.py`); the count is exact, read under the lock that also moves
+queued requests into the scheduler. Deadlines: before every step, requests past their
+`timeout_ms` end with an error (`LLMEngine.expire`).
+
+Failures: a step that raises ends only its own requests (see `LLMEngine.step`). An exception
+outside a step ends the requests in flight with an error naming it, and the loop starts again in
+place from an empty batch, up to the restart policy's limit; past it the loop stops and every
+request, queued or later, is refused (`is_alive()` turns false).
 """
 from __future__ import annotations
 
@@ -16,9 +26,12 @@ import logging
 import threading
 from pathlib import Path
 
+from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.response_queue import ResponseQueue
+from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
+from triton_backend.engine.supervision import CrashLoop, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +39,18 @@ log = logging.getLogger(__name__)
 class Executor:
     def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, device: str = "cpu",
-                 start_loop: bool = True) -> None:
+                 start_loop: bool = True, enable_prefix_caching: bool | None = None,
+                 enable_speculative_decoding: bool | None = None,
+                 restart_policy: RestartPolicy = RestartPolicy(),
+                 admission: AdmissionLimits = AdmissionLimits(),
+                 priority_aging_rate: float = DEFAULT_AGING_RATE) -> None:
         self.engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks,
-                                kv_cache_memory_bytes=kv_cache_memory_bytes, device=device)
+                                kv_cache_memory_bytes=kv_cache_memory_bytes, device=device,
+                                enable_prefix_caching=enable_prefix_caching,
+                                enable_speculative_decoding=enable_speculative_decoding,
+                                priority_aging_rate=priority_aging_rate)
+        self.admission = admission
+        self._crashes = CrashLoop(restart_policy)
         self.config = self.engine.config
         self.tokenizer_dir = self.engine.tokenizer_dir
         self._lock = threading.Lock()
@@ -39,6 +61,7 @@ class Executor:
         self._cancels: set[int] = set()
         self._next_id = 1
         self._shutdown = False
+        self._down_reason = ""
         self._loop_alive = True  # until the loop has ended (or, with start_loop=False, started)
         self._loop_done = threading.Event()
         self._stats = self.engine.get_stats()
@@ -47,14 +70,19 @@ class Executor:
 
     # -- client verbs -------------------------------------------------------------------------
     def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
-        """Validate and queue `request`; returns its id. Raises ValueError naming the bad field.
+        """Validate and queue `request`; returns its id. Raises ValueError naming the bad field,
+        ServerBusy (a RuntimeError) when the admission limits are reached.
 
         `request_id` lets a caller that numbers requests itself (the engine process client)
         choose the id; it must not be in use."""
         self.engine.validate(request)
         with self._lock:
             if self._shutdown:
-                raise RuntimeError("executor is shut down")
+                raise RuntimeError(f"executor is shut down{self._down_reason}")
+            num_waiting, num_tokens = self.engine.scheduler.waiting.load()
+            self.admission.check(num_waiting + len(self._pending),
+                                 num_tokens + sum(len(r.input_token_ids) for r in self._pending),
+                                 len(request.input_token_ids))
             if request_id is None:
                 request_id = self._next_id
                 self._next_id += 1
@@ -81,7 +109,8 @@ class Executor:
     def get_stats(self) -> dict:
         """Counters as of the end of the last step (the engine is only touched by the loop)."""
         with self._lock:
-            return dict(self._stats, num_queued_requests=len(self._pending))
+            return dict(self._stats, num_queued_requests=len(self._pending),
+                        num_loop_restarts=self._crashes.num_crashes)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still in flight end with a CANCELLED final response."""
@@ -102,42 +131,58 @@ class Executor:
         with self._lock:
             while not (self._pending or self._cancels or self._shutdown or self.engine.has_work()):
                 self._wakeup.wait()
-            pending = list(zip(self._pending_ids, self._pending))
+            # Into the scheduler under the lock, so the admission check never misses them.
+            finals = []
+            for request_id, request in zip(self._pending_ids, self._pending):
+                try:
+                    self.engine.add_request(request, request_id=request_id)
+                except ValueError as exc:  # this request only
+                    finals.append(Response(request_id, [], True, FinishReason.ERROR,
+                                           error=str(exc)))
             self._pending.clear()
             self._pending_ids.clear()
             cancels, self._cancels = self._cancels, set()
             shutting_down = self._shutdown
-        for request_id, request in pending:
-            self.engine.add_request(request, request_id=request_id)
-        finals = [r for rid in cancels if (r := self.engine.abort(rid)) is not None]
+        finals += [r for rid in cancels if (r := self.engine.abort(rid)) is not None]
+        finals += self.engine.expire()
         self._publish(finals)
+        self.engine.faults.check("loop")
         return not shutting_down
 
     def run_loop(self) -> None:
         """Step the engine on the calling thread until `shutdown()`; then end what is left."""
         try:
-            while self._admit():
-                self._publish(self.engine.step())
-        except Exception as exc:  # the loop must not die silently: fail every request in flight
-            log.exception("executor loop failed")
-            self._fail_all(f"internal error in the engine loop: {exc}", FinishReason.ERROR)
-        else:
+            while True:
+                try:
+                    while self._admit():
+                        self._publish(self.engine.step())
+                    break
+                except Exception as exc:  # the loop must not die silently
+                    log.exception("executor loop failed")
+                    message = f"internal error in the engine loop: {type(exc).__name__}: {exc}"
+                    if not self._crashes.allow_restart():
+                        self._down_reason = (f" (the engine loop crashed: {message}; "
+                                             f"{self._crashes.describe()})")
+                        self._fail_all(message, FinishReason.ERROR)
+                        return
+                    log.warning("restarting the engine loop in place (%s)",
+                                self._crashes.describe())
+                    self._publish(self.engine.reset(message))
             self._fail_all("the executor was shut down", FinishReason.CANCELLED)
         finally:
             self._loop_alive = False
             self._loop_done.set()
 
     def _fail_all(self, message: str, reason: FinishReason) -> None:
+        error = message if reason == FinishReason.ERROR else None
         finals = []
         for seq_id in list(self.engine.sequences):
-            response = self.engine.abort(seq_id)
+            response = self.engine.abort(seq_id, error=error)
             if response is not None:
                 response.finish_reason = reason
-                response.error = message if reason == FinishReason.ERROR else None
                 finals.append(response)
         with self._lock:
             self._shutdown = True
             pending, self._pending, self._pending_ids = self._pending_ids, [], []
-        finals += [Response(rid, [], True, reason, error=message if reason == FinishReason.ERROR
-                            else None) for rid in pending]
+        finals += [Response(rid, [], True, reason, error=error) for rid in pending]
         self._publish(finals)

@@ -2,22 +2,34 @@
 
 A step is schedule -> run -> update -> respond. The `Executor` drives it from a background thread;
 tests and `forge generate` can drive it directly.
+
+A step that raises ends only the requests it concerns: the rows the sampler could not serve
+(`SamplingError`), else every sequence of that step's batch. Nothing else is touched, so the next
+step serves everyone else (a failed step never advanced `num_computed_tokens`, so the sequences
+that were not ended simply run that step again).
 """
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.faults import FaultInjector
 from triton_backend.engine.model_runner import ModelRunner, kv_bytes_per_token
 from triton_backend.engine.request import FinishReason, Request, Response
-from triton_backend.engine.scheduler import Scheduler, SchedulerOutput
+from triton_backend.engine.sampler import SamplingError
+from triton_backend.engine.scheduler import DEFAULT_AGING_RATE, Scheduler, SchedulerOutput
 from triton_backend.engine.sequence import Sequence
 from triton_backend.engine.validation import check_kv_capacity, validate_request
 from triton_backend.engine.weights import runtime_dtype
+
+log = logging.getLogger(__name__)
 
 
 def resolve_num_blocks(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int | None = None,
@@ -37,9 +49,26 @@ def resolve_num_blocks(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: 
     return -(-tokens // kv.tokens_per_block)
 
 
+def cache_salt(config: EngineConfig) -> str:
+    """What the prefix cache's hash chain starts from: everything besides the tokens that
+    decides a block's keys and values (the engine, its weights' format, the KV cache format)."""
+    q, kv = config.quantization, config.kv_cache
+    return (f"{config.name}|{config.dtype}|weights={q.weights}/{q.group_size}|kv={kv.dtype}|"
+            f"tokens_per_block={kv.tokens_per_block}")
+
+
 class LLMEngine:
+    """`enable_prefix_caching` / `enable_speculative_decoding`: None follows the engine's
+    config.json; False turns the feature off (the repository's off switches).
+    `priority_aging_rate`: priority levels a waiting request gains per second (the scheduler's
+    aging); `clock`: wall-clock ns, for arrivals and deadlines (injected by tests)."""
+
     def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, device: str = "cpu") -> None:
+                 kv_cache_memory_bytes: int | None = None, device: str = "cpu",
+                 enable_prefix_caching: bool | None = None,
+                 enable_speculative_decoding: bool | None = None,
+                 priority_aging_rate: float = DEFAULT_AGING_RATE,
+                 clock: Callable[[], int] = time.time_ns) -> None:
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(engine_dir)
         if self.config.target != "torch":
@@ -49,15 +78,35 @@ class LLMEngine:
         limits = self.config.limits
         dtype = runtime_dtype(self.config, torch.device(device))
         num_blocks = resolve_num_blocks(self.config, dtype, num_kv_blocks, kv_cache_memory_bytes)
-        self.block_manager = BlockManager(num_blocks, self.config.kv_cache.tokens_per_block)
-        self.scheduler = Scheduler(self.block_manager, limits.max_num_tokens, limits.max_batch_size)
+        kv = self.config.kv_cache
+        self.block_manager = BlockManager(
+            num_blocks, kv.tokens_per_block,
+            enable_prefix_caching=kv.enable_prefix_caching and enable_prefix_caching is not False,
+            cache_salt=cache_salt(self.config))
+        self.priority_aging_rate, self.clock = priority_aging_rate, clock
+        self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(engine_dir, self.config, num_blocks, device)
+        self.speculator = None
+        if self.config.speculative.enabled and enable_speculative_decoding is not False:
+            from triton_backend.engine.spec_decode import make_speculator
+
+            self.speculator = make_speculator(self.engine_dir, self.config, device)
         self.eos_ids = frozenset(self.config.tokenizer.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self.last_logits: torch.Tensor | None = None  # of the last step, when it was asked for
         self._ids = itertools.count(1)
+        self.faults = FaultInjector.from_env()
         self.stats = {"num_steps": 0, "max_num_seqs_in_step": 0, "num_scheduled_tokens": 0,
-                      "num_completed_requests": 0, "num_cancelled_requests": 0}
+                      "num_completed_requests": 0, "num_cancelled_requests": 0,
+                      "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,
+                      "spec_num_accepted_tokens": 0, "num_failed_steps": 0,
+                      "num_failed_requests": 0, "num_timed_out_requests": 0}
+
+    def _new_scheduler(self) -> Scheduler:
+        limits = self.config.limits
+        return Scheduler(self.block_manager, limits.max_num_tokens, limits.max_batch_size,
+                         self.priority_aging_rate, self.clock,
+                         max_decode_slowdown=limits.max_decode_slowdown)
 
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served."""
@@ -81,28 +130,102 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def abort(self, seq_id: int) -> Response | None:
-        """Cancel a request: its blocks are freed now; returns its final response."""
+    def abort(self, seq_id: int, error: str | None = None,
+              counter: str | None = None) -> Response | None:
+        """End a request now (cancelled, or failed with `error`): its blocks are freed; returns
+        its final response, or None when the request is not in flight. `counter`: the stat it
+        counts in (default: failed or cancelled requests)."""
         seq = self.sequences.pop(seq_id, None)
         if seq is None:
             return None
-        self.scheduler.abort(seq, FinishReason.CANCELLED)
-        self.runner.sampler.release(seq_id)
-        self.stats["num_cancelled_requests"] += 1
-        return self._response(seq, final=True)
+        self.scheduler.abort(seq, FinishReason.ERROR if error else FinishReason.CANCELLED)
+        self._release(seq_id)
+        self.stats[counter or ("num_failed_requests" if error else "num_cancelled_requests")] += 1
+        response = self._response(seq, final=True)
+        response.error = error
+        return response
+
+    def expire(self) -> list[Response]:
+        """End every request past its deadline (waiting or running) with an error naming its
+        timeout field; their blocks are freed. Returns their final responses."""
+        now = self.clock()
+        expired = []
+        for seq_id, seq in list(self.sequences.items()):
+            timeout_ms = seq.request.timeout_ms
+            if timeout_ms is None or seq.arrival_ns is None:
+                continue
+            if now - seq.arrival_ns >= timeout_ms * 1_000_000:
+                message = deadline_error(seq, now)
+                expired.append(self.abort(seq_id, error=message,
+                                          counter="num_timed_out_requests"))
+        return expired
 
     def step(self, return_logits: bool = False) -> list[Response]:
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
-        eos = {c.seq_id: self.sequences[c.seq_id].eos_ids for c in output.chunks if c.needs_sample}
-        result = self.runner.run(output, eos, return_logits=return_logits)
-        finished = self.scheduler.update(output, result.sampled)
-        self._count(output)
+        try:
+            self.faults.check("step")
+            eos = {c.seq_id: self.sequences[c.seq_id].eos_ids
+                   for c in output.chunks if c.needs_sample}
+            started = time.perf_counter()
+            result = self.runner.run(output, eos, return_logits=return_logits)
+            self._observe_step_time(output, time.perf_counter() - started)
+            finished = self.scheduler.update(output, result.sampled, result.accepted)
+        except SamplingError as exc:
+            return self._fail_step(exc.failures)
+        except Exception as exc:  # the batch fails, the engine goes on
+            log.exception("engine step failed; ending the %d requests of its batch",
+                          len(output.chunks))
+            message = f"the engine step failed: {type(exc).__name__}: {exc}"
+            return self._fail_step({c.seq_id: message for c in output.chunks})
+        self._count(output, result.accepted)
         self.last_logits = result.logits
-        return self._responses(output, finished)
+        responses = self._responses(output, finished)
+        if self.speculator is not None:  # drafts for the next step, from the tokens just added
+            self.speculator.propose(self.scheduler.running)
+        return responses
 
-    def _count(self, output: SchedulerOutput) -> None:
+    def _observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """Steps with a decoding row teach the scheduler what rows cost beside decodes."""
+        if any(len(c.new_token_ids) - c.num_draft_tokens == 1 for c in output.chunks):
+            self.scheduler.step_cost.observe(output.num_tokens, seconds)
+
+    def _release(self, seq_id: int) -> None:
+        self.runner.sampler.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.release(seq_id)
+
+    def _fail_step(self, failures: dict[int, str]) -> list[Response]:
+        self.stats["num_failed_steps"] += 1
+        responses = [self.abort(seq_id, error=message) for seq_id, message in failures.items()]
+        return [r for r in responses if r is not None]
+
+    def reset(self, error: str) -> list[Response]:
+        """End every request in flight with `error` and start again from an empty batch and a
+        free KV pool (the prefix cache emptied too): after a crash outside a step, the
+        scheduler's state cannot be trusted. The model and its KV storage stay."""
+        failed = [Response(seq_id, [], True, FinishReason.ERROR, error=error)
+                  for seq_id in self.sequences]
+        self.stats["num_failed_requests"] += len(failed)
+        for seq_id in list(self.sequences):
+            if self.speculator is not None:
+                self.speculator.release(seq_id)
+        self.sequences.clear()
+        old = self.block_manager
+        self.block_manager = BlockManager(old.num_blocks, old.tokens_per_block,
+                                          enable_prefix_caching=old.enable_prefix_caching,
+                                          cache_salt=cache_salt(self.config))
+        self.scheduler = self._new_scheduler()
+        self.runner.sampler = type(self.runner.sampler)()
+        return failed
+
+    def _count(self, output: SchedulerOutput, accepted: dict[int, list]) -> None:
+        for chunk in output.chunks:
+            if chunk.num_draft_tokens:
+                self.stats["spec_num_verify_steps"] += 1
+                self.stats["spec_num_draft_tokens"] += chunk.num_draft_tokens
+                self.stats["spec_num_accepted_tokens"] += len(accepted.get(chunk.seq_id, ()))
         self.stats["num_steps"] += 1
         self.stats["num_scheduled_tokens"] += output.num_tokens
         self.stats["max_num_seqs_in_step"] = max(self.stats["max_num_seqs_in_step"],
@@ -116,7 +239,7 @@ class LLMEngine:
             if chunk.seq_id in done:
                 responses.append(self._response(seq, final=True))
                 del self.sequences[chunk.seq_id]
-                self.runner.sampler.release(chunk.seq_id)
+                self._release(chunk.seq_id)
                 self.stats["num_completed_requests"] += 1
             elif chunk.needs_sample and seq.request.streaming:
                 responses.append(self._response(seq, final=False))
@@ -131,14 +254,53 @@ class LLMEngine:
             finish_reason=seq.finish_reason if final else None,
             log_probs=seq.log_probs[start:] if seq.request.return_log_probs else [],
             cum_log_prob=sum(seq.log_probs), num_input_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(generated))
+            num_output_tokens=len(generated), num_reused_blocks=seq.num_reused_blocks,
+            num_new_blocks=seq.num_new_blocks, num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_draft_tokens=seq.num_accepted_tokens)
 
     def get_stats(self) -> dict:
-        return dict(self.stats, num_preemptions=self.scheduler.num_preemptions,
-                    num_free_blocks=self.block_manager.num_free_blocks,
-                    num_used_blocks=self.block_manager.num_used_blocks,
-                    num_total_blocks=self.block_manager.num_blocks,
-                    num_active_requests=len(self.scheduler.running),
-                    num_waiting_requests=len(self.scheduler.waiting),
-                    tokens_per_block=self.block_manager.tokens_per_block,
-                    cpp_kernels=int(self.runner.ops.name == "cpp"))
+        bm, sched = self.block_manager, self.scheduler
+        return dict(self.stats, num_preemptions=sched.num_preemptions,
+                    num_free_blocks=bm.num_free_blocks,
+                    num_used_blocks=bm.num_used_blocks,
+                    num_total_blocks=bm.num_blocks,
+                    num_active_requests=len(sched.running),
+                    num_waiting_requests=len(sched.waiting),
+                    num_waiting_tokens=sched.waiting.load()[1],
+                    tokens_per_block=bm.tokens_per_block,
+                    cpp_kernels=int(self.runner.ops.name == "cpp"),
+                    **prefix_cache_stats(bm, sched), **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        steps, drafts = self.stats["spec_num_verify_steps"], self.stats["spec_num_draft_tokens"]
+        accepted = self.stats["spec_num_accepted_tokens"]
+        return {"spec_enabled": int(self.speculator is not None),
+                "spec_num_paused_steps": self.speculator.num_paused_steps if self.speculator else 0,
+                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+                # tokens a verify step yields: the accepted drafts plus the target's own
+                "spec_mean_accepted_length": (accepted + steps) / steps if steps else 0.0}
+
+
+def deadline_error(seq: Sequence, now_ns: int) -> str:
+    """`timeout_ms: request exceeded its deadline of X ms (waited Y ms)`; a request that was
+    admitted says how long it waited and how long it has run since."""
+    request = seq.request
+    head = (f"{request.timeout_field}: request exceeded its deadline of {request.timeout_ms} ms")
+    if seq.scheduled_ns is None:
+        return f"{head} (waited {_ms(now_ns - seq.arrival_ns)} ms)"
+    return (f"{head} (waited {_ms(seq.scheduled_ns - seq.arrival_ns)} ms, ran "
+            f"{_ms(now_ns - seq.scheduled_ns)} ms)")
+
+
+def _ms(ns: int) -> int:
+    return max(0, ns) // 1_000_000
+
+
+def prefix_cache_stats(bm: BlockManager, sched: Scheduler) -> dict:
+    queried, hits = sched.num_prefix_queried_tokens, sched.num_prefix_hit_tokens
+    return {"prefix_cache_enabled": int(bm.enable_prefix_caching),
+            "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hits,
+            "prefix_cache_hit_rate": hits / queried if queried else 0.0,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "num_reusable_blocks": bm.num_reusable_blocks,
+            "num_evicted_blocks": bm.num_evictions}

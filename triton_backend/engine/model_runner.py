@@ -1,9 +1,12 @@
 """Runs one scheduled step: pack every scheduled token into one flat tensor, attend over the paged
 KV cache, project only the rows that sample, and sample.
+
+A chunk carrying draft tokens (speculative decoding) samples from its last 1 + num_draft_tokens
+rows: the verifier (`spec_decode/verifier.py`) keeps the drafts the target agrees with.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,6 +17,7 @@ from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
+from triton_backend.engine.spec_decode.verifier import verify
 from triton_backend.engine.weights import load_model, runtime_dtype
 
 
@@ -26,6 +30,8 @@ KERNEL_MAX_QUERY = 8
 class RunnerOutput:
     sampled: dict[int, tuple[int, float]]  # seq_id -> (token id, log prob)
     logits: torch.Tensor | None = None      # [T, V] for every packed token, when asked for
+    # seq_id -> the draft tokens (id, log prob) verification kept; they precede `sampled`.
+    accepted: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def make_kv_cache(config: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -89,6 +95,9 @@ class ModelRunner:
             return RunnerOutput({}, all_logits)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
+        if any(c.num_draft_tokens for c in sampling_chunks):
+            sampled, accepted = verify(self.sampler, logits.cpu(), sampling_chunks, eos_ids)
+            return RunnerOutput(sampled, all_logits, accepted)
         picks = self.sampler(logits.cpu(), sampling_chunks, eos_ids)
         return RunnerOutput({c.seq_id: p for c, p in zip(sampling_chunks, picks)}, all_logits)
 
@@ -122,8 +131,8 @@ class ModelRunner:
                     cached = torch.tensor([table[p // tpb] * tpb + p % tpb
                                            for p in range(start + q_len)], device=self.device)
                 prefills.append(PrefillChunk(q_start, q_start + q_len, start, cached))
-            if chunk.needs_sample:
-                sample_rows.append(len(ids) - 1)
+            if chunk.needs_sample:  # the last row, and one more per draft token before it
+                sample_rows.extend(range(len(ids) - 1 - chunk.num_draft_tokens, len(ids)))
         meta = AttentionMetadata(slot_mapping=self._long(slots), prefills=prefills)
         if decodes:
             self._add_decodes(meta, decodes)

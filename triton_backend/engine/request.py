@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from triton_backend.engine.sampling_params import SamplingParams
 
 
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+MAX_TIMEOUT_MS = 24 * 3600 * 1000  # a deadline further away than a day is a mistake
+
+
 class FinishReason(str, enum.Enum):
     LENGTH = "length"          # max_tokens reached (or max_seq_len)
     END_ID = "end_id"          # an end-of-sequence id was generated
@@ -25,6 +29,13 @@ class Request:
 
     `end_ids` None means the engine's own end-of-sequence ids (every EOS id of the checkpoint);
     an empty list means "never stop on an id". Stop and bad sequences are lists of token ids.
+
+    Scheduling: `priority` in [PRIORITY_MIN, PRIORITY_MAX], higher is admitted first and
+    preempted last (see `WaitingQueue` for the aging that bounds a low priority's wait).
+    `arrival_time_ns` (wall clock, so it means the same in every process) is when the request
+    reached the server; None: when the engine receives it. With `timeout_ms` the request ends
+    with an error naming `timeout_field` once `timeout_ms` have passed since its arrival,
+    waiting or running.
     """
 
     input_token_ids: list[int]
@@ -36,6 +47,10 @@ class Request:
     bad_token_sequences: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
     ignore_eos: bool = False
+    priority: int = 0
+    arrival_time_ns: int | None = None
+    timeout_ms: int | None = None
+    timeout_field: str = "timeout_ms"  # the input that set the deadline, for its error
 
 
 @dataclass
@@ -56,6 +71,11 @@ class Response:
     cum_log_prob: float = 0.0
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # generated so far, including this response's tokens
+    # Per-request performance counters (NVIDIA's return_perf_metrics outputs), so far:
+    num_reused_blocks: int = 0          # KV blocks taken from the prefix cache
+    num_new_blocks: int = 0             # KV blocks allocated afresh
+    num_draft_tokens: int = 0           # speculative draft tokens verified
+    num_accepted_draft_tokens: int = 0  # of which the target accepted
 
     @property
     def has_error(self) -> bool:

@@ -4,14 +4,27 @@ Order of operations (as TensorRT-LLM and transformers apply them): bad words and
 repetition / presence / frequency penalties, temperature, top-k, top-p, then greedy argmax or a
 draw from the request's own generator (seeded per request, so a request samples the same tokens
 whatever else shares its batch).
+
+Logits are made finite before a token is drawn (NaN -> -inf, +inf -> the largest float), so a
+faulty row can never reach `multinomial`. A row with no token left to choose fails alone: the
+sampler raises `SamplingError` naming those sequences, and the engine ends only them.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import torch
 
 from triton_backend.engine.scheduler import ScheduledChunk
+
+
+class SamplingError(RuntimeError):
+    """Some rows had no token to choose; `failures` maps their seq_id -> the reason."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        super().__init__("; ".join(f"sequence {k}: {v}" for k, v in failures.items()))
+        self.failures = failures
 
 
 class Sampler:
@@ -29,9 +42,16 @@ class Sampler:
         if plain:
             for i, pick in zip(plain, self._greedy_rows(logits, chunks, plain, eos_ids)):
                 results[i] = pick
+        failures: dict[int, str] = {}
         for i, chunk in enumerate(chunks):
-            if results[i] is None:
-                results[i] = self._one_row(logits[i], chunk, eos_ids[chunk.seq_id])
+            # A greedy pick with a non-finite log prob saw NaN/inf logits: redo it guarded.
+            if results[i] is None or not math.isfinite(results[i][1]):
+                try:
+                    results[i] = self._one_row(logits[i], chunk, eos_ids[chunk.seq_id])
+                except _NoToken as exc:
+                    failures[chunk.seq_id] = str(exc)
+        if failures:
+            raise SamplingError(failures)
         return results
 
     def _greedy_rows(self, logits: torch.Tensor, chunks: list[ScheduledChunk], rows: list[int],
@@ -53,18 +73,40 @@ class Sampler:
 
     def _one_row(self, row: torch.Tensor, chunk: ScheduledChunk, eos: frozenset[int]
                  ) -> tuple[int, float]:
+        scored, candidates = self.target_logits(row, chunk, eos)
+        log_probs = torch.log_softmax(scored, dim=-1)
+        if chunk.request.sampling.greedy:
+            token = int(torch.argmax(candidates))
+        else:
+            token = self._draw(candidates, chunk)
+        return token, float(log_probs[token])
+
+    def target_logits(self, row: torch.Tensor, chunk: ScheduledChunk, eos: frozenset[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's target distribution at `row`: (logits after masks, penalties and
+        temperature, made finite, whose log-softmax is the reported log prob; the same after
+        top-k / top-p, which a draw samples from). Speculative verification samples from the
+        same. Raises _NoToken when no token is left to choose."""
         row = self._mask(row.clone(), chunk, eos)
         params = chunk.request.sampling
         if params.has_penalties:
             row = _apply_penalties(row, chunk)
-        if params.greedy:
-            log_probs = torch.log_softmax(row, dim=-1)
-            token = int(torch.argmax(row))
-        else:
+        if not params.greedy:
             row = row / params.temperature
-            log_probs = torch.log_softmax(row, dim=-1)
-            token = self._draw(_top_k_top_p(row, params.top_k, params.top_p), chunk)
-        return token, float(log_probs[token])
+        row = _finite(row)
+        if params.greedy:
+            return row, row
+        return row, _top_k_top_p(row, params.top_k, params.top_p)
+
+    def generator(self, chunk: ScheduledChunk) -> torch.Generator:
+        """The request's own generator (seeded by the request, else at random), made once."""
+        generator = self._generators.get(chunk.seq_id)
+        if generator is None:
+            seed = chunk.request.sampling.seed
+            generator = torch.Generator().manual_seed(seed if seed is not None
+                                                      else random.getrandbits(63))
+            self._generators[chunk.seq_id] = generator
+        return generator
 
     def _mask(self, row: torch.Tensor, chunk: ScheduledChunk, eos: frozenset[int]) -> torch.Tensor:
         request = chunk.request
@@ -77,14 +119,21 @@ class Sampler:
         return row
 
     def _draw(self, row: torch.Tensor, chunk: ScheduledChunk) -> int:
-        generator = self._generators.get(chunk.seq_id)
-        if generator is None:
-            seed = chunk.request.sampling.seed
-            generator = torch.Generator().manual_seed(seed if seed is not None
-                                                      else random.getrandbits(63))
-            self._generators[chunk.seq_id] = generator
         probs = torch.softmax(row, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return int(torch.multinomial(probs, 1, generator=self.generator(chunk)))
+
+
+class _NoToken(ValueError):
+    """Every logit of a row is masked or was NaN."""
+
+
+def _finite(row: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never chosen), +inf -> the largest float; -inf (masked) stays."""
+    row = torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+    if not bool(torch.isfinite(row).any()):
+        raise _NoToken("no token can be chosen: every logit is masked (bad_words, min_tokens) "
+                       "or not a number")
+    return row
 
 
 def _plain_greedy(request) -> bool:

@@ -1,8 +1,19 @@
-"""Per-request sampling parameters, validated where they enter the engine."""
+"""Per-request sampling parameters, validated where they enter the engine.
+
+Every float is bounded so that no request can push a logit to inf or NaN: the sampler divides by
+the temperature and the repetition penalty and adds `frequency_penalty * count` (count <= the
+sequence length), all of which stay finite in float32 within these bounds.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+# temperature is 0 (greedy) or within [MIN_TEMPERATURE, MAX_TEMPERATURE]: logits / 1e-38 overflow
+# to inf, and above 100 sampling is uniform noise (1/temperature has a floor of 0.01).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_ABS_ADDITIVE_PENALTY = 100.0  # presence_penalty and frequency_penalty
 
 
 def _check_number(name: str, value: float, low: float | None = None, high: float | None = None,
@@ -32,10 +43,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, low=0.0)
+        if self.temperature != 0.0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or within [{MIN_TEMPERATURE}, "
+                             f"{MAX_TEMPERATURE}], got {self.temperature!r}")
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
-        _check_number("presence_penalty", self.presence_penalty)
-        _check_number("frequency_penalty", self.frequency_penalty)
+        _check_number("repetition_penalty", self.repetition_penalty, low=MIN_REPETITION_PENALTY,
+                      high=MAX_REPETITION_PENALTY)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), low=-MAX_ABS_ADDITIVE_PENALTY,
+                          high=MAX_ABS_ADDITIVE_PENALTY)
         for name in ("top_k", "min_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -2,21 +2,36 @@
 
 There are no separate prefill and decode phases: every sequence has `num_computed_tokens`
 catching up with `num_tokens`. Each step first continues the running sequences (decodes and
-unfinished prefill chunks, oldest first), then admits waiting ones while the token budget
-(`max_num_tokens`), the batch size (`max_batch_size`) and the free blocks allow. When a running
-sequence needs a block and none is free, the youngest running sequence is preempted: its blocks
-go back to the pool and it is recomputed later from its tokens (never dropped).
+unfinished prefill chunks, most urgent first), then admits waiting ones, most urgent first, while
+the token budget (`max_num_tokens`), the batch size (`max_batch_size`) and the free blocks allow.
+When a running sequence needs a block and none is free, the least urgent running sequence is
+preempted: its blocks go back to the pool and it is recomputed later from its tokens (never
+dropped). Urgency is the request's priority aged by its wait (`waiting_queue.urgency_key`); with
+equal priorities it is arrival order: oldest first, youngest preempted. Admission never preempts.
+
+With prefix caching, a sequence being admitted (first time or after a preemption) starts from
+the longest cached prefix of its tokens: `num_computed_tokens` starts there and only the rest is
+scheduled. With speculative decoding, a decoding sequence carries draft tokens proposed after
+the previous step; they are scheduled behind its last token when the budget and the free blocks
+allow (speculation never preempts anyone), verified in the same forward pass, and `update` appends
+the accepted ones.
 
 Pure Python (no torch).
 """
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.request import FinishReason, Request
 from triton_backend.engine.sequence import Sequence, SequenceStatus
+from triton_backend.engine.step_cost import StepCostModel
+from triton_backend.engine.waiting_queue import WaitingQueue
+
+DEFAULT_AGING_RATE = 1.0  # priority levels a waiting request gains per second
 
 
 @dataclass
@@ -31,6 +46,7 @@ class ScheduledChunk:
     request: Request
     token_ids: list[int]      # the whole sequence so far (for penalties and bad words)
     num_prompt_tokens: int
+    num_draft_tokens: int = 0  # the last new_token_ids are drafts to verify (after the real ones)
 
 
 @dataclass
@@ -48,22 +64,40 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_tokens: int, max_batch_size: int) -> None:
+    """`clock` returns wall-clock ns (injected by tests); it stamps arrivals the requests did not
+    carry and first admissions."""
+
+    def __init__(self, block_manager: BlockManager, max_num_tokens: int, max_batch_size: int,
+                 priority_aging_rate: float = DEFAULT_AGING_RATE,
+                 clock: Callable[[], int] = time.time_ns,
+                 max_decode_slowdown: float = 0.0) -> None:
         self.block_manager = block_manager
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.clock = clock
+        # Prefill rows a step may carry while others decode (None: the budget alone), from the
+        # step times the engine reports to `step_cost`.
+        self.max_decode_slowdown = max_decode_slowdown
+        self.step_cost = StepCostModel()
+        self._prefill_room: int | None = None
+        self.waiting = WaitingQueue(priority_aging_rate)
+        self.running: list[Sequence] = []  # most urgent first
         self.num_preemptions = 0
+        # Prefix cache lookups at admission: tokens asked for and tokens found cached.
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.arrival_ns is None:
+            seq.arrival_ns = self.clock()
+        self.waiting.push(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        self._prefill_room = self._room_beside_decodes()
         budget = self._schedule_running(output, self.max_num_tokens)
         if not output.preempted_seq_ids:  # blocks are short: admitting now would only churn
             self._schedule_waiting(output, budget)
@@ -73,62 +107,127 @@ class Scheduler:
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             seq = self.running.pop(0)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, num_new):
-                if not self.running:  # seq itself is the youngest left: it yields
+            num_new = self._take_prefill_room(min(seq.num_tokens - seq.num_computed_tokens,
+                                                  budget))
+            if num_new == 0:  # a prefill waits for room beside the decodes
+                scheduled.append(seq)
+                continue
+            num_drafts = self._num_draft_tokens(seq, num_new, budget)
+            while not self.block_manager.can_allocate(seq, num_new + num_drafts):
+                if num_drafts:  # drop the drafts before taking anyone's blocks
+                    num_drafts = 0
+                    continue
+                if not self.running:  # seq itself is the least urgent left: it yields
                     self._preempt(seq, output)
                     break
                 self._preempt(self.running.pop(), output)
             else:
-                self.block_manager.allocate(seq, num_new)
-                output.chunks.append(self._chunk(seq, num_new))
+                self.block_manager.allocate(seq, num_new + num_drafts)
+                output.chunks.append(self._chunk(seq, num_new, num_drafts))
                 scheduled.append(seq)
-                budget -= num_new
+                budget -= num_new + num_drafts
         self.running = scheduled + self.running
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            seq = self.waiting.peek()
+            room = budget if self._prefill_room is None else min(budget, self._prefill_room)
+            if room == 0:
                 break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new)
+            num_new = self._allocate_from_cached_prefix(seq, room)
+            if num_new is None:
+                break
+            self._take_prefill_room(num_new)
+            self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if seq.scheduled_ns is None:
+                seq.scheduled_ns = self.clock()
+            bisect.insort(self.running, seq, key=self.waiting.key)
             output.chunks.append(self._chunk(seq, num_new))
             budget -= num_new
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+    def _room_beside_decodes(self) -> int | None:
+        """Prefill rows this step may carry, or None (no cap: nothing decodes, or it is off)."""
+        if not self.max_decode_slowdown:
+            return None
+        decode_rows = sum(1 + len(seq.draft_token_ids) for seq in self.running
+                          if seq.num_tokens - seq.num_computed_tokens == 1)
+        if decode_rows == 0:
+            return None
+        return self.step_cost.extra_rows(decode_rows, self.max_decode_slowdown)
+
+    def _take_prefill_room(self, num_new: int) -> int:
+        """`num_new` tokens of a sequence, cut to the prefill room left when it is a prefill."""
+        if num_new <= 1 or self._prefill_room is None:
+            return num_new
+        num_new = min(num_new, self._prefill_room)
+        self._prefill_room -= num_new
+        return num_new
+
+    def _allocate_from_cached_prefix(self, seq: Sequence, budget: int) -> int | None:
+        """Admit `seq` from the longest cached prefix of its tokens: allocate for what is left
+        within `budget` and return that count, or None (nothing taken) when blocks are short."""
+        cached = self.block_manager.find_cached_prefix(seq)
+        num_cached = len(cached) * self.block_manager.tokens_per_block
+        num_new = min(seq.num_tokens - num_cached, budget)
+        if not self.block_manager.can_allocate(seq, num_new, cached):
+            return None
+        self.block_manager.allocate(seq, num_new, cached)
+        seq.num_computed_tokens = num_cached
+        self.num_prefix_queried_tokens += seq.num_tokens
+        self.num_prefix_hit_tokens += num_cached
+        return num_new
+
+    def _num_draft_tokens(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """How many of `seq`'s draft tokens fit this step: only behind its last token, within
+        the budget, and never more than it may still generate after the target's own token."""
+        if not seq.draft_token_ids or seq.num_computed_tokens + num_new != seq.num_tokens:
+            return 0
+        room = seq.request.max_tokens - seq.num_generated_tokens - 1
+        return max(0, min(len(seq.draft_token_ids), budget - num_new, room))
+
+    def _chunk(self, seq: Sequence, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
-            seq_id=seq.seq_id, new_token_ids=seq.token_ids[start:start + num_new],
+            seq_id=seq.seq_id,
+            new_token_ids=seq.token_ids[start:start + num_new] + seq.draft_token_ids[:num_drafts],
             num_computed_tokens=start, block_table=list(seq.block_table),
             needs_sample=start + num_new == seq.num_tokens, request=seq.request,
-            token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
+            token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
+            num_draft_tokens=num_drafts)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)
         output.preempted_seq_ids.append(seq.seq_id)
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
-        """Advance the scheduled sequences; `sampled` maps seq_id -> (token id, log prob).
+    def update(self, output: SchedulerOutput, sampled: dict[int, tuple[int, float]],
+               accepted: dict[int, list[tuple[int, float]]] | None = None) -> list[Sequence]:
+        """Advance the scheduled sequences; `sampled` maps seq_id -> (token id, log prob) of the
+        next token, `accepted` seq_id -> the draft tokens verification kept, which come before it.
 
         Returns the sequences that finished this step (their blocks are already free)."""
         by_id = {seq.seq_id: seq for seq in self.running}
         finished = []
         for chunk in output.chunks:
             seq = by_id[chunk.seq_id]
-            seq.num_computed_tokens += len(chunk.new_token_ids)
+            kept = accepted.get(chunk.seq_id, []) if accepted else []
+            # Rejected drafts' keys stay in the cache past num_computed_tokens, to be overwritten.
+            seq.num_computed_tokens += len(chunk.new_token_ids) - chunk.num_draft_tokens + len(kept)
+            seq.draft_token_ids = []
+            seq.num_draft_tokens += chunk.num_draft_tokens
+            seq.num_accepted_tokens += len(kept)
             if chunk.needs_sample:
-                token_id, log_prob = sampled[chunk.seq_id]
-                seq.append_token(token_id, log_prob)
+                for token_id, log_prob in kept + [sampled[chunk.seq_id]]:
+                    seq.append_token(token_id, log_prob)
+                    if seq.finish_reason is not None:  # a stop inside the accepted run ends it
+                        break
                 if seq.finish_reason is not None:
                     self._finish(seq)
                     finished.append(seq)
@@ -138,7 +237,7 @@ class Scheduler:
         """Take `seq` out wherever it is (waiting or running) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        else:
             self.waiting.remove(seq)
         seq.finish_reason = reason
         self._finish(seq)

@@ -30,11 +30,26 @@ class Sequence:
     log_probs: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     num_sent_tokens: int = 0  # generated tokens already handed out in streaming responses
+    # Wall-clock ns: arrival at the server (from the request, else when the scheduler took it)
+    # and the first admission to the running batch (None while it never ran).
+    arrival_ns: int | None = None
+    scheduled_ns: int | None = None
+    # Prefix cache: the hashes of its full blocks (by content, so they outlive a preemption), how
+    # many leading blocks of `block_table` were offered to the cache, and per-request counters.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_reused_blocks: int = 0     # blocks taken from the prefix cache (over every admission)
+    num_new_blocks: int = 0        # blocks allocated afresh
+    # Speculative decoding: tokens proposed for the next step, and how drafts fared so far.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @classmethod
     def from_request(cls, seq_id: int, request: Request, eos_ids: frozenset[int]) -> "Sequence":
         return cls(seq_id=seq_id, request=request, token_ids=list(request.input_token_ids),
-                   num_prompt_tokens=len(request.input_token_ids), eos_ids=eos_ids)
+                   num_prompt_tokens=len(request.input_token_ids), eos_ids=eos_ids,
+                   arrival_ns=request.arrival_time_ns)
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 from triton_backend.engine.config import Limits
-from triton_backend.engine.request import Request
+from triton_backend.engine.request import MAX_TIMEOUT_MS, PRIORITY_MAX, PRIORITY_MIN, Request
+
+# Stop and bad words are matched against every sequence at every step, in Python: their number
+# and total length are bounded so one request cannot slow every stream of the server.
+MAX_WORDS = 256          # entries in one request's stop_words (or bad_words)
+MAX_WORDS_TOKENS = 1024  # tokens over all entries of one list
 
 
 def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
@@ -22,11 +27,43 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
         raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
                          f"({request.max_tokens}) exceeds max_seq_len={limits.max_seq_len}; "
                          f"max_tokens may be at most {limits.max_seq_len - len(prompt)}")
+    if request.sampling.min_tokens > request.max_tokens:
+        raise ValueError(f"min_tokens ({request.sampling.min_tokens}) must be <= max_tokens "
+                         f"({request.max_tokens})")
+    for end_id in request.end_ids or ():
+        if isinstance(end_id, bool) or not isinstance(end_id, int) or not 0 <= end_id < vocab_size:
+            raise ValueError(f"end_id must be a token id in [0, {vocab_size}), got {end_id!r}")
+    _check_scheduling(request)
     for name, words in (("stop_words", request.stop_token_sequences),
                         ("bad_words", request.bad_token_sequences)):
+        check_word_limits(name, words)
         if any(not w or any(not 0 <= t < vocab_size for t in w) for w in words):
             raise ValueError(f"{name}: each entry must be a non-empty list of ids in "
                              f"[0, {vocab_size})")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_scheduling(request: Request) -> None:
+    if not _is_int(request.priority) or not PRIORITY_MIN <= request.priority <= PRIORITY_MAX:
+        raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                         f"got {request.priority!r}")
+    timeout = request.timeout_ms
+    if timeout is not None and (not _is_int(timeout) or not 1 <= timeout <= MAX_TIMEOUT_MS):
+        raise ValueError(f"{request.timeout_field} must be an integer in [1, {MAX_TIMEOUT_MS}] "
+                         f"ms, got {timeout!r}")
+
+
+def check_word_limits(name: str, words: list[list[int]]) -> None:
+    """At most MAX_WORDS entries and MAX_WORDS_TOKENS tokens in one stop or bad word list."""
+    if len(words) > MAX_WORDS:
+        raise ValueError(f"{name} has {len(words)} entries, over the limit of {MAX_WORDS}")
+    num_tokens = sum(len(w) for w in words)
+    if num_tokens > MAX_WORDS_TOKENS:
+        raise ValueError(f"{name} has {num_tokens} tokens in all, over the limit of "
+                         f"{MAX_WORDS_TOKENS}")
 
 
 def check_kv_capacity(request: Request, num_blocks: int, tokens_per_block: int) -> None:

@@ -12,13 +12,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.process_executor import ENGINE_ISOLATIONS, available_cores
+from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 
 
 def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
                     kv_cache_memory_bytes: int | None = None, *, isolation: str = "process",
-                    num_threads: int = 0):
+                    num_threads: int = 0, enable_prefix_caching: bool | None = None,
+                    enable_speculative_decoding: bool | None = None,
+                    admission: AdmissionLimits = AdmissionLimits(),
+                    priority_aging_rate: float = DEFAULT_AGING_RATE):
+    """`enable_*`: None follows the engine's config.json, False turns the feature off.
+    `admission` and `priority_aging_rate` apply to the torch runtime; the naive baseline serves
+    one request at a time in arrival order and applies neither (nor deadlines)."""
     if isolation not in ENGINE_ISOLATIONS:
         raise ValueError(f"engine_isolation must be one of {ENGINE_ISOLATIONS}, got {isolation!r}")
     config = EngineConfig.load(engine_dir)
@@ -29,7 +37,9 @@ def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
 
         return ProcessExecutor(engine_dir, num_kv_blocks=num_kv_blocks,
                                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                               num_threads=num_threads)
+                               num_threads=num_threads, enable_prefix_caching=enable_prefix_caching,
+                               enable_speculative_decoding=enable_speculative_decoding,
+                               admission=admission, priority_aging_rate=priority_aging_rate)
     import torch
 
     torch.set_num_threads(num_threads or available_cores())
@@ -40,4 +50,7 @@ def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
     from triton_backend.engine.executor import Executor
 
     return Executor(engine_dir, num_kv_blocks=num_kv_blocks,
-                    kv_cache_memory_bytes=kv_cache_memory_bytes)
+                    kv_cache_memory_bytes=kv_cache_memory_bytes,
+                    enable_prefix_caching=enable_prefix_caching,
+                    enable_speculative_decoding=enable_speculative_decoding,
+                    admission=admission, priority_aging_rate=priority_aging_rate)

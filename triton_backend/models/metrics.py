@@ -1,31 +1,85 @@
-"""Executor counters as Triton custom metrics (scraped from the server's /metrics endpoint).
+"""LLM metrics as Triton custom metrics (scraped from the server's /metrics endpoint).
 
-Two families: NVIDIA's names for what dashboards built for TensorRT-LLM already read
-(`nv_trt_llm_kv_cache_block_metrics`, `nv_trt_llm_request_metrics`), and
-`llm_forge_executor_stats` with every counter of `Executor.get_stats()` under its own name.
+Gauges from the executor's `get_stats()`: NVIDIA's names for what dashboards built for
+TensorRT-LLM already read (`nv_trt_llm_kv_cache_block_metrics`, `nv_trt_llm_request_metrics`),
+and `llm_forge_executor_stats` with every counter of `get_stats()` under its own name.
+
+Per-request histograms, observed when a request's final response leaves the model, from the
+same timestamps the model returns as outputs (arrival, first token, last token):
+time to first token, mean inter-token latency, end-to-end latency, prompt and output lengths.
+A counter `llm_forge_requests_total{outcome=...}` counts how every request ended (completed,
+cancelled, error, rejected: refused as busy by the admission limits, timeout: ended at its
+deadline, invalid: refused by the request checks). Names are in `METRIC_NAMES`; the
+Grafana dashboard in docs/ reads exactly these.
 """
 from __future__ import annotations
 
-KV_BLOCK_STATS = {"used": "num_used_blocks", "free": "num_free_blocks", "max": "num_total_blocks"}
-REQUEST_STATS = {"active": "num_active_requests", "waiting": "num_waiting_requests"}
+KV_BLOCK_STATS = {"used": "num_used_blocks", "free": "num_free_blocks", "max": "num_total_blocks",
+                  "tokens_per": "tokens_per_block"}
+REQUEST_STATS = {"active": "num_active_requests", "waiting": "num_waiting_requests",
+                 "queued": "num_queued_requests"}
+
+SECONDS_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TOKEN_BUCKETS = [1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+# name -> (description, buckets)
+HISTOGRAMS = {
+    "nv_llm_time_to_first_token_seconds": ("Time from arrival to the first generated token",
+                                           SECONDS_BUCKETS),
+    "nv_llm_inter_token_latency_seconds": ("Mean time between generated tokens of a request",
+                                           SECONDS_BUCKETS),
+    "nv_llm_e2e_request_latency_seconds": ("Time from arrival to the final response",
+                                           SECONDS_BUCKETS),
+    "nv_llm_input_token_len": ("Prompt length in tokens", TOKEN_BUCKETS),
+    "nv_llm_output_token_len": ("Generated tokens per request", TOKEN_BUCKETS),
+}
+OUTCOMES = ("completed", "cancelled", "error", "rejected", "timeout", "invalid")
+BUSY_MARKER = "server busy"                 # admission.ServerBusy's messages start with it
+DEADLINE_MARKER = "exceeded its deadline"   # llm_engine.deadline_error
+METRIC_NAMES = (tuple(HISTOGRAMS) + ("nv_trt_llm_kv_cache_block_metrics",
+                                     "nv_trt_llm_request_metrics", "llm_forge_executor_stats",
+                                     "llm_forge_requests_total"))
+
+
+def outcome_of(error: str | None, finish_reason: str | None) -> str:
+    """How a request ended, from its final response."""
+    if error is not None:
+        if "busy" in error.lower():
+            return "rejected"
+        return "timeout" if DEADLINE_MARKER in error else "error"
+    return "cancelled" if finish_reason == "cancelled" else "completed"
 
 
 class ExecutorMetrics:
-    """Publishes `get_stats()` dicts; `pb_utils` is passed in so this module needs no Triton."""
+    """Publishes `get_stats()` dicts and per-request observations; `pb_utils` is passed in so
+    this module needs no Triton (tests hand in a fake)."""
 
     def __init__(self, pb_utils, model_name: str, model_version: str):
-        gauge = pb_utils.MetricFamily.GAUGE
+        family = pb_utils.MetricFamily
         self._labels = {"model": model_name, "version": model_version}
         self._families = {
-            "kv": pb_utils.MetricFamily(name="nv_trt_llm_kv_cache_block_metrics",
-                                        description="KV cache blocks", kind=gauge),
-            "requests": pb_utils.MetricFamily(name="nv_trt_llm_request_metrics",
-                                              description="Executor requests", kind=gauge),
-            "stats": pb_utils.MetricFamily(name="llm_forge_executor_stats",
-                                           description="llm-forge executor counters (get_stats)",
-                                           kind=gauge),
+            "kv": family(name="nv_trt_llm_kv_cache_block_metrics",
+                         description="KV cache blocks", kind=family.GAUGE),
+            "requests": family(name="nv_trt_llm_request_metrics",
+                               description="Executor requests", kind=family.GAUGE),
+            "stats": family(name="llm_forge_executor_stats",
+                            description="llm-forge executor counters (get_stats)",
+                            kind=family.GAUGE),
         }
         self._metrics: dict[tuple[str, str], object] = {}
+        # A family is unregistered when its Python object dies: every one is kept here.
+        for name, (description, _) in HISTOGRAMS.items():
+            self._families[name] = family(name=name, description=description,
+                                          kind=family.HISTOGRAM)
+        self._families["outcomes"] = family(name="llm_forge_requests_total",
+                                            description="Requests by how they ended",
+                                            kind=family.COUNTER)
+        self._histograms = {
+            name: self._families[name].Metric(labels=self._labels,
+                                              buckets=list(map(float, buckets)))
+            for name, (_, buckets) in HISTOGRAMS.items()}
+        self._outcomes = {o: self._families["outcomes"].Metric(
+            labels=dict(self._labels, outcome=o)) for o in OUTCOMES}
 
     def _metric(self, family: str, label_key: str, label: str):
         key = (family, label)
@@ -44,3 +98,25 @@ class ExecutorMetrics:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._metric("stats", "stat", key).set(float(value))
+
+    def count(self, outcome: str) -> None:
+        self._outcomes[outcome].increment(1.0)
+
+    def observe_request(self, *, arrival_ns: int, first_token_ns: int, last_token_ns: int,
+                        final_ns: int, num_input_tokens: int, num_output_tokens: int,
+                        outcome: str) -> None:
+        """One finished request: latency histograms (only what it has: no first token, no
+        TTFT), lengths and its outcome."""
+        self.count(outcome)
+        if outcome in ("rejected", "invalid"):  # never ran: no latency to observe
+            return
+        hist = self._histograms
+        hist["nv_llm_input_token_len"].observe(float(num_input_tokens))
+        hist["nv_llm_output_token_len"].observe(float(num_output_tokens))
+        hist["nv_llm_e2e_request_latency_seconds"].observe(max(0, final_ns - arrival_ns) / 1e9)
+        if first_token_ns:
+            hist["nv_llm_time_to_first_token_seconds"].observe(
+                max(0, first_token_ns - arrival_ns) / 1e9)
+            if num_output_tokens > 1 and last_token_ns > first_token_ns:  # streamed
+                hist["nv_llm_inter_token_latency_seconds"].observe(
+                    max(0, last_token_ns - first_token_ns) / 1e9 / (num_output_tokens - 1))

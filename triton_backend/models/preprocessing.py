@@ -17,13 +17,14 @@ from triton_backend.models.text_request import (check_max_tokens, encode_words, 
                                                  text_list, text_value)
 from triton_backend.models.word_list import to_word_list
 
-INPUT_NAMES = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT")
+INPUT_NAMES = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT",
+               "APPLY_CHAT_TEMPLATE")
 
 
 def preprocess(inputs: dict, tokenizer, limits, add_special_tokens: bool) -> dict:
     """Output tensors of one request (batch dimension 1)."""
     ids = prompt_ids(tokenizer, text_value(inputs, "QUERY", "text_input"), add_special_tokens,
-                     limits)
+                     limits, bool(scalar(inputs, "APPLY_CHAT_TEMPLATE") or False))
     max_tokens = check_max_tokens(scalar(inputs, "REQUEST_OUTPUT_LEN"), len(ids), limits)
     stop = encode_words(tokenizer, text_list(inputs, "STOP_WORDS_DICT", "stop_words"),
                         "stop_words")

@@ -13,11 +13,20 @@ from typing import Mapping
 import numpy as np
 
 from triton_backend.engine.config import Limits
-from triton_backend.engine.request import Request
+from triton_backend.engine.request import MAX_TIMEOUT_MS, PRIORITY_MAX, PRIORITY_MIN, Request
 from triton_backend.engine.sampling_params import SamplingParams
+from triton_backend.engine.validation import check_word_limits
 from triton_backend.models.word_list import from_word_list
 
 # SamplingParams field -> the tensorrt_llm input that carries it.
+# Every input of the `tensorrt_llm` model that `parse_request` reads.
+INPUT_NAMES = (
+    "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list",
+    "bad_words_list", "beam_width", "num_return_sequences", "temperature", "runtime_top_k",
+    "runtime_top_p", "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty",
+    "frequency_penalty", "seed", "return_log_probs", "return_perf_metrics",
+    "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output", "stop",
+    "streaming", "timeout_ms", "priority")
 SAMPLING_INPUTS = {
     "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
@@ -65,6 +74,23 @@ def scalar(inputs: Mapping[str, np.ndarray], name: str):
     return value.item() if hasattr(value, "item") else value
 
 
+def integer(inputs: Mapping[str, np.ndarray], name: str):
+    """The single value of an optional integer input as an int (None when absent); a float that
+    is not a whole number (NaN, inf, 2.5) is refused naming the input."""
+    value = scalar(inputs, name)
+    if value is None or isinstance(value, bool):
+        return value
+    return as_integer(value, name)
+
+
+def as_integer(value, name: str) -> int:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise RequestError(f"{name} must be an integer, got {value!r}")
+
+
 def _flag(inputs: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
     value = scalar(inputs, name)
     return default if value is None else bool(value)
@@ -78,8 +104,10 @@ def _input_ids(inputs: Mapping[str, np.ndarray], vocab_size: int) -> list[int]:
     if array.ndim == 2 and array.shape[0] != 1:
         raise RequestError(f"input_ids: batch size must be 1 per request, got {array.shape[0]} "
                            "(send concurrent requests instead)")
+    if array.dtype.kind not in "iu":
+        raise RequestError(f"input_ids must be integer token ids, got dtype {array.dtype}")
     ids = [int(i) for i in array.reshape(-1)]
-    length = scalar(inputs, "input_lengths")
+    length = integer(inputs, "input_lengths")
     if length is not None:
         if not 0 <= length <= len(ids):
             raise RequestError(f"input_lengths ({length}) must be within 0..{len(ids)} "
@@ -141,28 +169,62 @@ def _sampling(inputs: Mapping[str, np.ndarray], defaults: RequestDefaults) -> Sa
         raise RequestError(message) from None
 
 
+def _bounded_integer(inputs: Mapping[str, np.ndarray], name: str, low: int, high: int,
+                     meaning: str = "") -> int | None:
+    value = integer(inputs, name)
+    if value is not None and (isinstance(value, bool) or not low <= value <= high):
+        raise RequestError(f"{name} must be an integer in [{low}, {high}]{meaning}, "
+                           f"got {value!r}")
+    return value
+
+
+def _deadline(inputs: Mapping[str, np.ndarray], request_timeout_us: int) -> tuple[int | None, str]:
+    """(timeout in ms or None, the field that set it): the `timeout_ms` input (0: none) or
+    Triton's own request timeout (microseconds, 0: none), whichever ends first."""
+    timeout_ms = _bounded_integer(inputs, "timeout_ms", 0, MAX_TIMEOUT_MS, " (0: no deadline)")
+    candidates = []
+    if timeout_ms:
+        candidates.append((timeout_ms, "timeout_ms"))
+    if request_timeout_us and request_timeout_us > 0:
+        candidates.append((min(-(-request_timeout_us // 1000), MAX_TIMEOUT_MS), "timeout"))
+    return min(candidates) if candidates else (None, "timeout_ms")
+
+
 def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: int,
-                  defaults: RequestDefaults = RequestDefaults()) -> ParsedRequest:
-    """Validate the inputs of one `tensorrt_llm` request and build the executor request."""
+                  defaults: RequestDefaults = RequestDefaults(), *,
+                  arrival_time_ns: int | None = None,
+                  request_timeout_us: int = 0) -> ParsedRequest:
+    """Validate the inputs of one `tensorrt_llm` request and build the executor request.
+    `arrival_time_ns`: when it reached the server (wall clock); `request_timeout_us`: Triton's
+    own request timeout (`InferenceRequest.timeout()`, 0: none)."""
     if _flag(inputs, "stop", False):
         return ParsedRequest(request=None, stop=True)
     _refuse_unsupported(inputs)
     ids = _input_ids(inputs, vocab_size)
-    max_tokens = _check_lengths(len(ids), scalar(inputs, "request_output_len"), limits)
-    end_id = scalar(inputs, "end_id")
+    max_tokens = _check_lengths(len(ids), integer(inputs, "request_output_len"), limits)
+    end_id = integer(inputs, "end_id")
     words = {}
     for name in ("stop_words_list", "bad_words_list"):
         try:
             words[name] = ([] if inputs.get(name) is None
                            else from_word_list(inputs[name], name))
+            check_word_limits(name, words[name])
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        outside = [t for word in words[name] for t in word if not 0 <= t < vocab_size]
+        if outside:
+            raise RequestError(f"{name}: token id {outside[0]} is outside the vocabulary "
+                               f"[0, {vocab_size})")
+    timeout_ms, timeout_field = _deadline(inputs, request_timeout_us)
+    priority = _bounded_integer(inputs, "priority", PRIORITY_MIN, PRIORITY_MAX)
     request = Request(
         input_token_ids=ids, max_tokens=max_tokens, sampling=_sampling(inputs, defaults),
         streaming=_flag(inputs, "streaming", False),
         end_ids=None if end_id is None else [int(end_id)],
         stop_token_sequences=words["stop_words_list"], bad_token_sequences=words["bad_words_list"],
-        return_log_probs=_flag(inputs, "return_log_probs", False))
+        return_log_probs=_flag(inputs, "return_log_probs", False),
+        priority=priority or 0, arrival_time_ns=arrival_time_ns, timeout_ms=timeout_ms,
+        timeout_field=timeout_field)
     return ParsedRequest(
         request=request,
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output",

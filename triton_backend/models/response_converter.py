@@ -17,6 +17,12 @@ from triton_backend.engine.request import Response
 from triton_backend.models.detokenizer import PRECEDING_WINDOW
 from triton_backend.models.word_list import to_word_list
 
+# NVIDIA's per-request performance outputs (return_perf_metrics): the prefix cache's reuse and
+# speculative decoding's acceptance, as of this response.
+PERF_METRIC_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                       "kv_cache_alloc_total_blocks", "acceptance_rate",
+                       "total_accepted_draft_tokens", "total_draft_tokens")
+
 
 @dataclass
 class StreamState:
@@ -80,5 +86,13 @@ def build_outputs(response: Response, state: StreamState, now_ns: int,
         "finish_reason": lambda: np.asarray([[reason.encode()]], dtype=object),
         "preceding_output_ids": lambda: _i32(preceding).reshape(1, len(preceding)),
         "stop_words_ids": lambda: to_word_list(state.stop_words)[None],
+        "kv_cache_alloc_new_blocks": lambda: _one(response.num_new_blocks, np.int32),
+        "kv_cache_reused_blocks": lambda: _one(response.num_reused_blocks, np.int32),
+        "kv_cache_alloc_total_blocks": lambda: _one(
+            response.num_new_blocks + response.num_reused_blocks, np.int32),
+        "acceptance_rate": lambda: _one(response.num_accepted_draft_tokens
+                                        / max(1, response.num_draft_tokens), np.float32),
+        "total_accepted_draft_tokens": lambda: _one(response.num_accepted_draft_tokens, np.int32),
+        "total_draft_tokens": lambda: _one(response.num_draft_tokens, np.int32),
     }
     return {name: make() for name, make in makers.items() if wanted is None or name in wanted}

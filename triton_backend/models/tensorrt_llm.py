@@ -9,36 +9,73 @@ last), checks cancellation through each response sender and publishes the execut
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
+from triton_backend.engine.admission import AdmissionLimits, ServerBusy
 from triton_backend.models.executor_factory import create_executor
-from triton_backend.models.metrics import ExecutorMetrics
+from triton_backend.models.metrics import ExecutorMetrics, outcome_of
 from triton_backend.models.model_params import ModelParams
-from triton_backend.models.request_converter import RequestDefaults, RequestError, parse_request
+from triton_backend.models.request_converter import (INPUT_NAMES, RequestDefaults, RequestError,
+                                                     parse_request)
 from triton_backend.models.response_converter import StreamState, build_outputs
+from triton_backend.models.serving_control import (DRAIN_EXPIRED, DRAIN_REFUSED,
+                                                   ENGINE_DOWN, drain_seconds,
+                                                   is_drain_request)
 from triton_backend.models.triton_io import FINAL, make_response, read_inputs, send_error
 
-INPUT_NAMES = (
-    "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list",
-    "bad_words_list", "beam_width", "num_return_sequences", "temperature", "runtime_top_k",
-    "runtime_top_p", "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty",
-    "frequency_penalty", "seed", "return_log_probs", "return_perf_metrics",
-    "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output", "stop",
-    "streaming")
 CHECK_SECONDS = 0.1  # how often client cancellations are looked for
+# Request parameters that say who sent a request: headers `forge serve` has tritonserver forward.
+CLIENT_PARAMETERS = ("authorization", "x-llm-forge-client")
+DRAIN_GRACE_SECONDS = 2.0  # after the drain timeout, for the engine to end what it cancelled
 
 
 @dataclass
 class ActiveRequest:
     sender: object
     state: StreamState
-    triton_id: str
+    stop_key: tuple[str, str] | None  # (client, request id) a `stop` must match; None: no id
     wanted: frozenset[str] | None  # the outputs the caller asked for; None: all
     cancel_sent: bool = False
+
+
+def _off_or_none(enabled: bool) -> bool | None:
+    return None if enabled else False
+
+
+def client_of(request) -> str:
+    """Who sent `request`: a digest of its client headers (`CLIENT_PARAMETERS`), "" for none.
+
+    A `stop` by request id cancels only a request of the same client, so a client cannot end
+    another's request by guessing its id. Clients that send neither header share one scope:
+    their ids must be unguessable (our BLS and OpenAI front end use random ids).
+    """
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (TypeError, ValueError):
+        return ""
+    if not isinstance(parameters, dict):
+        return ""
+    found = sorted((str(key).lower(), str(value)) for key, value in parameters.items()
+                   if str(key).lower() in CLIENT_PARAMETERS)
+    if not found:
+        return ""
+    return hashlib.sha256(json.dumps(found).encode()).hexdigest()
+
+
+def _overload_settings(params: ModelParams) -> dict:
+    """Admission limits and priority aging from the repository parameters (the build spec's
+    `serving:` section); absent ones (an older repository) mean unbounded and the default."""
+    from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
+
+    return {"admission": AdmissionLimits(params.integer("max_waiting_requests", 0),
+                                         params.integer("max_waiting_prompt_tokens", 0)),
+            "priority_aging_rate": params.number("priority_aging_rate", DEFAULT_AGING_RATE)}
 
 
 class TensorrtLlmModel:
@@ -49,7 +86,13 @@ class TensorrtLlmModel:
                                         params.integer("kv_cache_num_blocks"),
                                         params.integer("kv_cache_memory_bytes"),
                                         isolation=params.text("engine_isolation", "process"),
-                                        num_threads=params.integer("engine_num_threads", 0))
+                                        num_threads=params.integer("engine_num_threads", 0),
+                                        # the repository's off switches (true: as the engine says)
+                                        enable_prefix_caching=_off_or_none(
+                                            params.flag("enable_kv_cache_reuse", True)),
+                                        enable_speculative_decoding=_off_or_none(
+                                            params.flag("enable_speculative_decoding", True)),
+                                        **_overload_settings(params))
         config = self.executor.config
         self.limits, self.vocab_size = config.limits, config.model.vocab_size
         self.defaults = RequestDefaults(
@@ -60,8 +103,11 @@ class TensorrtLlmModel:
         self.metrics = ExecutorMetrics(pb_utils, args["model_name"], args["model_version"])
         self.lock = threading.Lock()
         self.active: dict[int, ActiveRequest] = {}
-        self.by_triton_id: dict[str, int] = {}
+        self.by_stop_key: dict[tuple[str, str], int] = {}
         self.stopping = threading.Event()
+        self.drain_deadline: float | None = None  # set by forge serve's drain request
+        self.drain_cancelled = False
+        self.metrics.publish(self.executor.get_stats())  # /metrics is complete from ready on
         self.thread = threading.Thread(target=self._response_loop, name="tensorrt_llm-responses",
                                        daemon=True)
         self.thread.start()
@@ -73,36 +119,60 @@ class TensorrtLlmModel:
             try:
                 self._enqueue(request, sender)
             except (RequestError, ValueError) as exc:
+                self.metrics.count("invalid")
+                send_error(sender, str(exc))
+            except ServerBusy as exc:  # an executor in this process; the engine process
+                self.metrics.count("rejected")  # answers busy with a final error instead
                 send_error(sender, str(exc))
         return None
 
+    def _parse(self, request):
+        return parse_request(read_inputs(request, INPUT_NAMES), self.limits, self.vocab_size,
+                             self.defaults, arrival_time_ns=time.time_ns(),
+                             request_timeout_us=request.timeout())
+
     def _enqueue(self, request, sender) -> None:
-        parsed = parse_request(read_inputs(request, INPUT_NAMES), self.limits, self.vocab_size,
-                               self.defaults)
+        parsed = self._parse(request)
         triton_id = request.request_id()
+        stop_key = (client_of(request), triton_id) if triton_id else None
         if parsed.stop:
-            self._cancel_by_triton_id(triton_id)
+            self._answer_control(triton_id)
+            self._cancel_by_stop_key(stop_key)
             sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
             return
+        if self.drain_deadline is not None:
+            raise RequestError(DRAIN_REFUSED)
         if parsed.request.streaming and not self.decoupled:
             raise RequestError("streaming (stream) needs the decoupled tensorrt_llm model; this "
                                "repository was emitted with decoupled: false")
         state = StreamState(input_ids=parsed.input_ids,
                             exclude_input_in_output=parsed.exclude_input_in_output,
-                            arrival_time_ns=time.time_ns(),
+                            arrival_time_ns=parsed.request.arrival_time_ns,
                             stop_words=parsed.request.stop_token_sequences)
         wanted = frozenset(request.requested_output_names()) or None
         # Registered under the lock the response thread takes, so no response can miss its sender.
         with self.lock:
             request_id = self.executor.enqueue_request(parsed.request)
-            self.active[request_id] = ActiveRequest(sender, state, triton_id, wanted)
-            if triton_id:
-                self.by_triton_id[triton_id] = request_id
+            self.active[request_id] = ActiveRequest(sender, state, stop_key, wanted)
+            if stop_key is not None:
+                self.by_stop_key[stop_key] = request_id
 
-    def _cancel_by_triton_id(self, triton_id: str) -> None:
-        """NVIDIA's convention: `stop: true` with the same request id cancels the running one."""
+    def _answer_control(self, triton_id: str) -> None:
+        """forge serve's health probe and drain (serving_control.py): a stop request fails while
+        the engine is down for good; the drain request starts the drain."""
+        if not self.executor.is_alive():
+            raise RequestError(ENGINE_DOWN.format(reason=self._down_reason()))
+        if self.drain_deadline is None and is_drain_request(triton_id):
+            self.drain_deadline = time.monotonic() + drain_seconds()
+
+    def _down_reason(self) -> str:
+        return getattr(self.executor, "down_reason", "") or "stopped"
+
+    def _cancel_by_stop_key(self, stop_key: tuple[str, str] | None) -> None:
+        """NVIDIA's convention: `stop: true` with the same request id cancels the running one,
+        here only when it comes from the same client (`client_of`)."""
         with self.lock:
-            request_id = self.by_triton_id.get(triton_id) if triton_id else None
+            request_id = self.by_stop_key.get(stop_key) if stop_key is not None else None
         if request_id is not None:
             self.executor.cancel_request(request_id)
 
@@ -114,14 +184,25 @@ class TensorrtLlmModel:
         next_check = next_stats = 0.0
         last_stats = None
         while not self.stopping.is_set():
-            for response in self.executor.await_responses(timeout=CHECK_SECONDS):
+            responses = self.executor.await_responses(timeout=CHECK_SECONDS)
+            for response in responses:
                 self._deliver(response)
+            if not responses and not self.executor.is_alive():
+                # The executor is down for good (await returns at once): answer what is left
+                # and wait instead of spinning.
+                self._fail_active(ENGINE_DOWN.format(reason=self._down_reason()))
+                self.stopping.wait(CHECK_SECONDS)
             now = time.monotonic()
+            if self.drain_deadline is not None and now >= self.drain_deadline:
+                self._end_drain(now)
             if now >= next_check:
                 self._check_cancellations()
                 next_check = now + CHECK_SECONDS
             if now >= next_stats:
-                stats = self.executor.get_stats()
+                with self.lock:  # the model's own per-request state, for leak checks
+                    tracked = {"model_active_requests": len(self.active),
+                               "model_tracked_ids": len(self.by_stop_key)}
+                stats = dict(self.executor.get_stats(), **tracked)
                 if stats != last_stats:
                     self.metrics.publish(stats)
                     last_stats = stats
@@ -132,19 +213,60 @@ class TensorrtLlmModel:
             active = self.active.get(response.request_id)
             if active is not None and response.is_final:
                 del self.active[response.request_id]
-                if self.by_triton_id.get(active.triton_id) == response.request_id:
-                    del self.by_triton_id[active.triton_id]
+                if self.by_stop_key.get(active.stop_key) == response.request_id:
+                    del self.by_stop_key[active.stop_key]
         if active is None:
             return
+        now_ns = time.time_ns()
+        if response.is_final:
+            self._observe(response, active.state, now_ns)
         try:
             if response.has_error:
                 send_error(active.sender, response.error)
                 return
-            outputs = build_outputs(response, active.state, time.time_ns(), active.wanted)
+            outputs = build_outputs(response, active.state, now_ns, active.wanted)
             active.sender.send(make_response(outputs), flags=FINAL if response.is_final else 0)
         except Exception:  # the client is gone: stop spending steps on it
             if not response.is_final:
                 self.executor.cancel_request(response.request_id)
+
+    def _observe(self, response, state: StreamState, now_ns: int) -> None:
+        """Per-request histograms and the outcome counter, at the final response."""
+        first, last = state.first_token_time_ns, state.last_token_time_ns
+        if response.output_token_ids:  # the final response's tokens leave now
+            first, last = first or now_ns, now_ns
+        reason = response.finish_reason.value if response.finish_reason else None
+        try:
+            self.metrics.observe_request(
+                arrival_ns=state.arrival_time_ns, first_token_ns=first, last_token_ns=last,
+                final_ns=now_ns, num_input_tokens=len(state.input_ids),
+                num_output_tokens=response.num_output_tokens,
+                outcome=outcome_of(response.error, reason))
+        except Exception:  # metrics never cost a response
+            pass
+
+    def _fail_active(self, message: str) -> None:
+        with self.lock:
+            leftovers, self.active = list(self.active.values()), {}
+            self.by_stop_key.clear()
+        for active in leftovers:
+            try:
+                send_error(active.sender, message)
+            except Exception:
+                pass
+
+    def _end_drain(self, now: float) -> None:
+        """The drain timeout expired: what still runs is cancelled and ends with its CANCELLED
+        final response (a final with outputs reaches every caller, the BLS too); whatever the
+        engine has not ended DRAIN_GRACE_SECONDS later ends with the drain error."""
+        if not self.drain_cancelled:
+            self.drain_cancelled = True
+            with self.lock:
+                request_ids = list(self.active)
+            for request_id in request_ids:
+                self.executor.cancel_request(request_id)
+        elif now >= self.drain_deadline + DRAIN_GRACE_SECONDS:
+            self._fail_active(DRAIN_EXPIRED.format(seconds=drain_seconds()))
 
     def _check_cancellations(self) -> None:
         with self.lock:
@@ -158,10 +280,8 @@ class TensorrtLlmModel:
         self.stopping.set()
         self.thread.join(timeout=30)
         self.executor.shutdown()
-        with self.lock:
-            leftovers, self.active = list(self.active.values()), {}
-        for active in leftovers:
-            try:
-                send_error(active.sender, "tensorrt_llm: the model is shutting down")
-            except Exception:
-                pass
+        # The executor ended what was in flight with CANCELLED finals; deliver them, so every
+        # client gets its final response before this process exits.
+        for response in self.executor.await_responses(timeout=0):
+            self._deliver(response)
+        self._fail_active("tensorrt_llm: the model is shutting down")

@@ -19,6 +19,7 @@ from triton_backend.engine.config import EngineConfig
 from triton_backend.models.detokenizer import IncrementalDetokenizer, stop_strings_of
 from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import RequestError, scalar
+from triton_backend.models.response_converter import PERF_METRIC_OUTPUTS
 from triton_backend.models.text_request import (PASSTHROUGH_INPUTS, check_max_tokens,
                                                  encode_words, prompt_ids, tensorrt_llm_inputs,
                                                  text_list, text_value)
@@ -26,10 +27,10 @@ from triton_backend.models.triton_io import (FINAL, limit_compute_threads, make_
                                               read_inputs, send_error)
 
 INPUT_NAMES = ("text_input", "max_tokens", "bad_words", "stop_words", "stream",
-               *PASSTHROUGH_INPUTS)
+               "apply_chat_template", *PASSTHROUGH_INPUTS)
 PASSED_OUTPUTS = ("cum_log_probs", "batch_index", "sequence_index", "num_input_tokens",
                   "num_output_tokens", "arrival_time_ns", "first_token_time_ns",
-                  "last_token_time_ns", "finish_reason")
+                  "last_token_time_ns", "finish_reason", *PERF_METRIC_OUTPUTS)
 INNER_OUTPUTS = ("output_ids", "output_log_probs", *PASSED_OUTPUTS)
 
 
@@ -45,6 +46,7 @@ class BlsModel:
         self.inner_model = params.text("tensorrt_llm_model_name", "tensorrt_llm")
         self.workers = ThreadPoolExecutor(params.integer("max_concurrent_requests", 64),
                                           thread_name_prefix="bls")
+        self.closing = False
 
     def execute(self, requests):
         for request in requests:
@@ -52,10 +54,18 @@ class BlsModel:
         return None
 
     def finalize(self):
-        self.workers.shutdown(wait=True, cancel_futures=True)
+        # Every request gets its end before this process exits: those running relay their inner
+        # request's last response (the tensorrt_llm model ends all of them when it stops);
+        # those still queued are answered with an error at once.
+        self.closing = True
+        self.workers.shutdown(wait=True)
 
     # -- one request, in a worker thread ------------------------------------------------------
     def _serve(self, request, sender) -> None:
+        if self.closing:
+            send_error(sender, "tensorrt_llm_bls: the model is shutting down; the request was "
+                               "not started")
+            return
         try:
             inputs = read_inputs(request, INPUT_NAMES)
             stream = bool(scalar(inputs, "stream") or False)
@@ -71,7 +81,8 @@ class BlsModel:
 
     def _inner_request(self, inputs: dict):
         ids = prompt_ids(self.tokenizer, text_value(inputs, "text_input", "text_input"),
-                         self.add_special_tokens, self.limits)
+                         self.add_special_tokens, self.limits,
+                         bool(scalar(inputs, "apply_chat_template") or False))
         max_tokens = check_max_tokens(scalar(inputs, "max_tokens"), len(ids), self.limits)
         stop = encode_words(self.tokenizer, text_list(inputs, "stop_words", "stop_words"),
                             "stop_words")
@@ -91,7 +102,7 @@ class BlsModel:
         return inner, detokenizer
 
     def _relay(self, inner, detokenizer, sender, stream: bool) -> None:
-        stop_sent, pieces, log_probs = False, [], []
+        stop_sent, pieces, log_probs, token_ids = False, [], [], []
         responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
         for response in responses:
             if response.has_error():
@@ -101,24 +112,33 @@ class BlsModel:
             if "output_ids" not in outputs:
                 continue  # an empty closing response
             reason = outputs["finish_reason"].reshape(-1)[0].decode()
-            text = detokenizer.add(outputs["output_ids"].reshape(-1).tolist(), reason)
+            ids = outputs["output_ids"].reshape(-1).tolist()
+            text = detokenizer.add(ids, reason)
             if not stop_sent and sender.is_cancelled():
                 self._stop_inner(inner.request_id())
                 stop_sent = True
             chunk_log_probs = outputs["output_log_probs"].reshape(-1).tolist()
             if stream:
-                self._send(sender, text, chunk_log_probs, outputs, bool(reason))
+                self._send(sender, text, chunk_log_probs, ids, outputs, bool(reason))
             else:
                 pieces.append(text)
                 log_probs.extend(chunk_log_probs)
+                token_ids.extend(ids)
                 if reason:
-                    self._send(sender, "".join(pieces), log_probs, outputs, True)
+                    self._send(sender, "".join(pieces), log_probs, token_ids, outputs, True)
+            if reason:
+                return
+        # Never a stream without its end, even if the inner one stopped short of a final answer.
+        send_error(sender, "tensorrt_llm_bls: the tensorrt_llm stream ended without a final "
+                           "response")
 
-    def _send(self, sender, text: str, log_probs: list, outputs: dict, final: bool) -> None:
+    def _send(self, sender, text: str, log_probs: list, ids: list, outputs: dict,
+              final: bool) -> None:
         tensors = {name: outputs[name] for name in PASSED_OUTPUTS if name in outputs}
         tensors["text_output"] = np.asarray([[text.encode("utf-8")]], dtype=object)
         tensors["output_log_probs"] = np.asarray([[log_probs]], dtype=np.float32).reshape(
             1, 1, len(log_probs))
+        tensors["output_ids"] = np.asarray(ids, dtype=np.int32).reshape(1, 1, len(ids))
         try:
             sender.send(make_response(tensors), flags=FINAL if final else 0)
         except Exception:

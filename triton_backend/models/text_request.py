@@ -11,8 +11,14 @@ from typing import Mapping, Protocol, Sequence
 import numpy as np
 
 from triton_backend.engine.config import Limits
-from triton_backend.models.request_converter import RequestError, scalar
+from triton_backend.engine.validation import MAX_WORDS, MAX_WORDS_TOKENS
+from triton_backend.models.request_converter import RequestError, as_integer, scalar
 from triton_backend.models.word_list import to_word_list
+
+# No tokenizer this project serves has a token longer than this many characters, so a prompt
+# longer than max_input_len * MAX_CHARS_PER_TOKEN is over the limit before it is tokenized (a
+# 50 MB text is refused in microseconds instead of holding a model instance for seconds).
+MAX_CHARS_PER_TOKEN = 64
 
 # Ensemble / BLS optional inputs passed straight to the tensorrt_llm model (ensemble input_map).
 PASSTHROUGH_INPUTS = {
@@ -29,11 +35,14 @@ PASSTHROUGH_INPUTS = {
     "return_num_output_tokens": ("return_num_output_tokens", np.bool_),
     "beam_width": ("beam_width", np.int32),
     "num_return_sequences": ("num_return_sequences", np.int32),
+    "timeout_ms": ("timeout_ms", np.uint64), "priority": ("priority", np.int32),
 }
 
 
 class TextTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: list[dict], **kwargs): ...
 
 
 def _utf8(value: object, field: str) -> str:
@@ -68,6 +77,12 @@ def text_list(inputs: Mapping[str, np.ndarray], name: str, field: str) -> list[s
 
 def encode_words(tokenizer: TextTokenizer, words: Sequence[str], field: str) -> list[list[int]]:
     """Token ids of each word, without special tokens (as they appear inside generated text)."""
+    if len(words) > MAX_WORDS:
+        raise RequestError(f"{field} has {len(words)} entries, over the limit of {MAX_WORDS}")
+    num_chars = sum(len(word) for word in words)
+    if num_chars > MAX_WORDS_TOKENS * MAX_CHARS_PER_TOKEN:
+        raise RequestError(f"{field} has {num_chars} characters in all, over the limit of "
+                           f"{MAX_WORDS_TOKENS * MAX_CHARS_PER_TOKEN}")
     encoded = []
     for word in words:
         ids = list(tokenizer.encode(word, add_special_tokens=False))
@@ -78,10 +93,32 @@ def encode_words(tokenizer: TextTokenizer, words: Sequence[str], field: str) -> 
     return encoded
 
 
+def chat_prompt_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """Token ids of `text` as one user turn of the tokenizer's chat template, ready for the
+    assistant's answer (`add_generation_prompt`). The template writes its own special tokens."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("apply_chat_template: this model's tokenizer has no chat template; "
+                           "send the prompt as it is (apply_chat_template false)")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in transformers 5
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
 def prompt_ids(tokenizer: TextTokenizer, text: str, add_special_tokens: bool,
-               limits: Limits) -> list[int]:
-    """Tokenize the prompt and check it against the engine's max_input_len."""
-    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+               limits: Limits, apply_chat_template: bool = False) -> list[int]:
+    """Tokenize the prompt (as a chat user turn when asked) and check it against the engine's
+    max_input_len (by its length in characters first, so a huge text is never tokenized)."""
+    max_chars = limits.max_input_len * MAX_CHARS_PER_TOKEN
+    if len(text) > max_chars:
+        raise RequestError(f"text_input has {len(text)} characters, over the limit of "
+                           f"{max_chars} (max_input_len {limits.max_input_len} tokens x "
+                           f"{MAX_CHARS_PER_TOKEN}); it was not tokenized")
+    if apply_chat_template:
+        ids = chat_prompt_ids(tokenizer, text)
+    else:
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
         raise RequestError("text_input must not be empty")
     if len(ids) > limits.max_input_len:
@@ -94,6 +131,7 @@ def check_max_tokens(max_tokens, num_input: int, limits: Limits) -> int:
     """`max_tokens` must be >= 1 and fit in max_seq_len together with the prompt."""
     if max_tokens is None:
         raise RequestError("max_tokens is required")
+    max_tokens = as_integer(max_tokens, "max_tokens")
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
     if num_input + max_tokens > limits.max_seq_len:

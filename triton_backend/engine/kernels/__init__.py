@@ -11,10 +11,13 @@ built (no compiler, no ninja) or when `LLM_FORGE_KERNELS=torch` asks for it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -86,9 +89,10 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=f"llm_forge_cpu_{key}", sources=[str(CSRC / s) for s in SOURCES],
-             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-             build_directory=str(build_dir), is_python_module=False, verbose=False)
+        with _build_lock(build_dir):
+            load(name=f"llm_forge_cpu_{key}", sources=_stage_sources(build_dir),
+                 extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                 build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a toolchain too old: keep serving
         _state["ok"] = False
         say(f"CPU kernels: unavailable ({type(exc).__name__}: {str(exc)[:300]}); "
@@ -101,6 +105,34 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
     else:
         say(f"CPU kernels: compiled for this CPU in {elapsed:.1f}s, cached in {build_dir}")
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One build per cache directory at a time, under a lock the OS releases when its holder
+    dies. torch's own build lock is a file that a process killed mid-build (Ctrl-C, kill -9)
+    leaves behind, and every later load would wait on it forever: holding ours, any such file
+    is stale and removed."""
+    with open(build_dir / ".llm-forge-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _stage_sources(build_dir: Path) -> list[str]:
+    """The sources copied into the cache directory (the key already names their content), so
+    every checkout compiles the same paths and ninja does not rebuild when another checkout of
+    the same code loads the kernels."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for name in (*SOURCES, *HEADERS):
+        source, target = CSRC / name, staged / name
+        if not target.exists() or target.read_bytes() != source.read_bytes():
+            shutil.copyfile(source, target)
+    return [str(staged / s) for s in SOURCES]
 
 
 def ops():

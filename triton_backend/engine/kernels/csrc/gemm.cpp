@@ -185,18 +185,53 @@ void run_gemm(const float* x, int64_t M, int64_t K, const W& w, int64_t num_tile
 }
 
 // x as contiguous fp32 rows, times the per-input `prequant` scale when given (AWQ smoothing,
-// rounded like torch's `x * prequant.to(x.dtype)`).
-at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& prequant) {
-  if (!prequant.has_value()) {
-    if (x2.scalar_type() == at::kFloat && x2.is_contiguous()) return x2;
-    if (x2.scalar_type() != at::kBFloat16 || !x2.is_contiguous())
-      return x2.to(at::kFloat).contiguous();
+// rounded like torch's `x * prequant.to(x.dtype)`: the scale rounded to x's dtype, the product
+// computed in fp32 and rounded to x's dtype). One pass in C++: a decode step calls this for every
+// projection of every layer, where a chain of ATen ops cost more than the product itself.
+template <typename T, typename P>
+void widen_rows_into(const T* x, const P* prequant, int64_t M, int64_t K, float* out) {
+  std::vector<float> scale;
+  if (prequant != nullptr) {
+    scale.resize(K);
+    for (int64_t k = 0; k < K; ++k) scale[k] = round_to<T>(static_cast<float>(prequant[k]));
   }
-  at::Tensor xc = x2.contiguous();
-  at::Tensor xf = xc.to(at::kFloat);
-  if (prequant.has_value()) xf = (xf * prequant->to(xc.scalar_type()).to(at::kFloat))
-                                     .to(xc.scalar_type()).to(at::kFloat).contiguous();
-  return xf;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m_begin, int64_t m_end) {
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      const T* row = x + m * K;
+      float* dst = out + m * K;
+      if (prequant == nullptr) {
+        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(row[k]);
+      } else {
+        for (int64_t k = 0; k < K; ++k)
+          dst[k] = round_to<T>(static_cast<float>(row[k]) * scale[k]);
+      }
+    }
+  });
+}
+
+at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& prequant) {
+  if (!prequant.has_value() && x2.scalar_type() == at::kFloat && x2.is_contiguous()) return x2;
+  const at::Tensor xc = x2.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor pc;
+  if (prequant.has_value()) {
+    pc = prequant->contiguous();
+    TORCH_CHECK(pc.numel() == K, "prequant has ", pc.numel(), " scales for ", K, " features");
+    if (pc.scalar_type() != at::kFloat && pc.scalar_type() != at::kBFloat16)
+      pc = pc.to(at::kFloat);
+  }
+  at::Tensor out = at::empty({M, K}, xc.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  auto with_x = [&](auto* x) {
+    if (!pc.defined()) widen_rows_into(x, static_cast<const float*>(nullptr), M, K, dst);
+    else if (pc.scalar_type() == at::kFloat) widen_rows_into(x, pc.data_ptr<float>(), M, K, dst);
+    else widen_rows_into(x, pc.data_ptr<at::BFloat16>(), M, K, dst);
+  };
+  if (xc.scalar_type() == at::kBFloat16) with_x(xc.data_ptr<at::BFloat16>());
+  else if (xc.scalar_type() == at::kFloat) with_x(xc.data_ptr<float>());
+  else return widen_rows(xc.to(at::kFloat), prequant);
+  return out;
 }
 
 template <typename W>

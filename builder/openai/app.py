@@ -1,0 +1,144 @@
+"""The FastAPI application: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`.
+
+Every error, whatever raised it, leaves as OpenAI's JSON error shape. A request whose HTTP client
+disconnects is cancelled in Triton: streamed ones when the stream stops being read, others (and
+streams still waiting for their first token) through a watcher of the ASGI disconnect message.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import AsyncIterator, Awaitable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from builder.openai.config import OpenAIServerConfig
+from builder.openai.errors import OpenAIError, internal, model_not_found, not_ready
+from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                     validation_error)
+from builder.openai.service import Generation, OpenAIService
+from builder.openai.streaming import sse_events
+from builder.openai.triton import TritonBackend
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone()
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _answer(service: OpenAIService, generation: Generation, request: Request):
+    chunks = service.chunks(generation)
+    try:
+        if not generation.stream:
+            return JSONResponse(await until_disconnect(request,
+                                                       service.respond(generation, chunks)))
+        # The first chunk is awaited before answering, so refusals keep their HTTP status.
+        first = await until_disconnect(request, chunks.__anext__())
+    except ClientGone:
+        await chunks.aclose()
+        return JSONResponse({}, status_code=499)  # nobody reads it; for the access log
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return StreamingResponse(sse_events(service, generation, first, chunks),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Whatever fails, the client gets OpenAI's error shape (and the server keeps serving)."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return error_response(OpenAIError(exc.status_code, f"{request.method} "
+                                          f"{request.url.path}: {exc.detail}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return error_response(internal(f"{type(exc).__name__}: {exc}"))
+
+
+def create_app(config: OpenAIServerConfig) -> FastAPI:
+    from transformers import AutoTokenizer
+
+    service = OpenAIService(config, AutoTokenizer.from_pretrained(str(config.tokenizer_dir)))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.backend = TritonBackend(config.triton_grpc_url, config.triton_model,
+                                        config.request_timeout_s)
+        try:
+            yield
+        finally:
+            await service.backend.close()
+
+    app = FastAPI(title="llm-forge OpenAI-compatible API", lifespan=lifespan)
+    app.state.service = service
+    _install_error_handlers(app)
+    model_card = {"id": config.model_name, "object": "model", "created": int(time.time()),
+                  "owned_by": "llm-forge"}
+
+    @app.get("/health")
+    async def health():
+        if not await service.backend.is_ready():
+            return error_response(not_ready(f"Triton model {config.triton_model!r} at "
+                                            f"{config.triton_grpc_url} is not ready"))
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str):
+        if model_id != config.model_name:
+            raise model_not_found(model_id, config.model_name)
+        return model_card
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(service, service.completion(body), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _answer(service, service.chat(body), request)
+
+    return app

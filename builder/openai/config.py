@@ -1,0 +1,77 @@
+"""What the OpenAI endpoint needs to know: where Triton is, which model to call, the served
+model's name, tokenizer and limits. `from_repository` reads it all from an emitted repository
+(the preprocessing model's parameters name the engine and its tokenizer)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from triton_backend.engine.config import EngineConfig, Limits
+
+TRITON_MODELS = ("ensemble", "tensorrt_llm_bls")
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class OpenAIServerConfig:
+    """`port` 0 picks a free port. `max_concurrent_requests` bounds the requests in flight
+    (more get 429); `request_timeout_s` bounds one request's whole generation."""
+
+    triton_grpc_url: str
+    model_name: str
+    tokenizer_dir: Path
+    limits: Limits
+    triton_model: str = "ensemble"
+    host: str = LOOPBACK
+    port: int = 0
+    add_special_tokens: bool = True
+    max_concurrent_requests: int = 256
+    request_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.triton_model not in TRITON_MODELS:
+            raise ValueError(f"triton_model must be one of {list(TRITON_MODELS)}, "
+                             f"got {self.triton_model!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) \
+                or not 0 <= self.port <= 65535:
+            raise ValueError(f"openai port must be an integer in 0..65535, got {self.port!r}")
+        if isinstance(self.max_concurrent_requests, bool) or \
+                not isinstance(self.max_concurrent_requests, int) or \
+                self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be an integer >= 1, "
+                             f"got {self.max_concurrent_requests!r}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        if not Path(self.tokenizer_dir).is_dir():
+            raise ValueError(f"tokenizer_dir {self.tokenizer_dir}: no such directory")
+
+    @classmethod
+    def from_repository(cls, repository_dir: str | Path, triton_grpc_url: str,
+                        **options) -> "OpenAIServerConfig":
+        """Engine, tokenizer, limits and name of the repository's engine."""
+        repository_dir = Path(repository_dir)
+        params = repository_parameters(repository_dir, "preprocessing")
+
+        def path(key: str) -> Path:  # relative to the repository, as the models resolve them
+            return Path(os.path.normpath(repository_dir / params[key]))
+
+        config = EngineConfig.load(path("engine_dir"))
+        add_special_tokens = params.get("add_special_tokens", "true").lower() in ("true", "1")
+        return cls(triton_grpc_url=triton_grpc_url, model_name=config.name,
+                   tokenizer_dir=path("tokenizer_dir"), limits=config.limits,
+                   add_special_tokens=add_special_tokens, **options)
+
+
+def repository_parameters(repository_dir: Path, model: str) -> dict[str, str]:
+    """The string parameters of `<repository>/<model>/config.pbtxt`."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    path = repository_dir / model / "config.pbtxt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (is {repository_dir} an emitted repository?)")
+    parsed = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    return {key: value.string_value for key, value in parsed.parameters.items()}

@@ -1,0 +1,84 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status
+the official client maps to its exception classes (400 BadRequestError, 404 NotFoundError, 429
+RateLimitError, 503 InternalServerError after its retries).
+
+Triton's per-request errors name the ensemble's input (`text_input has 100 tokens, over the
+engine's max_input_len 64`); `from_triton` renames that input to the OpenAI field the client
+sent, so a message always names what the caller can change.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Ensemble inputs (and the tensorrt_llm names that appear in their messages) -> OpenAI fields.
+# "text_input" is the prompt: `prompt` for completions, `messages` for chat.
+TRITON_FIELDS = {
+    "request_output_len (max_tokens)": "max_tokens", "max_tokens": "max_tokens",
+    "runtime_top_p (top_p)": "top_p", "runtime_top_k (top_k)": "top_k", "top_p": "top_p",
+    "top_k": "top_k", "temperature": "temperature", "stop_words": "stop", "seed": "seed",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+}
+# Triton's full queue, and the tensorrt_llm model's admission limits ("server busy: ...").
+BUSY_MARKERS = ("Exceeds maximum queue size", "max_queue_size", "server busy")
+NOT_READY_MARKERS = ("unknown model", "is not ready", "is not found", "shutting down",
+                     "Server not ready")
+ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's prefix on a step's error
+
+
+@dataclass
+class OpenAIError(Exception):
+    """An error answered to the client; `param` names the request field at fault."""
+
+    status: int
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    code: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(param: str | None, message: str) -> OpenAIError:
+    """400 for a field the client must change; the message starts with the field's name."""
+    return OpenAIError(400, message, param)
+
+
+def model_not_found(name: str, served: str) -> OpenAIError:
+    return OpenAIError(404, f"model: the model {name!r} does not exist; this server serves "
+                            f"{served!r}", "model", code="model_not_found")
+
+
+def busy(message: str) -> OpenAIError:
+    return OpenAIError(429, message, type="rate_limit_error", code="rate_limit_exceeded")
+
+
+def not_ready(message: str) -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="service_unavailable")
+
+
+def internal(message: str) -> OpenAIError:
+    return OpenAIError(500, message, type="server_error", code="internal_error")
+
+
+def from_triton(message: str, prompt_field: str) -> OpenAIError:
+    """Classify an error response of the ensemble and name the OpenAI field it is about."""
+    message = ENSEMBLE_PREFIX.sub("", message)
+    if any(marker in message for marker in BUSY_MARKERS):
+        return busy(f"the server is busy: {message.removeprefix('server busy: ')}; retry later")
+    if any(marker in message for marker in NOT_READY_MARKERS):
+        return not_ready(f"the model is not ready: {message}")
+    if message.startswith("text_input"):
+        return bad_request(prompt_field, prompt_field + message[len("text_input"):])
+    if message.startswith("apply_chat_template"):
+        return bad_request(prompt_field, message)
+    for triton_name, field in TRITON_FIELDS.items():
+        if message.startswith(triton_name + " ") or message.startswith(triton_name + ":"):
+            return bad_request(field, field + message[len(triton_name):])
+    return internal(f"inference failed: {message}")

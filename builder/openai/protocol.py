@@ -1,0 +1,153 @@
+"""The request bodies of `/v1/completions` and `/v1/chat/completions` (pydantic models).
+
+Types and ranges are checked by pydantic (a failure becomes a 400 naming the field, see
+`validation_error`); `check_request` refuses what we cannot honour instead of ignoring it. Fields
+OpenAI clients send that do not change the output (`user`, `metadata`, ...) are accepted and
+ignored. Sampling fields left out take the repository's defaults (greedy unless the repository
+says otherwise), not OpenAI's temperature 1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from builder.openai.errors import OpenAIError, bad_request
+
+FiniteFloat = dict(allow_inf_nan=False)
+UINT64_LIMIT = 2 ** 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, **FiniteFloat)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, **FiniteFloat)
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=UINT64_LIMIT)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, **FiniteFloat)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, **FiniteFloat)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Extensions vLLM accepts too; `min_tokens` == `max_tokens` is how benchmarks fix lengths.
+    top_k: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0, **FiniteFloat)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` replaces the deprecated `max_tokens` when both are sent."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+def _check_shared(request: SamplingRequest) -> None:
+    if request.n not in (None, 1):
+        raise bad_request("n", f"n: only 1 choice per request is supported, got {request.n}")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options", "stream_options: only allowed when stream is true")
+    if request.logit_bias:
+        raise bad_request("logit_bias", "logit_bias: not supported by this server")
+    if any(not s for s in request.stop_strings()):
+        raise bad_request("stop", "stop: stop strings must not be empty")
+    if (request.min_tokens is not None and request.max_tokens is not None
+            and request.min_tokens > request.max_tokens):
+        raise bad_request("min_tokens", f"min_tokens ({request.min_tokens}) must not exceed "
+                                        f"max_tokens ({request.max_tokens})")
+
+
+def check_completion(request: CompletionRequest) -> str:
+    """Refuse what we cannot honour; return the one prompt string."""
+    _check_shared(request)
+    if request.echo:
+        raise bad_request("echo", "echo: not supported by this server")
+    if request.suffix:
+        raise bad_request("suffix", "suffix: not supported by this server")
+    if request.best_of not in (None, 1):
+        raise bad_request("best_of", f"best_of: must be 1, got {request.best_of}")
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            what = ("token-id prompts are not supported, send text" if any(
+                not isinstance(p, str) for p in prompt) else
+                f"one prompt per request is supported, got {len(prompt)}")
+            raise bad_request("prompt", f"prompt: {what}")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("prompt", "prompt: must not be empty")
+    return prompt
+
+
+def check_chat(request: ChatCompletionRequest) -> None:
+    _check_shared(request)
+    for name in ("tools", "functions"):
+        if getattr(request, name):
+            raise bad_request(name, f"{name}: tool calling is not supported by this server")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise bad_request("response_format", "response_format: only type 'text' is supported, "
+                                             f"got {request.response_format.get('type')!r}")
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs", "top_logprobs: needs logprobs true")
+
+
+def _location(loc: tuple) -> str:
+    parts = [p for p in loc if p != "body"]
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (("." if text else "") + str(part))
+    return text
+
+
+def validation_error(errors: list[dict]) -> OpenAIError:
+    """The first pydantic error as a 400 naming the field, the rule and the value sent."""
+    if not errors:
+        return bad_request(None, "the request body is not valid")
+    error = errors[0]
+    if error.get("type") == "json_invalid":
+        return bad_request(None, f"the request body is not valid JSON: {error.get('msg')}")
+    field = _location(tuple(error.get("loc", ()))) or None
+    message = f"{field}: {error.get('msg')}" if field else str(error.get("msg"))
+    if error.get("type") != "missing" and "input" in error:
+        message += f", got {error['input']!r}"
+    return bad_request(field, message)
+

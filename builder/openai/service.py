@@ -1,0 +1,131 @@
+"""The two generation flows, independent of HTTP: a request body becomes a `Generation` (the
+prompt, the ensemble's inputs, the response envelope), whose chunks stream from Triton and become
+either one response object or a sequence of stream chunks.
+
+Admission: at most `max_concurrent_requests` generations run at once; one more is refused with a
+429 before anything reaches Triton, so a burst cannot queue without bound behind the executor.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from builder.openai import mapping
+from builder.openai.chat import ChatRenderer
+from builder.openai.config import OpenAIServerConfig
+from builder.openai.errors import bad_request, busy, model_not_found
+from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
+                                     check_chat, check_completion)
+from builder.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
+                                      usage)
+from builder.openai.triton import Chunk, TritonBackend
+
+
+@dataclass
+class Generation:
+    """One accepted request: what to send to Triton and how to answer."""
+
+    request: SamplingRequest
+    values: dict[str, object]
+    prompt_field: str  # the OpenAI field `text_input` errors are about
+    log_probs: bool
+    builder: ResponseBuilder
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+
+class OpenAIService:
+    def __init__(self, config: OpenAIServerConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer, config.add_special_tokens)
+        self.backend: TritonBackend | None = None  # set once the event loop runs
+        self.in_flight = 0
+
+    # -- requests -> generations --------------------------------------------------------------
+    def _check_model(self, request: SamplingRequest) -> None:
+        if request.model != self.config.model_name:
+            raise model_not_found(request.model, self.config.model_name)
+
+    def _builder(self, kind: str) -> ResponseBuilder:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return ResponseBuilder(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                               self.config.model_name)
+
+    def completion(self, request: CompletionRequest) -> Generation:
+        self._check_model(request)
+        prompt = check_completion(request)
+        if request.logprobs:
+            raise bad_request("logprobs", "logprobs: the engine returns the sampled tokens' log "
+                                          f"probabilities only: use logprobs 0, got "
+                                          f"{request.logprobs}")
+        max_tokens = request.max_tokens or mapping.COMPLETIONS_DEFAULT_MAX_TOKENS
+        log_probs = request.logprobs is not None
+        return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
+                                                           log_probs),
+                          "prompt", log_probs, self._builder("completion"))
+
+    def chat(self, request: ChatCompletionRequest) -> Generation:
+        self._check_model(request)
+        check_chat(request)
+        if request.top_logprobs:
+            raise bad_request("top_logprobs", "top_logprobs: the engine returns the sampled "
+                                              "tokens' log probabilities only: use 0, got "
+                                              f"{request.top_logprobs}")
+        prompt = self.renderer.render(request.messages)
+        max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
+        return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
+                                                           request.logprobs),
+                          "messages", request.logprobs, self._builder("chat"))
+
+    def _remaining_context(self, prompt: str) -> int:
+        """Chat without max_tokens may use the whole context the prompt leaves (as OpenAI)."""
+        limits = self.config.limits
+        num_prompt = self.renderer.count_tokens(prompt, self.config.add_special_tokens)
+        if num_prompt > limits.max_input_len:
+            raise bad_request("messages", f"messages has {num_prompt} tokens with the chat "
+                                          f"template, over the engine's max_input_len "
+                                          f"{limits.max_input_len}")
+        return max(1, limits.max_seq_len - num_prompt)
+
+    # -- generations -> chunks -> responses -----------------------------------------------------
+    async def chunks(self, generation: Generation) -> AsyncIterator[Chunk]:
+        """Triton's chunks for one generation; raises `OpenAIError` (429 when full)."""
+        if self.in_flight >= self.config.max_concurrent_requests:
+            raise busy(f"the server is busy: {self.in_flight} requests in flight, the limit is "
+                       f"{self.config.max_concurrent_requests}; retry later")
+        self.in_flight += 1
+        try:
+            async for chunk in self.backend.generate(generation.values, generation.builder.id,
+                                                     generation.prompt_field,
+                                                     generation.log_probs):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, generation: Generation, chunk_ids: list[int], chunk_log_probs: list[float],
+                 text_offset: int) -> dict | None:
+        if not generation.log_probs:
+            return None
+        if generation.builder.kind == "chat":
+            return chat_logprobs(chunk_ids, chunk_log_probs, self.token_text)
+        return completion_logprobs(chunk_ids, chunk_log_probs, self.token_text, text_offset)
+
+    async def respond(self, generation: Generation, chunks: AsyncIterator[Chunk]) -> dict:
+        """Gather every chunk into the non-streamed response."""
+        texts, ids, log_probs, last = [], [], [], None
+        async for chunk in chunks:
+            texts.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            log_probs.extend(chunk.log_probs)
+            last = chunk
+        counts = usage(last.num_input_tokens, last.num_output_tokens)
+        return generation.builder.full("".join(texts), mapping.finish_reason(last.finish_reason),
+                                       counts, self.logprobs(generation, ids, log_probs, 0))

@@ -1,0 +1,161 @@
+"""The ensemble over Triton's gRPC streaming API, from asyncio (tritonclient's aio client).
+
+One gRPC stream per OpenAI request on one shared channel; the stream's sending half stays open
+until the request ends. A request abandoned before its last chunk (the HTTP client went away)
+is cancelled twice over: its gRPC call is cancelled, which `tensorrt_llm_bls` sees through its
+response sender, and the `tensorrt_llm` model gets a `stop` request with the same request id
+(NVIDIA's convention), because Triton 2.51 does not pass an ensemble's cancellation on to the
+ensemble's steps. Either way its KV blocks are freed within a step.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from builder.client import text_inputs
+from builder.openai.errors import OpenAIError, from_triton, internal, not_ready
+
+BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
+GENERATION_MODEL = "tensorrt_llm"  # the ensemble's step that holds the request's KV blocks
+LOG_PROB_OUTPUTS = ("output_log_probs", "output_ids")
+
+
+@dataclass
+class Chunk:
+    """One response of the ensemble: the new text and, on the last one, the finish reason."""
+
+    text: str
+    finish_reason: str  # "" until the last chunk
+    num_input_tokens: int
+    num_output_tokens: int
+    log_probs: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _first(array: np.ndarray | None, default=0):
+    if array is None or array.size == 0:
+        return default
+    return array.reshape(-1)[0]
+
+
+def _chunk(result) -> Chunk:
+    reason = _first(result.as_numpy("finish_reason"), b"")
+    log_probs = result.as_numpy("output_log_probs")
+    token_ids = result.as_numpy("output_ids")
+    return Chunk(
+        text=b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8"),
+        finish_reason=reason.decode() if isinstance(reason, bytes) else str(reason),
+        num_input_tokens=int(_first(result.as_numpy("num_input_tokens"))),
+        num_output_tokens=int(_first(result.as_numpy("num_output_tokens"))),
+        log_probs=[] if log_probs is None else log_probs.reshape(-1).tolist(),
+        token_ids=[] if token_ids is None else token_ids.reshape(-1).tolist())
+
+
+def _tensors(values: dict[str, object]) -> list[InferInput]:
+    tensors = []
+    for name, array in text_inputs(**values).items():
+        tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+class TritonBackend:
+    """Generation requests to one Triton model (the ensemble or tensorrt_llm_bls).
+
+    Create it inside the event loop that uses it (gRPC aio channels belong to one loop).
+    """
+
+    def __init__(self, url: str, model: str, request_timeout_s: float) -> None:
+        self.url, self.model = url, model
+        self.request_timeout_s = request_timeout_s
+        self.client = InferenceServerClient(url)
+        self._stops: set[asyncio.Task] = set()  # stop requests in flight (keeps them alive)
+
+    async def is_ready(self) -> bool:
+        try:
+            return bool(await self.client.is_server_ready()
+                        and await self.client.is_model_ready(self.model))
+        except InferenceServerException:
+            return False
+
+    async def generate(self, values: dict[str, object], request_id: str, prompt_field: str,
+                       log_probs: bool = False) -> AsyncIterator[Chunk]:
+        """The request's chunks, the last one with a finish reason; raises `OpenAIError`.
+
+        Closing the generator before its last chunk cancels the request in Triton.
+        """
+        outputs = [InferRequestedOutput(name)
+                   for name in BASE_OUTPUTS + (LOG_PROB_OUTPUTS if log_probs else ())]
+        request = {"model_name": self.model, "inputs": _tensors(values), "outputs": outputs,
+                   "request_id": request_id}
+        done = asyncio.Event()
+
+        async def requests():
+            yield request
+            await done.wait()  # keep the sending half open until the request ends
+
+        call = self.client.stream_infer(requests(), stream_timeout=self.request_timeout_s)
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    raise from_triton(error.message(), prompt_field)
+                chunk = _chunk(result)
+                finished = bool(chunk.finish_reason)
+                yield chunk
+                if finished:
+                    return
+            raise internal("Triton closed the stream before the last response")
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_error(exc) from None
+        finally:
+            done.set()
+            if not finished:
+                call.cancel()
+                if self.model == "ensemble":
+                    task = asyncio.ensure_future(self._stop(request_id))
+                    self._stops.add(task)
+                    task.add_done_callback(self._stops.discard)
+
+    async def _stop(self, request_id: str) -> None:
+        """`stop: true` with the request's id cancels it in the tensorrt_llm model."""
+        values = {"input_ids": np.zeros((1, 1), np.int32),
+                  "input_lengths": np.ones((1, 1), np.int32),
+                  "request_output_len": np.ones((1, 1), np.int32),
+                  "stop": np.ones((1, 1), np.bool_)}
+        tensors = []
+        for name, array in values.items():
+            tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+
+        async def requests():
+            yield {"model_name": GENERATION_MODEL, "inputs": tensors, "request_id": request_id}
+
+        try:  # its one (empty) answer may never come back as a response: bound the wait
+            call = self.client.stream_infer(requests(), stream_timeout=10.0)
+            async for _ in call:
+                break
+        except (grpc.aio.AioRpcError, InferenceServerException, asyncio.TimeoutError):
+            pass  # the request ended by itself meanwhile, or Triton is gone: nothing to free
+
+    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return not_ready(f"Triton at {self.url} is not reachable: {exc.details()}")
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return internal(f"the request did not finish within {self.request_timeout_s:g}s")
+        return internal(f"Triton stream failed: {exc.code().name}: {exc.details()}")
+
+    async def close(self) -> None:
+        for task in list(self._stops):
+            task.cancel()
+        await self.client.close()

@@ -1,0 +1,375 @@
+"""Overload and soak run against a real tritonserver (the tensorrt_llm model over gRPC streams).
+
+  python scripts/soak.py [--repository DIR] [--overload-seconds 120] [--soak-requests 3000]
+
+Without --repository a tiny random-weight engine and its repository are built in a temp dir.
+Phases:
+  capacity  closed loop at --concurrency streams: sustained requests/s and TTFT (median, p99)
+  overload  open loop (Poisson arrivals) at --overload-factor x capacity for --overload-seconds;
+            every request must end in output, a busy rejection, a deadline error or a
+            cancellation (ended == sent, lost == 0); TTFT p99 of admitted requests vs capacity
+  soak      --soak-requests requests, 20% cancelled or disconnected mid-stream at random;
+            afterwards 0 KV blocks used, 0 requests tracked by executor or model
+RSS of tritonserver and every process under it (stubs, engine process) is sampled throughout;
+"flat" compares the mean of the last quarter with the first quarter after warm-up.
+Prints a table and writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def scrape_stats(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    pattern = r'llm_forge_executor_stats\{[^}]*stat="(\w+)"[^}]*\} ([0-9.e+-]+)'
+    return {k: float(v) for k, v in re.findall(pattern, text)}
+
+
+def process_tree(root_pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pids, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, []))
+    return pids
+
+
+def rss_by_process(root_pid: int) -> dict[str, int]:
+    rss = {}
+    for pid in process_tree(root_pid):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text()
+                      .splitlines() if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+        rss[f"{name}[{pid}]"] = kb * 1024
+    return rss
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, root_pid: int, period: float = 1.0):
+        super().__init__(daemon=True)
+        self.root_pid, self.period, self.samples = root_pid, period, []
+        self.stopping = threading.Event()
+
+    def run(self):
+        while not self.stopping.wait(self.period):
+            self.samples.append((time.monotonic(), rss_by_process(self.root_pid)))
+
+    def flatness(self, since: float) -> dict[str, dict]:
+        """Per process: mean RSS of the first and last quarter of samples after `since`."""
+        samples = [s for t, s in self.samples if t >= since]
+        result = {}
+        if len(samples) < 4:
+            return result
+        quarter = max(1, len(samples) // 4)
+        for name in samples[-1]:
+            first = [s[name] for s in samples[:quarter] if name in s]
+            last = [s[name] for s in samples[-quarter:] if name in s]
+            if first and last:
+                a, b = statistics.mean(first), statistics.mean(last)
+                result[name] = {"first_mib": a / 2**20, "last_mib": b / 2**20,
+                                "growth_pct": 100 * (b - a) / a}
+        return result
+
+
+class Client:
+    """One streaming request at a time per call; outcome classification."""
+
+    def __init__(self, url: str, prompt_len: int, max_tokens: int, deadline: float):
+        self.url, self.prompt_len, self.max_tokens, self.deadline = (url, prompt_len, max_tokens,
+                                                                     deadline)
+
+    def run(self, action: str = "complete") -> dict:
+        import tritonclient.grpc as grpcclient
+
+        ids = np.array([[5 + (i % 300) for i in range(self.prompt_len)]], np.int32)
+        inputs = {"input_ids": ids, "input_lengths": np.array([[self.prompt_len]], np.int32),
+                  "request_output_len": np.array([[self.max_tokens]], np.int32),
+                  "streaming": np.array([[True]])}
+        tensors = []
+        for name, array in inputs.items():
+            dtype = {np.int32: "INT32", np.bool_: "BOOL"}[array.dtype.type]
+            tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        start = time.monotonic()
+        record = {"outcome": None, "ttft": None, "tokens": 0}
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        cancel = True
+        try:
+            client.async_stream_infer("tensorrt_llm", tensors, enable_empty_final_response=True)
+            while True:
+                remaining = self.deadline - (time.monotonic() - start)
+                try:
+                    result, error = results.get(timeout=max(0.01, remaining))
+                except queue.Empty:
+                    record["outcome"] = "deadline"
+                    return record
+                if error is not None:
+                    text = str(error).lower()
+                    record["outcome"] = "busy" if "busy" in text else (
+                        "deadline" if "deadline" in text or "timeout" in text else "error")
+                    record["error"] = str(error)[:200]
+                    cancel = False
+                    return record
+                response = result.get_response()
+                if response.outputs:
+                    n = result.as_numpy("output_ids").size
+                    if n and record["ttft"] is None:
+                        record["ttft"] = time.monotonic() - start
+                    record["tokens"] += n
+                    if action != "complete" and record["tokens"] > 0:
+                        record["outcome"] = action
+                        cancel = action == "cancelled"  # a disconnect just drops the stream
+                        return record
+                final = response.parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    record["outcome"] = "output"
+                    cancel = False
+                    return record
+        except Exception as exc:  # noqa: BLE001 - counted, never hidden
+            record["outcome"], record["error"] = "error", repr(exc)[:200]
+            return record
+        finally:
+            try:
+                client.stop_stream(cancel_requests=cancel)
+                client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_closed_loop(client: Client, concurrency: int, seconds: float) -> list[dict]:
+    records, lock = [], threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def worker():
+        while time.monotonic() < stop:
+            record = client.run()
+            with lock:
+                records.append(record)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records
+
+
+def run_open_loop(client: Client, rate: float, seconds: float, actions=None,
+                  count: int | None = None, max_in_flight: int = 256) -> tuple[int, list[dict]]:
+    """Poisson arrivals at `rate`/s for `seconds` (or `count` requests); returns (sent, ended)."""
+    records, lock = [], threading.Lock()
+    threads, sent = [], 0
+    rng = random.Random(0)
+    start = time.monotonic()
+    next_at = start
+    while (count is None and time.monotonic() - start < seconds) or (count is not None
+                                                                       and sent < count):
+        now = time.monotonic()
+        if next_at > now:
+            time.sleep(next_at - now)
+        next_at += rng.expovariate(rate)
+        action = actions(rng) if actions else "complete"
+        while sum(t.is_alive() for t in threads[-max_in_flight * 2:]) >= max_in_flight:
+            time.sleep(0.005)
+
+        def one(a=action):
+            record = client.run(a)
+            with lock:
+                records.append(record)
+
+        thread = threading.Thread(target=one, daemon=True)
+        thread.start()
+        threads.append(thread)
+        sent += 1
+        if sent % 200 == 0:
+            print(f"  sent {sent}, ended {len(records)}", flush=True)
+    offered = sent / max(1e-9, time.monotonic() - start)
+    for t in threads:
+        t.join(timeout=600)
+    return sent, records, offered
+
+
+def outcome_counts(records):
+    counts = {}
+    for r in records:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    return counts
+
+
+def wait_idle(metrics_url: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = scrape_stats(metrics_url)
+        busy = sum(stats.get(k, 0) for k in ("num_used_blocks", "num_active_requests",
+                                             "num_waiting_requests", "num_queued_requests",
+                                             "model_active_requests", "model_tracked_ids"))
+        if busy == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repository", help="a model repository (default: a tiny engine's)")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--capacity-seconds", type=float, default=30)
+    parser.add_argument("--overload-factor", type=float, default=4.0)
+    parser.add_argument("--overload-seconds", type=float, default=120)
+    parser.add_argument("--soak-requests", type=int, default=3000)
+    parser.add_argument("--soak-rate-factor", type=float, default=1.0,
+                        help="soak arrival rate as a multiple of capacity")
+    parser.add_argument("--cancel-fraction", type=float, default=0.2)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--deadline", type=float, default=60.0,
+                        help="client-side deadline per request (s)")
+    parser.add_argument("--max-in-flight", type=int, default=1024,
+                        help="client threads at most; when reached, arrivals wait (the achieved "
+                             "rate is reported)")
+    parser.add_argument("--warmup-seconds", type=float, default=20)
+    parser.add_argument("--out", default="soak.json")
+    args = parser.parse_args(argv)
+
+    from builder.repository import RepositoryOptions, emit_repository
+    from builder.serve import start_tritonserver
+
+    workdir = Path(tempfile.mkdtemp(prefix="forge-soak-"))
+    repository = args.repository
+    if repository is None:
+        from tests.triton_helpers import build_tiny_engine
+
+        print("[soak] building a tiny engine", flush=True)
+        engine_dir = build_tiny_engine(workdir, max_seq_len=512, num_kv_blocks=512)
+        repository = emit_repository(engine_dir, workdir / "repo",
+                                     RepositoryOptions(stats_period_ms=100))
+    print(f"[soak] starting tritonserver on {repository}", flush=True)
+    server = start_tritonserver(repository, ready_timeout=600)
+    report: dict = {"args": vars(args)}
+    try:
+        sampler = RssSampler(server.process.pid)
+        sampler.start()
+        client = Client(server.grpc_url, args.prompt_len, args.max_tokens, args.deadline)
+        print(f"[soak] capacity: closed loop, {args.concurrency} streams, "
+              f"{args.capacity_seconds:.0f} s", flush=True)
+        t0 = time.monotonic()
+        capacity = run_closed_loop(client, args.concurrency, args.capacity_seconds)
+        elapsed = time.monotonic() - t0
+        ok = [r for r in capacity if r["outcome"] == "output"]
+        rate = len(ok) / elapsed
+        if not ok:
+            raise SystemExit(f"capacity phase: no request completed: {outcome_counts(capacity)} "
+                             f"{capacity[:1]}")
+        cap_ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+        report["capacity"] = {"requests": len(capacity), "ok": len(ok), "req_per_s": rate,
+                              "ttft_p50_s": percentile(cap_ttft, 50),
+                              "ttft_p99_s": percentile(cap_ttft, 99)}
+        warm_at = time.monotonic() + args.warmup_seconds
+
+        offered = rate * args.overload_factor
+        print(f"[soak] overload: {offered:.2f} req/s ({args.overload_factor}x) for "
+              f"{args.overload_seconds:.0f} s", flush=True)
+        sent, records, achieved = run_open_loop(client, offered, args.overload_seconds,
+                                                max_in_flight=args.max_in_flight)
+        counts = outcome_counts(records)
+        admitted = [r["ttft"] for r in records if r["outcome"] == "output" and r["ttft"]]
+        report["overload"] = {
+            "offered_req_per_s": offered, "achieved_req_per_s": achieved, "sent": sent, "ended": len(records),
+            "lost": sent - len(records), "outcomes": counts,
+            "ttft_p99_s": percentile(admitted, 99),
+            "ttft_p99_vs_capacity": percentile(admitted, 99) / report["capacity"]["ttft_p99_s"],
+            "errors": sorted({r.get("error", "") for r in records if r["outcome"] == "error"})[:5]}
+        report["after_overload"] = wait_idle(server.metrics_url)
+
+        def soak_action(rng):
+            if rng.random() >= args.cancel_fraction:
+                return "complete"
+            return rng.choice(["cancelled", "disconnected"])
+
+        soak_rate = rate * args.soak_rate_factor
+        print(f"[soak] soak: {args.soak_requests} requests at {soak_rate:.2f} req/s, "
+              f"{args.cancel_fraction:.0%} cancelled/disconnected", flush=True)
+        sent, records, _ = run_open_loop(client, soak_rate, 0, soak_action,
+                                         count=args.soak_requests, max_in_flight=args.max_in_flight)
+        idle = wait_idle(server.metrics_url)
+        report["soak"] = {
+            "sent": sent, "ended": len(records), "lost": sent - len(records),
+            "outcomes": outcome_counts(records),
+            "leaked_kv_blocks": idle.get("num_used_blocks"),
+            "leaked_executor_requests": sum(idle.get(k, 0) for k in (
+                "num_active_requests", "num_waiting_requests", "num_queued_requests")),
+            "leaked_model_requests": idle.get("model_active_requests", 0)
+            + idle.get("model_tracked_ids", 0),
+            "errors": sorted({r.get("error", "") for r in records if r["outcome"] == "error"})[:5]}
+        sampler.stopping.set()
+        report["rss"] = sampler.flatness(warm_at)
+    finally:
+        server.stop()
+
+    cap, over, soak = report["capacity"], report["overload"], report["soak"]
+    rows = [
+        ("capacity req/s", f"{cap['req_per_s']:.2f}"),
+        ("capacity TTFT p50 / p99 (s)", f"{cap['ttft_p50_s']:.3f} / {cap['ttft_p99_s']:.3f}"),
+        ("overload offered / achieved req/s", f"{over['offered_req_per_s']:.2f} / "
+                                              f"{over['achieved_req_per_s']:.2f}"),
+        ("overload sent / ended / lost", f"{over['sent']} / {over['ended']} / {over['lost']}"),
+        ("overload outcomes", json.dumps(over["outcomes"])),
+        ("overload TTFT p99 admitted (s)", f"{over['ttft_p99_s']:.3f} "
+                                           f"({over['ttft_p99_vs_capacity']:.2f}x capacity)"),
+        ("soak sent / ended / lost", f"{soak['sent']} / {soak['ended']} / {soak['lost']}"),
+        ("soak outcomes", json.dumps(soak["outcomes"])),
+        ("soak leaked KV blocks", f"{soak['leaked_kv_blocks']:.0f}"),
+        ("soak leaked requests (executor / model)",
+         f"{soak['leaked_executor_requests']:.0f} / {soak['leaked_model_requests']:.0f}"),
+    ]
+    for name, rss in sorted(report["rss"].items()):
+        rows.append((f"RSS {name} (MiB)", f"{rss['first_mib']:.0f} -> {rss['last_mib']:.0f} "
+                                          f"({rss['growth_pct']:+.1f}%)"))
+    width = max(len(r[0]) for r in rows)
+    print()
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\nJSON: {args.out}")
+    failed = over["lost"] or soak["lost"] or soak["leaked_kv_blocks"] or \
+        soak["leaked_executor_requests"] or soak["leaked_model_requests"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Prefill chunks beside decodes: the step-cost line and the scheduler's room for prefill rows."""
+import pytest
+
+from test_block_manager import _run, seq
+from triton_backend.engine.block_manager import BlockManager
+from triton_backend.engine.config import Limits
+from triton_backend.engine.scheduler import Scheduler
+from triton_backend.engine.step_cost import StepCostModel
+
+
+def test_fit_recovers_fixed_and_per_row_cost_from_two_row_counts():
+    model = StepCostModel()
+    for _ in range(10):
+        model.observe(8, 0.010 + 8 * 0.001)
+        model.observe(12, 0.010 + 12 * 0.001)
+    fixed, per_row = model.fit()
+    assert fixed == pytest.approx(0.010) and per_row == pytest.approx(0.001)
+    # 8 decode rows take 18 ms; at 1.5x (27 ms) the step may carry 9 more rows
+    assert model.extra_rows(8, 1.5) == 9
+
+
+def test_one_row_count_or_too_few_steps_read_as_all_per_row_cost():
+    model = StepCostModel(min_steps=8)
+    assert model.fit() is None and model.extra_rows(8, 1.5) == 4  # nothing measured yet
+    for _ in range(8):
+        model.observe(8, 0.016)
+    assert model.fit() == (0.0, pytest.approx(0.002))
+    assert model.extra_rows(8, 1.5) == 4
+    assert model.extra_rows(1, 1.2) == 1  # a prefill always moves on
+
+
+def test_a_falling_line_is_not_believed():
+    model = StepCostModel(decay=1.0, min_steps=2)
+    model.observe(4, 0.020)
+    model.observe(8, 0.010)  # noise: more rows, less time
+    assert model.fit() == (0.0, pytest.approx(0.030 / 12))
+
+
+def test_prefill_beside_decodes_is_cut_to_the_room_and_finishes():
+    bm = BlockManager(num_blocks=64, tokens_per_block=4)
+    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5)
+    for i in range(4):
+        sched.add(seq(i, 3, max_tokens=40))
+    assert _run(sched, 2)[1] == [(i, 1) for i in range(4)]  # prefilled, now decoding
+    sched.add(seq(9, 30, max_tokens=2))
+    log = _run(sched, 16)
+    # nothing measured: all cost is per row, so 4 decode rows leave room for 2 prefill rows
+    assert log[0] == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 2)]
+    prefill = [n for step in log for s, n in step if s == 9]
+    assert prefill[:15] == [2] * 15 and sum(prefill) == 30 + 1  # 30 prompt tokens, 1 decode
+
+
+def test_measured_fixed_cost_widens_the_room():
+    bm = BlockManager(num_blocks=64, tokens_per_block=4)
+    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=2.0)
+    for _ in range(10):  # a memory-bound step: 40 ms whatever the rows, plus 1 ms per row
+        sched.step_cost.observe(4, 0.044)
+        sched.step_cost.observe(8, 0.048)
+    for i in range(4):
+        sched.add(seq(i, 3, max_tokens=40))
+    _run(sched, 1)
+    sched.add(seq(9, 60, max_tokens=2))
+    assert _run(sched, 1)[0][-1] == (9, 44)  # 2x of 44 ms leaves 44 rows
+
+
+def test_no_cap_without_decodes_or_when_off():
+    bm = BlockManager(num_blocks=64, tokens_per_block=4)
+    sched = Scheduler(bm, max_num_tokens=16, max_batch_size=8, max_decode_slowdown=1.5)
+    sched.add(seq(1, 40, max_tokens=2))
+    assert _run(sched, 1) == [[(1, 16)]]  # nothing decodes: the whole budget
+    off = Scheduler(BlockManager(num_blocks=64, tokens_per_block=4), max_num_tokens=16,
+                    max_batch_size=8, max_decode_slowdown=0)
+    off.add(seq(1, 3, max_tokens=40))
+    _run(off, 1)
+    off.add(seq(2, 40, max_tokens=2))
+    assert _run(off, 1) == [[(1, 1), (2, 15)]]
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5, -1, True, "fast", 101])
+def test_max_decode_slowdown_is_validated_naming_the_field(value):
+    with pytest.raises(ValueError, match="limits.max_decode_slowdown must be 0 .off. or a "
+                                         "number in .1, 100."):
+        Limits(max_decode_slowdown=value)

@@ -1,0 +1,439 @@
+"""`forge serve`'s supervisor and drain.
+
+Unit tests against a fake Triton (the probe's verdicts, reload, giving up), then a real
+tritonserver: a killed `tensorrt_llm` stub and an engine down for good make the server not ready
+and are reloaded without a manual step (the ensemble and the BLS answer again); past the reload
+limit the server stays not ready. Then `forge serve` itself as a subprocess: SIGTERM during 16
+streams drains them and exits 0; a killed tritonserver makes it exit 1.
+
+The measured times are printed (run with -s to see them), never asserted beyond the bounds the
+acceptance states. The engine runs with the pure-torch kernels here: supervision does not depend
+on them, and engine restarts stay quick on a busy machine.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from builder.client import decode_text, generate_http, stream_grpc, text_inputs
+from builder.repository import RepositoryOptions, emit_repository
+from builder.serve import free_port, http_ok
+from builder.supervisor import (NOT_READY_MODEL, Supervisor, _control_request, active_requests,
+                               probe_model)
+from tests.triton_helpers import build_tiny_engine, running_tritonserver
+from triton_backend.models.serving_control import (CONTROL_TOKEN_ENV, DRAIN_REFUSED,
+                                                   DRAIN_REQUEST_ID, PROBE_REQUEST_ID,
+                                                   drain_request_id, is_drain_request)
+
+STUB_DEAD = "Stub process 'tensorrt_llm_0_0' is not healthy."
+
+
+# -- a fake Triton for the supervisor's decisions ---------------------------------------------
+class FakeTriton:
+    """Answers the probe with `self.probe` ((status, body)); records repository calls."""
+
+    def __init__(self):
+        self.probe = (200, {"model_name": "tensorrt_llm"})
+        self.calls: list[tuple[str, dict]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.calls.append((self.path, body))
+                status, reply = fake.probe if self.path.endswith("/generate") else (200, {})
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def repository_calls(self) -> list[str]:
+        return [path.split("/v2/repository/models/")[1] for path, _ in self.calls
+                if "/repository/" in path]
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture
+def fake_triton():
+    fake = FakeTriton()
+    yield fake
+    fake.close()
+
+
+def test_probe_tells_serving_from_broken_from_inconclusive(fake_triton):
+    assert probe_model(fake_triton.url).ok is True
+    path, body = fake_triton.calls[-1]
+    assert path == "/v2/models/tensorrt_llm/generate"
+    assert body["id"] == PROBE_REQUEST_ID and body["stop"] == [True]
+    fake_triton.probe = (400, {"error": STUB_DEAD})
+    assert probe_model(fake_triton.url) == probe_model(fake_triton.url)
+    assert probe_model(fake_triton.url).ok is False
+    fake_triton.probe = (400, {"error": "tensorrt_llm: the engine is down (2 crashes)"})
+    assert probe_model(fake_triton.url).ok is False
+    fake_triton.probe = (400, {"error": "Exceeds maximum queue size"})  # busy, not broken
+    result = probe_model(fake_triton.url)
+    assert result.ok is None and result.message == "Exceeds maximum queue size"
+    assert probe_model(f"127.0.0.1:{free_port()}").ok is None  # nobody listening
+
+
+def _wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_failed_probe_unloads_and_reloads_until_the_limit(fake_triton):
+    lines: list[str] = []
+    supervisor = Supervisor(fake_triton.url, period=0.01, max_reloads=1, report=lines.append)
+    supervisor.start()
+    try:
+        time.sleep(0.1)
+        assert fake_triton.repository_calls() == []  # healthy: probes only
+        fake_triton.probe = (400, {"error": STUB_DEAD})
+        assert _wait(supervisor.gave_up.is_set, 10)
+    finally:
+        supervisor.stop()
+    assert fake_triton.repository_calls() == ["tensorrt_llm/unload", "tensorrt_llm/load",
+                                              "tensorrt_llm/unload", f"{NOT_READY_MODEL}/load"]
+    assert lines[0].startswith(f"supervisor: tensorrt_llm cannot serve ({STUB_DEAD}); unloading")
+    assert "tensorrt_llm reloaded, ready again after" in lines[1]
+    why = ("forge serve stopped reloading tensorrt_llm: 2 failures within 300 s, reload limit 1; "
+           f"last failure: {STUB_DEAD}")
+    assert lines[-1] == (f"supervisor: {why}; tensorrt_llm stays unloaded and the server not "
+                         f"ready until forge serve is restarted")
+    stand_in = fake_triton.calls[-1][1]["parameters"]
+    assert json.loads(stand_in["config"]) == {"backend": "python", "max_batch_size": 0}
+    import base64
+
+    assert repr(why) in base64.b64decode(stand_in["file:1/model.py"]).decode()
+
+
+def test_inconclusive_probes_count_only_after_hung_seconds(fake_triton):
+    lines: list[str] = []
+    supervisor = Supervisor(fake_triton.url, period=0.01, hung_seconds=0.5, max_reloads=0,
+                            report=lines.append)
+    fake_triton.probe = (400, {"error": "Exceeds maximum queue size"})
+    started = time.monotonic()
+    supervisor.start()
+    try:
+        assert _wait(supervisor.gave_up.is_set, 10)
+    finally:
+        supervisor.stop()
+    assert time.monotonic() - started >= 0.5
+    assert ("no conclusive answer to the health probe for 0.5 s (last: Exceeds maximum queue "
+            "size)") in lines[0]
+
+
+def test_active_requests_reads_the_models_counter(tmp_path):
+    text = ('llm_forge_executor_stats{model="tensorrt_llm",stat="model_active_requests",'
+            'version="1"} 3\nllm_forge_executor_stats{model="tensorrt_llm",stat="num_steps",'
+            'version="1"} 9\n')
+    fake = tmp_path / "metrics"
+    fake.write_text(text)
+    assert active_requests(fake.as_uri()) == 3
+    fake.write_text(text.replace("} 3", "} 0"))
+    assert active_requests(fake.as_uri()) == 0
+    assert active_requests(fake.as_uri(), model="other") is None
+
+
+# -- a real tritonserver ------------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _child_with(pid: int, text: str) -> int | None:
+    matches = [child for child in _children(pid) if text in _cmdline(child)]
+    return matches[0] if matches else None
+
+
+def _ready(server) -> bool:
+    return http_ok(f"http://{server.http_url}/v2/health/ready")
+
+
+def _answers(server, model: str) -> bool:
+    try:
+        events = generate_http(server.http_url, model, {"text_input": "The quick", "max_tokens": 4},
+                               timeout=30)
+    except Exception:
+        return False
+    return events[0]["num_output_tokens"] == 4
+
+
+def _poll(predicate, timeout: float) -> float | None:
+    """Seconds until `predicate()` held, polling every 0.1 s; None if not within `timeout`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(0.1)
+    return None
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    engine_dir = build_tiny_engine(tmp_path_factory.mktemp("supervised"), max_seq_len=1024,
+                                   max_input_len=256)
+    return emit_repository(engine_dir, engine_dir.parent.parent / "repo",
+                           RepositoryOptions(stats_period_ms=20))
+
+
+@pytest.fixture(scope="module")
+def torch_kernels():
+    old = os.environ.get("LLM_FORGE_KERNELS")
+    os.environ["LLM_FORGE_KERNELS"] = "torch"  # inherited by the server and its engines
+    yield
+    if old is None:
+        os.environ.pop("LLM_FORGE_KERNELS", None)
+    else:
+        os.environ["LLM_FORGE_KERNELS"] = old
+
+
+@pytest.fixture(scope="module")
+def supervised(repository, torch_kernels):
+    """A server under a supervisor allowed 2 reloads: the third failure is one too many."""
+    lines: list[str] = []
+    with running_tritonserver(repository) as server:
+        supervisor = Supervisor(server.http_url, max_reloads=2, report=lines.append)
+        supervisor.start()
+        try:
+            yield server, supervisor, lines
+        finally:
+            supervisor.stop()
+            print("\n".join(lines))
+
+
+def _stub(server) -> int:
+    stub = _child_with(server.process.pid, "tensorrt_llm_0_0")
+    assert stub is not None, [_cmdline(c) for c in _children(server.process.pid)]
+    return stub
+
+
+def test_only_the_launchers_secret_id_is_a_drain_request(monkeypatch):
+    monkeypatch.delenv(CONTROL_TOKEN_ENV, raising=False)
+    assert not is_drain_request(DRAIN_REQUEST_ID) and not is_drain_request(drain_request_id(""))
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, "s3cret")
+    assert is_drain_request(drain_request_id("s3cret"))
+    for guess in (DRAIN_REQUEST_ID, drain_request_id(""), drain_request_id("s3cre"), ""):
+        assert not is_drain_request(guess)
+
+
+@pytest.mark.slow
+def test_a_client_cannot_drain_the_server_with_a_guessed_id(supervised):
+    server, _, _ = supervised
+    for request_id in (DRAIN_REQUEST_ID, drain_request_id(""), drain_request_id("0" * 32)):
+        assert _control_request(server.http_url, "tensorrt_llm", request_id, 10.0).ok is True
+    assert _ready(server) and _answers(server, "tensorrt_llm_bls") and _answers(server, "ensemble")
+
+
+@pytest.mark.slow
+def test_a_killed_stub_is_reloaded_and_every_entry_point_serves_again(supervised):
+    server, supervisor, lines = supervised
+    assert _ready(server) and _answers(server, "ensemble")
+    os.kill(_stub(server), signal.SIGKILL)
+    not_ready = _poll(lambda: not _ready(server), 15)
+    assert not_ready is not None, lines
+    serving = _poll(lambda: _ready(server) and _answers(server, "ensemble"), 120)
+    assert serving is not None, lines
+    assert _answers(server, "tensorrt_llm_bls")
+    assert any("Stub process 'tensorrt_llm_0_0' is not healthy" in line for line in lines)
+    print(f"\nstub killed: not ready after {not_ready:.1f} s, serving again after "
+          f"{not_ready + serving:.1f} s")
+
+
+def _engine_pid(server) -> int | None:
+    """The engine process the tensorrt_llm model talks to now (set once it is ready)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    match = re.search(r'llm_forge_executor_stats\{[^}]*stat="engine_pid"[^}]*\} ([0-9.e+]+)', text)
+    return int(float(match.group(1))) if match else None
+
+
+@pytest.mark.slow
+def test_an_engine_down_for_good_makes_the_server_not_ready_then_serve_again(supervised):
+    server, supervisor, lines = supervised
+    # The crash-loop limit: 3 restarts within 300 s, so the 4th death of a ready engine is the
+    # last. Each is killed once it is ready (its pid is published).
+    killed: list[int] = []
+    for _ in range(4):
+        assert _poll(lambda: _engine_pid(server) not in (None, *killed), 120) is not None, lines
+        killed.append(_engine_pid(server))
+        os.kill(killed[-1], signal.SIGKILL)
+    not_ready = _poll(lambda: not _ready(server), 15)
+    assert not_ready is not None, lines
+    serving = _poll(lambda: _ready(server) and _answers(server, "ensemble"), 120)
+    assert serving is not None, lines
+    assert any("tensorrt_llm: the engine is down (the engine process exited with code -9; "
+               "4 crashes within 300 s" in line for line in lines), lines
+    print(f"\nengine down for good: not ready after {not_ready:.1f} s, serving again after "
+          f"{not_ready + serving:.1f} s")
+
+
+@pytest.mark.slow
+def test_past_the_reload_limit_the_server_stays_not_ready_and_says_why(supervised):
+    server, supervisor, lines = supervised
+    os.kill(_stub(server), signal.SIGKILL)
+    assert _poll(supervisor.gave_up.is_set, 60) is not None, lines
+    assert not _ready(server) and _poll(lambda: _ready(server), 5) is None
+    assert "forge serve stopped reloading tensorrt_llm: 3 failures within 300 s, reload limit 2" \
+        in lines[-1]
+    with open(server.log_path, errors="replace") as log:
+        assert "forge serve stopped reloading tensorrt_llm" in log.read()
+
+
+# -- forge serve as a subprocess ----------------------------------------------------------------
+class ForgeServe:
+    def __init__(self, repository: Path, *args: str):
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.output = Path(os.environ.get("TMPDIR", "/tmp")) / f"forge-serve-{self.http_port}.out"
+        self.sink = open(self.output, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "builder.cli", "serve", "--repository", str(repository),
+             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+             "--metrics-port", str(free_port()), *args],
+            stdout=self.sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait_serving(self, timeout: float = 240) -> None:
+        started = time.monotonic()
+        while "supervisor: probing" not in self.text():
+            assert self.process.poll() is None, self.text()
+            assert time.monotonic() - started < timeout, self.text()
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        self.sink.close()
+        self.output.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def forge_serve(repository, torch_kernels):
+    started = []
+
+    def start(*args: str) -> ForgeServe:
+        serve = ForgeServe(repository, *args)
+        started.append(serve)
+        serve.wait_serving()
+        return serve
+
+    yield start
+    for serve in started:
+        tritonservers = _children(serve.process.pid)
+        serve.close()
+        for pid in tritonservers:  # a forge serve killed above leaves its server behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _stream(url: str, model: str, max_tokens: int) -> tuple[str, int, str]:
+    """('done', tokens, finish_reason) or ('error', tokens, message) for one streamed request."""
+    tokens, reason = 0, ""
+    try:
+        for chunk in stream_grpc(url, model, text_inputs(text_input="The quick brown fox",
+                                                         max_tokens=max_tokens, stream=True),
+                                 timeout=120):
+            decode_text(chunk)
+            tokens += int(chunk["output_ids"].size)
+            reason = chunk["finish_reason"].reshape(-1)[0].decode()
+    except RuntimeError as exc:
+        return "error", tokens, str(exc)
+    return "done", tokens, reason
+
+
+@pytest.mark.slow
+def test_sigterm_drains_sixteen_streams_and_exits_zero(forge_serve):
+    serve = forge_serve("--drain-timeout", "4")
+    # Half finish well within the drain, half cannot: they end with the drain error.
+    plans = [("ensemble" if i % 2 else "tensorrt_llm_bls", 24 if i % 4 < 2 else 1000)
+             for i in range(16)]
+    pool = ThreadPoolExecutor(16)
+    futures = [pool.submit(_stream, serve.grpc_url, model, n) for model, n in plans]
+    time.sleep(1.5)
+    serve.process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    not_ready = _poll(lambda: not http_ok(f"http://{serve.http_url}/v2/health/ready"), 15)
+    late = _stream(serve.grpc_url, "ensemble", 4)
+    results = [future.result(timeout=120) for future in futures]
+    drained = time.monotonic() - signalled
+    code = serve.process.wait(60)
+    exited = time.monotonic() - signalled
+    pool.shutdown()
+    for (model, max_tokens), (kind, tokens, reason) in zip(plans, results):
+        # Finished in time, or cancelled at the drain timeout: a final response either way.
+        assert kind == "done", (model, kind, tokens, reason, serve.text())
+        assert (tokens, reason) == (max_tokens, "length") or \
+            (reason == "cancelled" and tokens < max_tokens), (model, tokens, reason)
+    assert not_ready is not None
+    assert late[0] == "error" and DRAIN_REFUSED in late[2], late
+    assert code == 0, serve.text()
+    done = sum(reason == "length" for _, _, reason in results)
+    print(f"\ndrain: not ready {not_ready:.2f} s after SIGTERM; {done} streams completed, "
+          f"{16 - done} were cancelled at the drain timeout; all ended {drained:.1f} s and forge serve "
+          f"exited 0 {exited:.1f} s after SIGTERM (drain timeout 4 s)")
+
+
+@pytest.mark.slow
+def test_forge_serve_exits_nonzero_when_tritonserver_dies(forge_serve):
+    serve = forge_serve()
+    tritonserver = _child_with(serve.process.pid, "tritonserver")
+    assert tritonserver is not None
+    os.kill(tritonserver, signal.SIGKILL)
+    assert serve.process.wait(30) == 1
+    assert "error: tritonserver exited with code -9" in serve.text()

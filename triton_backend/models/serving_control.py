@@ -1,0 +1,52 @@
+"""Requests `forge serve` sends the `tensorrt_llm` model to supervise it, and what it answers.
+
+Both are `stop` requests (NVIDIA's cancellation convention), so they never reach the engine:
+
+- the health probe (`PROBE_REQUEST_ID`): an empty final response while the model can serve, the
+  `ENGINE_DOWN` error once its engine is down for good;
+- the drain (`drain_request_id(token)`, with the per-launch secret the launcher puts in the
+  server's environment, `CONTROL_TOKEN_ENV`, so no client can drain the server by sending a
+  known id; without the secret there is no drain request): from then on new requests are
+  refused with `DRAIN_REFUSED`;
+  requests in flight may finish until the drain timeout (`DRAIN_SECONDS_ENV`, which the launcher
+  sets from `forge serve --drain-timeout`), then are cancelled: they end with their final
+  response, finish reason `cancelled` (or, should the engine not end one, the `DRAIN_EXPIRED`
+  error). Not an error for all: an error response sent to a BLS request's stream after it has
+  streamed never reaches the BLS in Triton 2.51's Python backend, a final with outputs does.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+
+PROBE_REQUEST_ID = "forge-serve-health-probe"
+DRAIN_REQUEST_ID = "forge-serve-drain"
+DRAIN_SECONDS_ENV = "LLM_FORGE_DRAIN_SECONDS"
+CONTROL_TOKEN_ENV = "LLM_FORGE_CONTROL_TOKEN"
+DEFAULT_DRAIN_SECONDS = 30.0
+
+ENGINE_DOWN = "tensorrt_llm: the engine is down ({reason})"
+DRAIN_REFUSED = "the server is shutting down: new requests are refused (draining)"
+DRAIN_EXPIRED = ("the server is shutting down: the drain timeout ({seconds:g} s) expired before "
+                 "this request finished")
+
+
+def drain_seconds() -> float:
+    """The drain timeout the server was started with (the default when unset or unreadable)."""
+    try:
+        value = float(os.environ.get(DRAIN_SECONDS_ENV, DEFAULT_DRAIN_SECONDS))
+    except ValueError:
+        return DEFAULT_DRAIN_SECONDS
+    return value if value >= 0 else DEFAULT_DRAIN_SECONDS
+
+
+def drain_request_id(token: str) -> str:
+    """The id of the drain request for a server launched with secret `token`."""
+    return f"{DRAIN_REQUEST_ID}-{token}"
+
+
+def is_drain_request(request_id: str) -> bool:
+    """True for the drain request of this server's launcher (never when it set no secret)."""
+    token = os.environ.get(CONTROL_TOKEN_ENV, "")
+    return bool(token) and hmac.compare_digest(request_id.encode(),
+                                               drain_request_id(token).encode())
