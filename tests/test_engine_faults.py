@@ -11,7 +11,7 @@ import torch
 
 from triton_backend.engine import FinishReason, Request, SamplingParams
 from triton_backend.engine.executor import Executor
-from triton_backend.engine.faults import FAULT_FILE_ENV
+from triton_backend.engine.faults import FAULT_FILE_ENV, inject
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.offline import generate
 from triton_backend.engine.sampler import Sampler, SamplingError
@@ -92,7 +92,7 @@ def test_a_failing_step_fails_its_batch_and_the_engine_serves_the_next(tiny_engi
     try:
         rid = ex.enqueue_request(Request([5, 6, 7], 200, streaming=True, ignore_eos=True))
         assert ex.await_responses(rid, timeout=60)  # running
-        fault.write_text("oom:injected out of memory")
+        inject(fault, "oom:injected out of memory")
         final = final_response(ex, rid)
         assert final.finish_reason == FinishReason.ERROR
         assert "the engine step failed: MemoryError: injected out of memory" in final.error
@@ -118,14 +118,14 @@ def test_a_crashed_loop_restarts_in_place_until_the_crash_loop_limit(tiny_engine
     try:
         rid = ex.enqueue_request(Request([5, 6, 7], 200, streaming=True, ignore_eos=True))
         assert ex.await_responses(rid, timeout=60)
-        fault.write_text("loop:boom")
+        inject(fault, "loop:boom")
         final = final_response(ex, rid)
         assert final.finish_reason == FinishReason.ERROR
         assert "internal error in the engine loop: InjectedFault: boom" in final.error
         rid = ex.enqueue_request(Request([5, 6], 3, ignore_eos=True))
         assert final_response(ex, rid).num_output_tokens == 3
         assert ex.get_stats()["num_loop_restarts"] == 1 and ex.is_alive()
-        fault.write_text("loop:again")  # seen when the loop next wakes: on this request
+        inject(fault, "loop:again")  # seen when the loop next wakes: on this request
         rid = ex.enqueue_request(Request([5, 6], 3, ignore_eos=True))
         final = final_response(ex, rid)
         assert final.finish_reason == FinishReason.ERROR and "again" in final.error

@@ -10,7 +10,8 @@ see it removes it and injects the fault the file names:
 - `loop`: an exception outside any step, so the loop itself restarts in place;
 - `exit` (or `exit:CODE`): the process exits at once, as if killed (no goodbye to the client).
 
-Without the variable `check()` is one attribute test per step.
+Without the variable `check()` is one attribute test per step. Write the file with `inject`: it
+appears whole (an engine polling the path never reads it half-written, as an empty `step`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ import os
 FAULT_FILE_ENV = "LLM_FORGE_FAULT_FILE"
 STEP_FAULTS = ("step", "oom", "exit")
 LOOP_FAULTS = ("loop",)
+
+
+def inject(path, fault: str) -> None:
+    """Ask for `fault` (e.g. "oom:message") at `path`, atomically."""
+    staged = f"{path}.staged"
+    with open(staged, "w") as handle:
+        handle.write(fault)
+    os.replace(staged, path)
 
 
 class InjectedFault(RuntimeError):
