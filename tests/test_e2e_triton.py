@@ -20,7 +20,7 @@ import pytest
 from builder.client import decode_text, generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
-from triton_backend.engine.faults import FAULT_FILE_ENV
+from triton_backend.engine.faults import FAULT_FILE_ENV, inject
 
 pytestmark = pytest.mark.slow
 PROMPT = "The quick brown fox"
@@ -345,7 +345,7 @@ def test_review_probes_are_refused_and_the_next_request_is_served(server, model)
 
 
 def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(server, fault_file):
-    fault_file.write_text("oom:injected out of memory")
+    inject(fault_file, "oom:injected out of memory")
     with pytest.raises(RuntimeError, match="the engine step failed: MemoryError: injected out of "
                                            "memory"):
         grpc_request(server, "ensemble", text_inputs(text_input=PROMPT, max_tokens=16,
@@ -354,3 +354,21 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(server,
     assert server.is_ready()
     assert streamed_text(server, "ensemble", text_input=PROMPT, max_tokens=8)
     assert metrics(server).get("num_failed_steps") == 1
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_step_failing_in_the_middle_of_a_stream_ends_it_with_the_error(server, fault_file,
+                                                                         model):
+    """The fault strikes after the stream has sent text: the client still gets the step's error
+    (not a hang, not a silent end), and the next request is served."""
+    chunks = stream_grpc(server.grpc_url, model, text_inputs(text_input=PROMPT, max_tokens=64,
+                                                               stream=True), timeout=60)
+    assert decode_text(next(chunks)) is not None
+    inject(fault_file, "step:injected mid-stream")
+    with pytest.raises(RuntimeError, match="the engine step failed: InjectedFault: injected "
+                                           "mid-stream"):
+        for _ in range(64):
+            next(chunks)
+    assert not fault_file.exists()
+    assert server.is_ready()
+    assert streamed_text(server, model, text_input=PROMPT, max_tokens=8)

@@ -136,6 +136,12 @@ def test_deadlines_end_waiting_and_running_requests_with_the_error(server):
                       request_timeout_us=200_000).result()
     assert re.search(r"timeout: request exceeded its deadline of 200 ms \(waited \d+ ms\)$",
                      late.error), late.error
+    # the BLS hands its own request timeout on to the request it makes
+    late = Background(server, "tensorrt_llm_bls", text_inputs(text_input="fox", max_tokens=2,
+                                                              stream=True),
+                      request_timeout_us=200_000).result()
+    assert re.search(r"timeout: request exceeded its deadline of 2\d\d ms \(waited \d+ ms\)$",
+                     late.error), late.error
     hog.close()
     assert wait_for(lambda: value(scrape(server), "nv_trt_llm_request_metrics",
                                   request_type="active") == 0, timeout=60)
@@ -144,11 +150,17 @@ def test_deadlines_end_waiting_and_running_requests_with_the_error(server):
                   ids_request(3, HOG_TOKENS, timeout_ms=(300, np.uint64)))
     assert re.search(r"timeout_ms: request exceeded its deadline of 300 ms "
                      r"\(waited \d+ ms, ran \d+ ms\)$", ran), ran
+    # running and streaming through the BLS: the stream ends with the error, it does not hang
+    ran = refused(server, "tensorrt_llm_bls",
+                  text_inputs(text_input="fox", max_tokens=HOG_TOKENS, min_tokens=HOG_TOKENS,
+                              stream=True, timeout_ms=300))
+    assert re.search(r"timeout_ms: request exceeded its deadline of 300 ms "
+                     r"\(waited \d+ ms, ran \d+ ms\)$", ran), ran
     # their KV blocks are free and the server serves on
     assert wait_for(lambda: value(scrape(server), "nv_trt_llm_kv_cache_block_metrics",
                                   kv_cache_block_type="used") == 0)
     after = scrape(server)
     assert (value(after, "llm_forge_requests_total", outcome="timeout")
-            - value(before, "llm_forge_requests_total", outcome="timeout")) == 4
+            - value(before, "llm_forge_requests_total", outcome="timeout")) == 6
     reply = generate_http(server.http_url, "ensemble", {"text_input": "fox", "max_tokens": 2})
     assert reply[0]["text_output"]

@@ -23,6 +23,17 @@ PERF_METRIC_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
                        "kv_cache_alloc_total_blocks", "acceptance_rate",
                        "total_accepted_draft_tokens", "total_draft_tokens")
 
+# Our BLS sets this request parameter (true): its request then ends with an error as a FINAL
+# response carrying the message in ERROR_OUTPUT, not as an error response. Triton (2.51) does
+# not deliver an error response to a BLS caller's stream once that stream has had a response,
+# which would leave the BLS client waiting forever.
+ERROR_AS_OUTPUT = "llm_forge_error_as_output"
+ERROR_OUTPUT = "error_message"
+
+
+def error_outputs(message: str) -> dict[str, np.ndarray]:
+    return {ERROR_OUTPUT: np.asarray([[message.encode("utf-8")]], dtype=object)}
+
 
 @dataclass
 class StreamState:

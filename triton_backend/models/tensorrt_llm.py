@@ -23,7 +23,8 @@ from triton_backend.models.metrics import ExecutorMetrics, outcome_of
 from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import (INPUT_NAMES, RequestDefaults, RequestError,
                                                      parse_request)
-from triton_backend.models.response_converter import StreamState, build_outputs
+from triton_backend.models.response_converter import (ERROR_AS_OUTPUT, StreamState,
+                                                      build_outputs, error_outputs)
 from triton_backend.models.serving_control import (DRAIN_EXPIRED, DRAIN_REFUSED,
                                                    ENGINE_DOWN, drain_seconds,
                                                    is_drain_request)
@@ -41,11 +42,35 @@ class ActiveRequest:
     state: StreamState
     stop_key: tuple[str, str] | None  # (client, request id) a `stop` must match; None: no id
     wanted: frozenset[str] | None  # the outputs the caller asked for; None: all
+    error_as_output: bool = False  # see send_failure
     cancel_sent: bool = False
+
+
+def send_failure(sender, message: str, error_as_output: bool) -> None:
+    """End a request with `message`: an error response, or for a caller that set the
+    `ERROR_AS_OUTPUT` request parameter (our BLS), a FINAL response carrying the message in
+    `ERROR_OUTPUT`."""
+    if error_as_output:
+        sender.send(make_response(error_outputs(message)), flags=FINAL)
+    else:
+        send_error(sender, message)
 
 
 def _off_or_none(enabled: bool) -> bool | None:
     return None if enabled else False
+
+
+def _parameters(request) -> dict:
+    """The request's parameters (Triton's JSON of them); {} when there are none or they are bad."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return parameters if isinstance(parameters, dict) else {}
+
+
+def _error_as_output(request) -> bool:
+    return _parameters(request).get(ERROR_AS_OUTPUT) is True
 
 
 def client_of(request) -> str:
@@ -55,13 +80,7 @@ def client_of(request) -> str:
     another's request by guessing its id. Clients that send neither header share one scope:
     their ids must be unguessable (our BLS and OpenAI front end use random ids).
     """
-    try:
-        parameters = json.loads(request.parameters() or "{}")
-    except (TypeError, ValueError):
-        return ""
-    if not isinstance(parameters, dict):
-        return ""
-    found = sorted((str(key).lower(), str(value)) for key, value in parameters.items()
+    found = sorted((str(key).lower(), str(value)) for key, value in _parameters(request).items()
                    if str(key).lower() in CLIENT_PARAMETERS)
     if not found:
         return ""
@@ -120,10 +139,10 @@ class TensorrtLlmModel:
                 self._enqueue(request, sender)
             except (RequestError, ValueError) as exc:
                 self.metrics.count("invalid")
-                send_error(sender, str(exc))
+                send_failure(sender, str(exc), _error_as_output(request))
             except ServerBusy as exc:  # an executor in this process; the engine process
                 self.metrics.count("rejected")  # answers busy with a final error instead
-                send_error(sender, str(exc))
+                send_failure(sender, str(exc), _error_as_output(request))
         return None
 
     def _parse(self, request):
@@ -153,7 +172,8 @@ class TensorrtLlmModel:
         # Registered under the lock the response thread takes, so no response can miss its sender.
         with self.lock:
             request_id = self.executor.enqueue_request(parsed.request)
-            self.active[request_id] = ActiveRequest(sender, state, stop_key, wanted)
+            self.active[request_id] = ActiveRequest(sender, state, stop_key, wanted,
+                                                    _error_as_output(request))
             if stop_key is not None:
                 self.by_stop_key[stop_key] = request_id
 
@@ -222,7 +242,7 @@ class TensorrtLlmModel:
             self._observe(response, active.state, now_ns)
         try:
             if response.has_error:
-                send_error(active.sender, response.error)
+                send_failure(active.sender, response.error, active.error_as_output)
                 return
             outputs = build_outputs(response, active.state, now_ns, active.wanted)
             active.sender.send(make_response(outputs), flags=FINAL if response.is_final else 0)
@@ -251,7 +271,7 @@ class TensorrtLlmModel:
             self.by_stop_key.clear()
         for active in leftovers:
             try:
-                send_error(active.sender, message)
+                send_failure(active.sender, message, active.error_as_output)
             except Exception:
                 pass
 

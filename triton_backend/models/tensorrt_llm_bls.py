@@ -19,7 +19,8 @@ from triton_backend.engine.config import EngineConfig
 from triton_backend.models.detokenizer import IncrementalDetokenizer, stop_strings_of
 from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import RequestError, scalar
-from triton_backend.models.response_converter import PERF_METRIC_OUTPUTS
+from triton_backend.models.response_converter import (ERROR_AS_OUTPUT, ERROR_OUTPUT,
+                                                      PERF_METRIC_OUTPUTS)
 from triton_backend.models.text_request import (PASSTHROUGH_INPUTS, check_max_tokens,
                                                  encode_words, prompt_ids, tensorrt_llm_inputs,
                                                  text_list, text_value)
@@ -31,7 +32,10 @@ INPUT_NAMES = ("text_input", "max_tokens", "bad_words", "stop_words", "stream",
 PASSED_OUTPUTS = ("cum_log_probs", "batch_index", "sequence_index", "num_input_tokens",
                   "num_output_tokens", "arrival_time_ns", "first_token_time_ns",
                   "last_token_time_ns", "finish_reason", *PERF_METRIC_OUTPUTS)
-INNER_OUTPUTS = ("output_ids", "output_log_probs", *PASSED_OUTPUTS)
+# ERROR_OUTPUT: with the ERROR_AS_OUTPUT parameter, the inner model ends a failed request with
+# its message there, a response that reaches this model's stream even after text has streamed
+# (an error response would not).
+INNER_OUTPUTS = ("output_ids", "output_log_probs", ERROR_OUTPUT, *PASSED_OUTPUTS)
 
 
 class BlsModel:
@@ -72,14 +76,14 @@ class BlsModel:
             if stream and not self.decoupled:
                 raise RequestError("stream needs the decoupled tensorrt_llm_bls model; this "
                                    "repository was emitted with decoupled: false")
-            inner, detokenizer = self._inner_request(inputs)
+            inner, detokenizer = self._inner_request(inputs, request.timeout())
             self._relay(inner, detokenizer, sender, stream)
         except RequestError as exc:
             send_error(sender, str(exc))
         except Exception as exc:  # keep serving everyone else; tell this client why
             send_error(sender, f"tensorrt_llm_bls: {type(exc).__name__}: {exc}")
 
-    def _inner_request(self, inputs: dict):
+    def _inner_request(self, inputs: dict, timeout_us: int):
         ids = prompt_ids(self.tokenizer, text_value(inputs, "text_input", "text_input"),
                          self.add_special_tokens, self.limits,
                          bool(scalar(inputs, "apply_chat_template") or False))
@@ -94,7 +98,9 @@ class BlsModel:
         inner = pb_utils.InferenceRequest(
             model_name=self.inner_model, request_id=f"bls-{uuid.uuid4().hex}",
             inputs=[pb_utils.Tensor(name, value) for name, value in tensors.items()],
-            requested_output_names=list(INNER_OUTPUTS))
+            requested_output_names=list(INNER_OUTPUTS),
+            parameters={ERROR_AS_OUTPUT: True},
+            timeout=timeout_us)  # Triton's request timeout (us, 0: none) carries on inside
         # Stop strings as the ensemble's postprocessing sees them: the text of the stop ids.
         stop_strings = stop_strings_of(self.tokenizer, stop, self.skip_special_tokens)
         detokenizer = IncrementalDetokenizer(self.tokenizer, stop_strings,
@@ -109,6 +115,10 @@ class BlsModel:
                 send_error(sender, response.error().message())
                 return
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            if ERROR_OUTPUT in outputs:
+                send_error(sender, outputs[ERROR_OUTPUT].reshape(-1)[0].decode("utf-8",
+                                                                             "replace"))
+                return
             if "output_ids" not in outputs:
                 continue  # an empty closing response
             reason = outputs["finish_reason"].reshape(-1)[0].decode()
