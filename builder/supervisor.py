@@ -86,26 +86,27 @@ def probe_model(http_url: str, model: str = "tensorrt_llm", timeout: float = 5.0
     return _control_request(http_url, model, PROBE_REQUEST_ID, timeout)
 
 
-def unload_model(http_url: str, model: str, timeout: float = 30.0) -> str | None:
-    """Ask Triton to unload `model` (it stops serving it at once); the error text, or None."""
+def _repository_call(http_url: str, model: str, action: str, body: dict | None,
+                     timeout: float) -> str | None:
+    """POST Triton's model-control `action` (load, unload) for `model`; the error text, or None."""
     try:
-        status, text = _post(f"http://{http_url}/v2/repository/models/{model}/unload", None,
+        status, text = _post(f"http://{http_url}/v2/repository/models/{model}/{action}", body,
                              timeout)
     except (urllib.error.URLError, OSError) as exc:
         return f"no answer: {exc}"
     return None if status == 200 else _error_text(text)
+
+
+def unload_model(http_url: str, model: str, timeout: float = 30.0) -> str | None:
+    """Ask Triton to unload `model` (it stops serving it at once); the error text, or None."""
+    return _repository_call(http_url, model, "unload", None, timeout)
 
 
 def load_model(http_url: str, model: str, timeout: float, parameters: dict | None = None
                ) -> str | None:
     """Load `model` (its dependents follow) and wait until Triton is done; the error, or None."""
     body = {"parameters": parameters} if parameters else None
-    try:
-        status, text = _post(f"http://{http_url}/v2/repository/models/{model}/load", body,
-                             timeout)
-    except (urllib.error.URLError, OSError) as exc:
-        return f"no answer: {exc}"
-    return None if status == 200 else _error_text(text)
+    return _repository_call(http_url, model, "load", body, timeout)
 
 
 def mark_not_ready(http_url: str, reason: str, timeout: float = 60.0) -> None:
