@@ -19,6 +19,14 @@ class Clock:
         return self.now
 
 
+def scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_num_tokens: int = 64,
+              max_batch_size: int = 1, **options) -> tuple[Scheduler, Clock]:
+    """A scheduler over a fresh block pool, on an injected clock at 0."""
+    clock = Clock()
+    return Scheduler(BlockManager(num_blocks, tokens_per_block), max_num_tokens=max_num_tokens,
+                     max_batch_size=max_batch_size, clock=clock, **options), clock
+
+
 def seq(seq_id: int, prompt_len: int = 2, max_tokens: int = 1, priority: int = 0) -> Sequence:
     request = Request(list(range(1, prompt_len + 1)), max_tokens, priority=priority)
     return Sequence.from_request(seq_id, request, frozenset())
@@ -41,8 +49,7 @@ def admitted_order(sched: Scheduler, steps: int) -> list[int]:
 
 
 def test_higher_priority_is_admitted_first_and_equal_priorities_in_arrival_order():
-    clock = Clock()
-    sched = Scheduler(BlockManager(16, 4), max_num_tokens=64, max_batch_size=1, clock=clock)
+    sched, clock = scheduler()
     for seq_id, priority in [(1, 0), (2, 5), (3, -3), (4, 5), (5, 0)]:
         sched.add(seq(seq_id, priority=priority))
         clock.now += 1_000_000  # 1 ms apart: far less than aging could make up
@@ -52,9 +59,9 @@ def test_higher_priority_is_admitted_first_and_equal_priorities_in_arrival_order
 
 
 def test_the_least_urgent_running_sequence_is_preempted_first():
-    clock = Clock()
-    bm = BlockManager(num_blocks=3, tokens_per_block=2)
-    sched = Scheduler(bm, max_num_tokens=16, max_batch_size=4, clock=clock)
+    sched, clock = scheduler(num_blocks=3, tokens_per_block=2, max_num_tokens=16,
+                             max_batch_size=4)
+    bm = sched.block_manager
     low = seq(1, max_tokens=3, priority=-10)  # older, but low priority
     clock.now = SECOND // 10
     high = seq(2, max_tokens=3, priority=10)
@@ -78,9 +85,8 @@ def test_the_least_urgent_running_sequence_is_preempted_first():
 
 
 def test_a_preempted_sequence_goes_back_by_its_urgency():
-    clock = Clock()
-    bm = BlockManager(num_blocks=3, tokens_per_block=2)
-    sched = Scheduler(bm, max_num_tokens=16, max_batch_size=2, clock=clock)
+    sched, clock = scheduler(num_blocks=3, tokens_per_block=2, max_num_tokens=16,
+                             max_batch_size=2)
     a, b = seq(1, max_tokens=3), seq(2, max_tokens=3)
     sched.add(a)
     sched.add(b)
@@ -97,9 +103,7 @@ def test_aging_admits_a_low_priority_request_however_many_high_ones_arrive():
     # aging rate 1 level/s: a priority-0 request that arrived at t=0 counts the same as a
     # priority-5 one arriving at t=5s; one high-priority request arrives every second and each
     # step admits (and finishes) one request.
-    clock = Clock()
-    sched = Scheduler(BlockManager(64, 4), max_num_tokens=64, max_batch_size=1,
-                      priority_aging_rate=1.0, clock=clock)
+    sched, clock = scheduler(num_blocks=64, priority_aging_rate=1.0)
     sched.add(seq(100, priority=0))
     order = []
     for k in range(1, 8):
@@ -112,9 +116,7 @@ def test_aging_admits_a_low_priority_request_however_many_high_ones_arrive():
 
 
 def test_a_faster_aging_rate_admits_the_low_priority_request_sooner():
-    clock = Clock()
-    sched = Scheduler(BlockManager(64, 4), max_num_tokens=64, max_batch_size=1,
-                      priority_aging_rate=10.0, clock=clock)
+    sched, clock = scheduler(num_blocks=64, priority_aging_rate=10.0)
     sched.add(seq(100, priority=0))
     order = []
     for k in range(1, 4):
@@ -128,9 +130,8 @@ def test_a_faster_aging_rate_admits_the_low_priority_request_sooner():
 
 
 def test_waiting_load_counts_requests_and_tokens_including_preempted_ones():
-    clock = Clock()
-    bm = BlockManager(num_blocks=3, tokens_per_block=2)
-    sched = Scheduler(bm, max_num_tokens=16, max_batch_size=2, clock=clock)
+    sched, clock = scheduler(num_blocks=3, tokens_per_block=2, max_num_tokens=16,
+                             max_batch_size=2)
     a, b = seq(1, max_tokens=3), seq(2, max_tokens=3)
     sched.add(a)
     sched.add(b)
@@ -144,9 +145,8 @@ def test_waiting_load_counts_requests_and_tokens_including_preempted_ones():
 
 
 def test_arrival_comes_from_the_request_when_it_has_one():
-    clock = Clock()
+    sched, clock = scheduler()
     clock.now = 50 * SECOND
-    sched = Scheduler(BlockManager(16, 4), max_num_tokens=64, max_batch_size=1, clock=clock)
     early = Sequence.from_request(1, Request([1, 2], 1, arrival_time_ns=10 * SECOND), frozenset())
     now = seq(2, priority=30)  # stamped at 50 s: virtual arrival 20 s, after `early`'s 10 s
     sched.add(now)
