@@ -177,37 +177,45 @@ def _int(array: Any) -> int | None:
     return int(array)
 
 
-class HttpGenerateClient:
-    """Triton's HTTP generate extension: `generate_stream` (SSE) or `generate` (one JSON)."""
+class SseHttpClient:
+    """One keep-alive HTTP connection; a request is a JSON POST answered by one JSON body or, when
+    the item streams, by server-sent events (`data:` lines, an optional `data: [DONE]` last).
+    Subclasses say where and what to POST and how to read one payload (`_take`)."""
 
-    def __init__(self, url: str, model: str, inputs: ModelInputs, fixed_output: bool,
-                 timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float) -> None:
         host, _, port = url.rpartition(":")
         self._host, self._port = host or "127.0.0.1", int(port)
-        self._model, self._inputs = model, inputs
-        self._fixed_output, self._timeout_s = fixed_output, timeout_s
+        self._timeout_s = timeout_s
         self._conn = self._connect()
 
     def _connect(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
 
+    def _request(self, item: WorkItem) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of one item."""
+        raise NotImplementedError
+
+    def _take(self, payload: dict, record: RequestRecord, elapsed: float) -> None:
+        """Add one response payload (a whole body or one event) to `record`."""
+        raise NotImplementedError
+
     def send(self, item: WorkItem, index: int, level_start: float) -> RequestRecord:
         record = _new_record(item, index)
-        endpoint = "generate_stream" if item.stream else "generate"
-        body = json.dumps(request_fields(item, self._inputs, self._fixed_output))
+        path, body = self._request(item)
         sent = time.perf_counter()
         record.start = sent - level_start
         try:
-            self._conn.request("POST", f"/v2/models/{self._model}/{endpoint}", body=body,
+            self._conn.request("POST", path, body=json.dumps(body),
                                headers={"Content-Type": "application/json"})
             response = self._conn.getresponse()
-            if item.stream and response.status == 200:
-                self._read_events(response, record, sent)
-            else:
+            if response.status != 200:
                 payload = json.loads(response.read() or b"{}")
                 self._take(payload, record, time.perf_counter() - sent)
-                if response.status != 200 and record.error is None:
-                    record.error = f"HTTP {response.status}"
+                record.error = f"HTTP {response.status}: {record.error or payload}"
+            elif item.stream:
+                self._read_events(response, record, sent)
+            else:
+                self._take(json.loads(response.read()), record, time.perf_counter() - sent)
             if record.error is None:
                 record.end = time.perf_counter() - sent
         except TimeoutError:
@@ -223,27 +231,45 @@ class HttpGenerateClient:
                      sent: float) -> None:
         while True:
             line = response.readline()
-            arrived = time.perf_counter()
+            arrived = time.perf_counter()  # when the event's line arrived, before parsing
             if not line:
                 return
             line = line.strip()
-            if line.startswith(b"data:"):
-                self._take(json.loads(line[5:]), record, arrived - sent)
-                if record.error is not None:
-                    response.read()
-                    return
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                response.read()  # the end of the chunked body, so the connection is reusable
+                return
+            self._take(json.loads(data), record, arrived - sent)
+            if record.error is not None:
+                response.read()
+                return
 
-    @staticmethod
-    def _take(payload: dict, record: RequestRecord, elapsed: float) -> None:
+    def close(self) -> None:
+        self._conn.close()
+
+
+class HttpGenerateClient(SseHttpClient):
+    """Triton's HTTP generate extension: `generate_stream` (SSE) or `generate` (one JSON)."""
+
+    def __init__(self, url: str, model: str, inputs: ModelInputs, fixed_output: bool,
+                 timeout_s: float) -> None:
+        super().__init__(url, timeout_s)
+        self._model, self._inputs, self._fixed_output = model, inputs, fixed_output
+
+    def _request(self, item: WorkItem) -> tuple[str, dict[str, Any]]:
+        endpoint = "generate_stream" if item.stream else "generate"
+        return (f"/v2/models/{self._model}/{endpoint}",
+                request_fields(item, self._inputs, self._fixed_output))
+
+    def _take(self, payload: dict, record: RequestRecord, elapsed: float) -> None:
         if "error" in payload:
             record.error = str(payload["error"])
             return
         text = payload.get("text_output", "")
         record.add_chunk(elapsed, "".join(text) if isinstance(text, list) else str(text))
         record.note_server_tokens(_int(payload.get("num_output_tokens")))
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 def make_client(protocol: str, url: str, model: str, inputs: ModelInputs, fixed_output: bool,
