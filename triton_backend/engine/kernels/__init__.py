@@ -2,8 +2,9 @@
 
 `load_cpu_kernels()` compiles `csrc/*.cpp` with the system compiler (`-march=native`: it is built
 on the machine that runs it) into the operator library `torch.ops.llm_forge`, under
-`<cache>/kernels/<key>/`, where the key hashes the sources, the flags, the torch version and the
-CPU. The first call on a machine compiles (tens of seconds, logged with its time); later calls,
+`<cache>/kernels/<key>/`, where the key hashes the sources, the flags, the torch version and
+install (two virtual environments write different include paths into the build files, so sharing
+a build directory would make them rebuild in turn) and the CPU. The first call on a machine compiles (tens of seconds, logged with its time); later calls,
 in any process, load the cached library in well under a second.
 
 Everything here has a pure-torch equivalent in the model code, used when the extension cannot be
@@ -50,7 +51,7 @@ def _cpu_signature() -> str:
 
 
 def build_key() -> str:
-    """Names one build of the kernels: sources, flags, torch and the CPU."""
+    """Names one build of the kernels: sources, flags, torch (version and install) and the CPU."""
     if "key" in _state:
         return str(_state["key"])
     digest = hashlib.sha256()
@@ -58,6 +59,7 @@ def build_key() -> str:
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
     digest.update(torch.__version__.encode())
+    digest.update(os.path.dirname(torch.__file__).encode())
     digest.update(_cpu_signature().encode())
     _state["key"] = digest.hexdigest()[:16]
     return str(_state["key"])
