@@ -20,23 +20,31 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
 @click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False))
 @click.option("--output", "output_dir", required=True, type=click.Path(file_okay=False))
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="A RepositoryOptions field, e.g. --set decoupled=false (repeatable).")
+              help="A field of the spec's repository: or serving: section, e.g. --set "
+                   "decoupled=false or --set max_waiting_requests=16 (repeatable).")
 def repository_command(engine_dir, output_dir, settings) -> None:
-    """Re-emit the Triton model repository for an engine directory."""
+    """Re-emit the Triton model repository for an engine directory, from the repository: and
+    serving: sections of the spec it was built with, changed by --set."""
+    import dataclasses
+
     import yaml
 
+    from builder.manifest import spec_serving_sections
     from builder.repository import RepositoryOptions, emit_repository
+    from builder.spec import ServingSpec
 
+    serving_keys = {f.name for f in dataclasses.fields(ServingSpec)}
+    repository, serving = spec_serving_sections(Path(engine_dir))
     try:
-        values = {}
         for item in settings:
             key, sep, raw = item.partition("=")
             if not sep:
                 raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-            values[key.strip()] = yaml.safe_load(raw)
+            key = key.strip()
+            (serving if key in serving_keys else repository)[key] = yaml.safe_load(raw)
         path = emit_repository(Path(engine_dir), Path(output_dir),
-                               RepositoryOptions.from_dict(values))
-    except (ValueError, FileNotFoundError) as exc:
+                               RepositoryOptions.from_dict(repository), ServingSpec(**serving))
+    except (ValueError, FileNotFoundError) as exc:  # SpecError is a ValueError
         _fail(str(exc))
     click.echo(f"repository: {path}")
 

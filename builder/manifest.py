@@ -1,6 +1,7 @@
 """`manifest.json`: what an engine was built from and with, so a build can be traced and reproduced."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import platform
@@ -34,8 +35,21 @@ def write_manifest(engine_dir: Path, spec: BuildSpec, hf_dir: Path, extra: dict 
         # What loading checks (triton_backend/engine/toolchain.py): the engine needs the same.
         "toolchain": current_toolchain(spec.target),
         "build_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # The spec's serving sections: `forge repository` starts from them, not from defaults.
+        "repository": dict(spec.repository),
+        "serving": dataclasses.asdict(spec.serving),
         **(extra or {}),
     }
     path = engine_dir / MANIFEST_FILE
     path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
+
+
+def spec_serving_sections(engine_dir: Path) -> tuple[dict, dict]:
+    """The (`repository:`, `serving:`) sections of the spec `engine_dir` was built from, as its
+    manifest recorded them; empty for an engine built before they were recorded."""
+    try:
+        manifest = json.loads((engine_dir / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return {}, {}
+    return dict(manifest.get("repository") or {}), dict(manifest.get("serving") or {})

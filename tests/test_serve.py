@@ -81,6 +81,24 @@ def test_forge_repository_reports_bad_options_naming_the_field(tmp_path):
     assert result.exit_code == 2 and "repository.decoupled" in result.output
 
 
+def test_forge_repository_starts_from_the_specs_sections_and_applies_set(tmp_path):
+    from click.testing import CliRunner
+
+    from builder.cli_serve import repository_command
+    from tests.triton_helpers import build_tiny_engine
+
+    engine = build_tiny_engine(tmp_path, spec_sections={
+        "serving": {"max_waiting_requests": 5}, "repository": {"stats_period_ms": 40}})
+    result = CliRunner().invoke(repository_command, [
+        "--engine", str(engine), "--output", str(tmp_path / "r"),
+        "--set", "priority_aging_rate=2.5", "--set", "decoupled=true"])
+    assert result.exit_code == 0, result.output
+    config = (tmp_path / "r" / "tensorrt_llm" / "config.pbtxt").read_text()
+    for key, value in [("max_waiting_requests", "5"), ("stats_period_ms", "40"),
+                       ("priority_aging_rate", "2.5")]:
+        assert f'key: "{key}" value: {{ string_value: "{value}" }}' in config, key
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_forge_query_reports_an_unreachable_server(protocol):
     from click.testing import CliRunner
