@@ -10,6 +10,10 @@ Phases:
             cancellation (ended == sent, lost == 0); TTFT p99 of admitted requests vs capacity
   soak      --soak-requests requests, 20% cancelled or disconnected mid-stream at random;
             afterwards 0 KV blocks used, 0 requests tracked by executor or model
+  priority  closed loop at --priority-concurrency streams (more than the batch holds, so a
+            queue forms) for --priority-seconds, --high-fraction of them at priority
+            --high-priority, the rest at 0: TTFT p50 of each class (high <= 1/3 of low) and
+            every low-priority request finishes (none starves)
 RSS of tritonserver and every process under it (stubs, engine process) is sampled throughout;
 "flat" compares the mean of the last quarter with the first quarter after warm-up.
 Prints a table and writes JSON (--out).
@@ -111,13 +115,15 @@ class Client:
         self.url, self.prompt_len, self.max_tokens, self.deadline = (url, prompt_len, max_tokens,
                                                                      deadline)
 
-    def run(self, action: str = "complete") -> dict:
+    def run(self, action: str = "complete", priority: int = 0) -> dict:
         import tritonclient.grpc as grpcclient
 
         ids = np.array([[5 + (i % 300) for i in range(self.prompt_len)]], np.int32)
         inputs = {"input_ids": ids, "input_lengths": np.array([[self.prompt_len]], np.int32),
                   "request_output_len": np.array([[self.max_tokens]], np.int32),
                   "streaming": np.array([[True]])}
+        if priority:
+            inputs["priority"] = np.array([[priority]], np.int32)
         tensors = []
         for name, array in inputs.items():
             dtype = {np.int32: "INT32", np.bool_: "BOOL"}[array.dtype.type]
@@ -172,17 +178,22 @@ class Client:
                 pass
 
 
-def run_closed_loop(client: Client, concurrency: int, seconds: float) -> list[dict]:
+def run_closed_loop(client: Client, concurrency: int, seconds: float,
+                    priority_of=None) -> list[dict]:
+    """`concurrency` streams back to back for `seconds`; `priority_of(rng)` picks each
+    request's priority (default 0), recorded as `priority`."""
     records, lock = [], threading.Lock()
     stop = time.monotonic() + seconds
 
-    def worker():
+    def worker(index):
+        rng = random.Random(index)
         while time.monotonic() < stop:
-            record = client.run()
+            priority = priority_of(rng) if priority_of else 0
+            record = dict(client.run(priority=priority), priority=priority)
             with lock:
                 records.append(record)
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -262,12 +273,20 @@ def main(argv=None) -> int:
     parser.add_argument("--max-in-flight", type=int, default=1024,
                         help="client threads at most; when reached, arrivals wait (the achieved "
                              "rate is reported)")
+    parser.add_argument("--priority-concurrency", type=int, default=48)
+    parser.add_argument("--priority-seconds", type=float, default=60)
+    parser.add_argument("--high-fraction", type=float, default=0.25)
+    parser.add_argument("--high-priority", type=int, default=10)
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="serving.max_waiting_requests of the tiny engine's repository "
+                             "(default: the spec's)")
     parser.add_argument("--warmup-seconds", type=float, default=20)
     parser.add_argument("--out", default="soak.json")
     args = parser.parse_args(argv)
 
     from builder.repository import RepositoryOptions, emit_repository
     from builder.serve import start_tritonserver
+    from builder.spec import ServingSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="forge-soak-"))
     repository = args.repository
@@ -276,8 +295,10 @@ def main(argv=None) -> int:
 
         print("[soak] building a tiny engine", flush=True)
         engine_dir = build_tiny_engine(workdir, max_seq_len=512, num_kv_blocks=512)
+        serving = ServingSpec() if args.max_waiting_requests is None else ServingSpec(
+            max_waiting_requests=args.max_waiting_requests)
         repository = emit_repository(engine_dir, workdir / "repo",
-                                     RepositoryOptions(stats_period_ms=100))
+                                     RepositoryOptions(stats_period_ms=100), serving)
     print(f"[soak] starting tritonserver on {repository}", flush=True)
     server = start_tritonserver(repository, ready_timeout=600)
     report: dict = {"args": vars(args)}
@@ -338,10 +359,29 @@ def main(argv=None) -> int:
             "errors": sorted({r.get("error", "") for r in records if r["outcome"] == "error"})[:5]}
         sampler.stopping.set()
         report["rss"] = sampler.flatness(warm_at)
+
+        print(f"[soak] priority: closed loop, {args.priority_concurrency} streams, "
+              f"{args.high_fraction:.0%} at priority {args.high_priority}, "
+              f"{args.priority_seconds:.0f} s", flush=True)
+        records = run_closed_loop(
+            client, args.priority_concurrency, args.priority_seconds,
+            lambda rng: args.high_priority if rng.random() < args.high_fraction else 0)
+        report["priority"] = {}
+        for name, level in (("high", args.high_priority), ("low", 0)):
+            mine = [r for r in records if r["priority"] == level]
+            ttft = [r["ttft"] for r in mine if r["outcome"] == "output" and r["ttft"]]
+            report["priority"][name] = {"requests": len(mine), "outcomes": outcome_counts(mine),
+                                        "ttft_p50_s": percentile(ttft, 50),
+                                        "ttft_p99_s": percentile(ttft, 99)}
+        high, low = report["priority"]["high"], report["priority"]["low"]
+        report["priority"]["ttft_p50_high_vs_low"] = high["ttft_p50_s"] / low["ttft_p50_s"]
+        report["priority"]["low_unfinished"] = low["requests"] - low["outcomes"].get("output", 0)
+        report["after_priority"] = wait_idle(server.metrics_url)
     finally:
         server.stop()
 
-    cap, over, soak = report["capacity"], report["overload"], report["soak"]
+    cap, over, soak, prio = (report["capacity"], report["overload"], report["soak"],
+                             report["priority"])
     rows = [
         ("capacity req/s", f"{cap['req_per_s']:.2f}"),
         ("capacity TTFT p50 / p99 (s)", f"{cap['ttft_p50_s']:.3f} / {cap['ttft_p99_s']:.3f}"),
@@ -356,6 +396,12 @@ def main(argv=None) -> int:
         ("soak leaked KV blocks", f"{soak['leaked_kv_blocks']:.0f}"),
         ("soak leaked requests (executor / model)",
          f"{soak['leaked_executor_requests']:.0f} / {soak['leaked_model_requests']:.0f}"),
+        ("priority requests high / low", f"{prio['high']['requests']} / "
+                                         f"{prio['low']['requests']}"),
+        ("priority TTFT p50 high / low (s)", f"{prio['high']['ttft_p50_s']:.3f} / "
+                                             f"{prio['low']['ttft_p50_s']:.3f} "
+                                             f"({prio['ttft_p50_high_vs_low']:.2f}x)"),
+        ("priority low-priority unfinished", f"{prio['low_unfinished']}"),
     ]
     for name, rss in sorted(report["rss"].items()):
         rows.append((f"RSS {name} (MiB)", f"{rss['first_mib']:.0f} -> {rss['last_mib']:.0f} "
@@ -367,7 +413,8 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"\nJSON: {args.out}")
     failed = over["lost"] or soak["lost"] or soak["leaked_kv_blocks"] or \
-        soak["leaked_executor_requests"] or soak["leaked_model_requests"]
+        soak["leaked_executor_requests"] or soak["leaked_model_requests"] or \
+        prio["low_unfinished"]
     return 1 if failed else 0
 
 

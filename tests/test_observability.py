@@ -86,12 +86,13 @@ def test_observations_go_to_the_right_histograms():
     ms = 1_000_000
     metrics.observe_request(arrival_ns=0, first_token_ns=200 * ms, last_token_ns=1100 * ms,
                             final_ns=1200 * ms, num_input_tokens=7, num_output_tokens=10,
-                            outcome="completed")
+                            outcome="completed", queue_ns=50 * ms)
     assert by_name["nv_llm_time_to_first_token_seconds"].values == [0.2]
     assert by_name["nv_llm_inter_token_latency_seconds"].values == [pytest.approx(0.1)]
     assert by_name["nv_llm_e2e_request_latency_seconds"].values == [1.2]
     assert by_name["nv_llm_input_token_len"].values == [7.0]
     assert by_name["nv_llm_output_token_len"].values == [10.0]
+    assert by_name["llm_forge_request_queue_time_seconds"].values == [0.05]
     # non-streamed (first == last token time): no inter-token latency; refusals: counted only
     metrics.observe_request(arrival_ns=0, first_token_ns=5 * ms, last_token_ns=5 * ms,
                             final_ns=5 * ms, num_input_tokens=3, num_output_tokens=4,
@@ -100,6 +101,7 @@ def test_observations_go_to_the_right_histograms():
                             num_input_tokens=3, num_output_tokens=0, outcome="rejected")
     assert len(by_name["nv_llm_inter_token_latency_seconds"].values) == 1
     assert len(by_name["nv_llm_e2e_request_latency_seconds"].values) == 2
+    assert len(by_name["llm_forge_request_queue_time_seconds"].values) == 1  # only when given
     outcomes = {dict(labels)["outcome"]: m.values for (name, labels), m in
                 FakeFamily.created.items() if name == "llm_forge_requests_total"}
     assert outcomes["completed"] == [1.0, 1.0] and outcomes["rejected"] == [1.0]
@@ -167,6 +169,8 @@ def test_histograms_move_by_what_the_client_saw(server):
     ttft, e2e = (delta("nv_llm_time_to_first_token_seconds_sum"),
                  delta("nv_llm_e2e_request_latency_seconds_sum"))
     assert 0 < ttft <= e2e <= elapsed + 0.5
+    assert delta("llm_forge_request_queue_time_seconds_count") == 3
+    assert 0 <= delta("llm_forge_request_queue_time_seconds_sum") <= ttft
     # a bucket holds every observation at or below its bound: +Inf holds all three
     assert delta("nv_llm_output_token_len_bucket", le="+Inf") == 3
     assert delta("nv_llm_output_token_len_bucket", le="4") == 0

@@ -256,7 +256,9 @@ class LLMEngine:
             cum_log_prob=sum(seq.log_probs), num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(generated), num_reused_blocks=seq.num_reused_blocks,
             num_new_blocks=seq.num_new_blocks, num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_draft_tokens=seq.num_accepted_tokens)
+            num_accepted_draft_tokens=seq.num_accepted_tokens,
+            queue_time_ns=(max(0, seq.scheduled_ns - seq.arrival_ns)
+                           if final and seq.scheduled_ns is not None else None))
 
     def get_stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler

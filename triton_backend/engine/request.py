@@ -76,6 +76,7 @@ class Response:
     num_new_blocks: int = 0             # KV blocks allocated afresh
     num_draft_tokens: int = 0           # speculative draft tokens verified
     num_accepted_draft_tokens: int = 0  # of which the target accepted
+    queue_time_ns: int | None = None    # arrival -> first scheduled (final response; None: never)
 
     @property
     def has_error(self) -> bool:

@@ -6,7 +6,8 @@ and `llm_forge_executor_stats` with every counter of `get_stats()` under its own
 
 Per-request histograms, observed when a request's final response leaves the model, from the
 same timestamps the model returns as outputs (arrival, first token, last token):
-time to first token, mean inter-token latency, end-to-end latency, prompt and output lengths.
+time to first token, mean inter-token latency, end-to-end latency, queue time (arrival to
+first scheduled, from the engine), prompt and output lengths.
 A counter `llm_forge_requests_total{outcome=...}` counts how every request ended (completed,
 cancelled, error, rejected: refused as busy by the admission limits, timeout: ended at its
 deadline, invalid: refused by the request checks). Names are in `METRIC_NAMES`; the
@@ -30,6 +31,8 @@ HISTOGRAMS = {
                                            SECONDS_BUCKETS),
     "nv_llm_e2e_request_latency_seconds": ("Time from arrival to the final response",
                                            SECONDS_BUCKETS),
+    "llm_forge_request_queue_time_seconds": ("Time from arrival to first being scheduled",
+                                             SECONDS_BUCKETS),
     "nv_llm_input_token_len": ("Prompt length in tokens", TOKEN_BUCKETS),
     "nv_llm_output_token_len": ("Generated tokens per request", TOKEN_BUCKETS),
 }
@@ -104,7 +107,7 @@ class ExecutorMetrics:
 
     def observe_request(self, *, arrival_ns: int, first_token_ns: int, last_token_ns: int,
                         final_ns: int, num_input_tokens: int, num_output_tokens: int,
-                        outcome: str) -> None:
+                        outcome: str, queue_ns: int | None = None) -> None:
         """One finished request: latency histograms (only what it has: no first token, no
         TTFT), lengths and its outcome."""
         self.count(outcome)
@@ -114,6 +117,8 @@ class ExecutorMetrics:
         hist["nv_llm_input_token_len"].observe(float(num_input_tokens))
         hist["nv_llm_output_token_len"].observe(float(num_output_tokens))
         hist["nv_llm_e2e_request_latency_seconds"].observe(max(0, final_ns - arrival_ns) / 1e9)
+        if queue_ns is not None:
+            hist["llm_forge_request_queue_time_seconds"].observe(queue_ns / 1e9)
         if first_token_ns:
             hist["nv_llm_time_to_first_token_seconds"].observe(
                 max(0, first_token_ns - arrival_ns) / 1e9)

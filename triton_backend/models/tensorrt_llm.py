@@ -261,7 +261,7 @@ class TensorrtLlmModel:
                 arrival_ns=state.arrival_time_ns, first_token_ns=first, last_token_ns=last,
                 final_ns=now_ns, num_input_tokens=len(state.input_ids),
                 num_output_tokens=response.num_output_tokens,
-                outcome=outcome_of(response.error, reason))
+                outcome=outcome_of(response.error, reason), queue_ns=response.queue_time_ns)
         except Exception:  # metrics never cost a response
             pass
 
