@@ -89,7 +89,8 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
               help="grpc, http or openai (/v1/completions); with --compare one per server, "
                    "e.g. openai,grpc.")
 @click.option("--workload", default="chat", show_default=True,
-              help="query-rewrite, voicebot, chat, or a JSONL file of {prompt, max_tokens}.")
+              help="chat, query-rewrite, voicebot (a long shared system prompt), rewrite "
+                   "(answers that copy the prompt), or a JSONL file of {prompt, max_tokens}.")
 @click.option("--scale", type=float, default=1.0, show_default=True,
               help="Shrink (or grow) the built-in workload's token lengths, e.g. 0.25 on a CPU.")
 @click.option("--seed", type=int, default=0, show_default=True)
