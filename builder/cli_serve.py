@@ -70,8 +70,9 @@ def repository_command(engine_dir, output_dir, settings) -> None:
               help="On SIGTERM or Ctrl-C, seconds requests in flight may take to finish; then "
                    "they are cancelled (each ends with its final response).")
 @click.option("--max-reloads", type=click.IntRange(0, 100), default=3, show_default=True,
-              help="Reloads of a tensorrt_llm model that cannot serve, within 5 minutes, before "
-                   "the supervisor gives up and leaves the server not ready.")
+              help="Reloads of a model that cannot serve (tensorrt_llm; preprocessing, "
+                   "postprocessing or the BLS with a dead stub), within 5 minutes, before the "
+                   "supervisor gives up and leaves the server not ready.")
 def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_timeout, demo_prompt,
                   demo_max_tokens, openai_port, host, openai_triton_model,
                   openai_max_concurrent_requests, drain_timeout, max_reloads) -> None:
@@ -79,7 +80,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
     it and exit 0; exit 1 if tritonserver itself dies."""
     from builder.serve import engine_report, start_tritonserver
 
-    stop, openai, supervisor = threading.Event(), None, None
+    stop, openai, supervisors = threading.Event(), None, []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
@@ -105,21 +106,22 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         if openai_port is not None:
             openai = _start_openai(repository_dir, server, openai_port, host, openai_triton_model,
                                    openai_max_concurrent_requests)
-        supervisor = _start_supervisor(server, max_reloads)
+        supervisors = _start_supervisors(server, Path(repository_dir), max_reloads)
         while not stop.wait(1.0):
             if not server.is_alive():
                 _fail(f"tritonserver exited with code {server.process.returncode}:\n"
                       f"{server.log_tail()}", code=1)
             if openai is not None and not openai.is_alive():
                 _fail("the OpenAI server stopped", code=1)
-        supervisor.stop()
+        for supervisor in supervisors:
+            supervisor.stop()
         from builder.supervisor import drain
 
         click.echo(f"draining: no new requests; requests in flight may finish within "
                    f"{drain_timeout:g} s")
         drain(server, drain_timeout, report=click.echo)
     finally:
-        if supervisor is not None:
+        for supervisor in supervisors:
             supervisor.stop()
         if openai is not None:
             click.echo("stopping the OpenAI server")
@@ -128,14 +130,25 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         server.stop()
 
 
-def _start_supervisor(server, max_reloads: int):
-    from builder.supervisor import Supervisor
+def _start_supervisors(server, repository_dir: Path, max_reloads: int) -> list:
+    """One supervisor per Python model of the repository. Only `tensorrt_llm` (the engine) is
+    reloaded when it stops answering; the others only when their stub is dead (an inconclusive
+    answer from them never reloads anything)."""
+    import math
 
-    supervisor = Supervisor(server.http_url, max_reloads=max_reloads, report=click.echo)
-    supervisor.start()
-    click.echo(f"supervisor: probing tensorrt_llm every {supervisor.period:g} s; at most "
-               f"{max_reloads} reloads within 5 minutes")
-    return supervisor
+    from builder.supervisor import Supervisor, supervised_models
+
+    models = supervised_models(repository_dir)
+    supervisors = [Supervisor(server.http_url, model=model, max_reloads=max_reloads,
+                              hung_seconds=30.0 if model == "tensorrt_llm" else math.inf,
+                              report=click.echo) for model in models]
+    for supervisor in supervisors:
+        supervisor.start()
+    if not supervisors:
+        return supervisors
+    click.echo(f"supervisor: probing {', '.join(models)} every {supervisors[0].period:g} s; "
+               f"at most {max_reloads} reloads of each within 5 minutes")
+    return supervisors
 
 
 def _start_openai(repository_dir, server, port, host, triton_model, max_concurrent_requests):

@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from triton_backend.engine.supervision import CrashLoop, RestartPolicy
@@ -82,8 +83,53 @@ def _control_request(http_url: str, model: str, request_id: str, timeout: float)
     return ProbeResult(False if any(m in message for m in FAILURE_MARKERS) else None, message)
 
 
+# The other Python models, each asked something its own code answers at once without generating:
+# (endpoint, JSON body, the answer's text when it is an error that still proves the stub alive).
+_LIVENESS_PROBES = {
+    "preprocessing": ("infer", {"inputs": [
+        {"name": "QUERY", "shape": [1, 1], "datatype": "BYTES", "data": ["a"]},
+        {"name": "REQUEST_OUTPUT_LEN", "shape": [1, 1], "datatype": "INT32", "data": [1]}]},
+        None),
+    "postprocessing": ("infer", {"inputs": [
+        {"name": "TOKENS_BATCH", "shape": [1, 1, 1], "datatype": "INT32", "data": [5]},
+        {"name": "SEQUENCE_LENGTH", "shape": [1, 1], "datatype": "INT32", "data": [1]}]},
+        None),
+    "tensorrt_llm_bls": ("generate", {"text_input": "", "max_tokens": 1},
+                         "text_input must not be empty"),
+}
+SUPERVISED_MODELS = ("tensorrt_llm", *_LIVENESS_PROBES)
+
+
+def _liveness_request(http_url: str, model: str, timeout: float) -> ProbeResult:
+    endpoint, body, expected_error = _LIVENESS_PROBES[model]
+    try:
+        status, text = _post(f"http://{http_url}/v2/models/{model}/{endpoint}", body, timeout)
+    except (urllib.error.URLError, OSError) as exc:
+        return ProbeResult(None, f"no answer: {exc}")
+    if status == 200:
+        return ProbeResult(True)
+    message = _error_text(text)
+    if expected_error is not None and expected_error in message:
+        return ProbeResult(True)
+    return ProbeResult(False if any(m in message for m in FAILURE_MARKERS) else None, message)
+
+
 def probe_model(http_url: str, model: str = "tensorrt_llm", timeout: float = 5.0) -> ProbeResult:
+    """Can `model` serve? `tensorrt_llm` gets the control request; the other models of our
+    repository a request their own code answers at once (a dead stub fails it by name)."""
+    if model in _LIVENESS_PROBES:
+        return _liveness_request(http_url, model, timeout)
     return _control_request(http_url, model, PROBE_REQUEST_ID, timeout)
+
+
+def supervised_models(repository_dir: Path) -> list[str]:
+    """The models of `repository_dir` the supervisor can probe: our Python models."""
+    found = []
+    for model in SUPERVISED_MODELS:
+        config = Path(repository_dir) / model / "config.pbtxt"
+        if config.is_file() and re.search(r'backend:\s*"python"', config.read_text()):
+            found.append(model)
+    return found
 
 
 def _repository_call(http_url: str, model: str, action: str, body: dict | None,
@@ -128,7 +174,7 @@ class Supervisor(threading.Thread):
                  window_seconds: float = 300.0, load_timeout: float = 900.0,
                  report: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(name="forge-serve-supervisor", daemon=True)
+        super().__init__(name=f"forge-serve-supervisor-{model}", daemon=True)
         self.http_url, self.model, self.period = http_url, model, period
         self.probe_timeout, self.hung_seconds = probe_timeout, hung_seconds
         self.load_timeout, self.report, self._clock = load_timeout, report, clock

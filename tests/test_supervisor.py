@@ -27,7 +27,7 @@ from builder.client import decode_text, generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from builder.serve import free_port, http_ok
 from builder.supervisor import (NOT_READY_MODEL, Supervisor, _control_request, active_requests,
-                               probe_model)
+                               probe_model, supervised_models)
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.serving_control import (CONTROL_TOKEN_ENV, DRAIN_REFUSED,
                                                    DRAIN_REQUEST_ID, PROBE_REQUEST_ID,
@@ -49,7 +49,8 @@ class FakeTriton:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 fake.calls.append((self.path, body))
-                status, reply = fake.probe if self.path.endswith("/generate") else (200, {})
+                probed = self.path.endswith(("/generate", "/infer"))
+                status, reply = fake.probe if probed else (200, {})
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
@@ -92,6 +93,33 @@ def test_probe_tells_serving_from_broken_from_inconclusive(fake_triton):
     result = probe_model(fake_triton.url)
     assert result.ok is None and result.message == "Exceeds maximum queue size"
     assert probe_model(f"127.0.0.1:{free_port()}").ok is None  # nobody listening
+
+
+def test_the_other_models_are_asked_what_their_own_code_answers(fake_triton, tmp_path):
+    fake_triton.probe = (200, {"model_name": "preprocessing"})
+    assert probe_model(fake_triton.url, "preprocessing").ok is True
+    path, body = fake_triton.calls[-1]
+    assert path == "/v2/models/preprocessing/infer"
+    assert [i["name"] for i in body["inputs"]] == ["QUERY", "REQUEST_OUTPUT_LEN"]
+    assert probe_model(fake_triton.url, "postprocessing").ok is True
+    assert fake_triton.calls[-1][0] == "/v2/models/postprocessing/infer"
+    # the BLS refuses an empty text at once, without generating: its stub is alive
+    fake_triton.probe = (400, {"error": "text_input must not be empty"})
+    assert probe_model(fake_triton.url, "tensorrt_llm_bls").ok is True
+    assert fake_triton.calls[-1] == ("/v2/models/tensorrt_llm_bls/generate",
+                                     {"text_input": "", "max_tokens": 1})
+    assert probe_model(fake_triton.url, "preprocessing").ok is None  # says nothing of its stub
+    fake_triton.probe = (400, {"error": "Stub process 'preprocessing_0_0' is not healthy."})
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        assert probe_model(fake_triton.url, model).ok is False
+    # which models a repository has for the supervisor: our Python models only
+    for model, backend in [("preprocessing", "python"), ("tensorrt_llm", "tensorrtllm"),
+                           ("ensemble", None), ("postprocessing", "python")]:
+        (tmp_path / model).mkdir()
+        (tmp_path / model / "config.pbtxt").write_text(
+            f'name: "{model}"\n' + (f'backend: "{backend}"\n' if backend else
+                                    'platform: "ensemble"\n'))
+    assert supervised_models(tmp_path) == ["preprocessing", "postprocessing"]
 
 
 def _wait(predicate, timeout: float) -> bool:
@@ -275,6 +303,30 @@ def test_a_killed_stub_is_reloaded_and_every_entry_point_serves_again(supervised
     assert any("Stub process 'tensorrt_llm_0_0' is not healthy" in line for line in lines)
     print(f"\nstub killed: not ready after {not_ready:.1f} s, serving again after "
           f"{not_ready + serving:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_killed_preprocessing_stub_is_reloaded_and_the_ensemble_serves_again(supervised):
+    server, _, _ = supervised
+    lines: list[str] = []
+    supervisor = Supervisor(server.http_url, model="preprocessing", hung_seconds=float("inf"),
+                            report=lines.append)
+    supervisor.start()
+    try:
+        for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+            assert probe_model(server.http_url, model).ok is True, probe_model(server.http_url,
+                                                                               model)
+        assert _answers(server, "ensemble")
+        stub = _child_with(server.process.pid, "preprocessing_0_0")
+        assert stub is not None
+        os.kill(stub, signal.SIGKILL)
+        serving = _poll(lambda: _ready(server) and _answers(server, "ensemble"), 120)
+        assert serving is not None, lines
+    finally:
+        supervisor.stop()
+    assert any("Stub process 'preprocessing_0_0' is not healthy" in line for line in lines), lines
+    assert any("preprocessing reloaded" in line for line in lines), lines
+    print(f"\npreprocessing stub killed: the ensemble serves again after {serving:.1f} s")
 
 
 def _engine_pid(server) -> int | None:
