@@ -93,16 +93,20 @@ def pack_linears(model: nn.Module, plan: Bf16GemmPlan) -> int:
     return count
 
 
-def _best_time(fn, repeats: int = 7) -> float:
-    """The fastest of `repeats` calls: other processes only ever add time, so the minimum is
-    the steadiest estimate of the kernel's own cost (these choices are cached per machine)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _best_times(fns, repeats: int = 7) -> list[float]:
+    """The fastest of `repeats` calls of each of `fns`, timed in turns (one call of each per
+    round): other processes only ever add time, so the minimum is the steadiest estimate of a
+    kernel's own cost, and taking turns means a burst of load cannot fall on one candidate's
+    runs alone (these choices are cached per machine)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, fn_times in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            fn_times.append(time.perf_counter() - start)
+    return [min(fn_times) for fn_times in times]
 
 
 @dataclass(frozen=True)
@@ -147,11 +151,12 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     torch_over_packed, upcast_over_packed = [], {}
     for m in (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, k).to(torch.bfloat16)
-        ours = _best_time(lambda: layer(x), repeats=5 if m < 256 else 3)
         if m <= 16:
-            torch_over_packed.append(_best_time(lambda: F.linear(x, weight)) / ours)
+            ours, theirs = _best_times([lambda: layer(x), lambda: F.linear(x, weight)], 15)
+            torch_over_packed.append(theirs / ours)
         else:
-            upcast_over_packed[m] = _best_time(lambda: layer.widened(x), repeats=3) / ours
+            ours, widened = _best_times([lambda: layer(x), lambda: layer.widened(x)], 3)
+            upcast_over_packed[m] = widened / ours
     plan = _plan_from_timings(torch_over_packed, upcast_over_packed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"plan": plan.__dict__, "torch_over_packed_time": torch_over_packed,
@@ -212,13 +217,14 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     torch_over_ours, upcast_over_ours = [], {}
     for m in (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, in_features).to(torch.bfloat16)
-        t_ours = _best_time(lambda: kernel(x), repeats=7 if m <= 16 else 3)
         if m <= 16:
-            torch_over_ours.append(_best_time(lambda: torch._weight_int4pack_mm_for_cpu(
-                x, theirs, group_size, zeros)) / t_ours)
+            t_ours, t_torch = _best_times([lambda: kernel(x), lambda: (
+                torch._weight_int4pack_mm_for_cpu(x, theirs, group_size, zeros))], 15)
+            torch_over_ours.append(t_torch / t_ours)
         else:
-            upcast_over_ours[m] = _best_time(lambda: F.linear(x.float(), dequantize_int4(
-                ours[0], ours[1], group_size, out_features)), repeats=3) / t_ours
+            t_ours, t_upcast = _best_times([lambda: kernel(x), lambda: F.linear(
+                x.float(), dequantize_int4(ours[0], ours[1], group_size, out_features))], 3)
+            upcast_over_ours[m] = t_upcast / t_ours
     wins = min(torch_over_ours) >= 1.0 or sum(torch_over_ours) >= 2.0
     choice = Int4Choice("cpp", _upcast_threshold(upcast_over_ours)) if wins else Int4Choice("torch")
     cached[shape] = {"choice": choice.__dict__, "torch_over_ours_time": torch_over_ours,
