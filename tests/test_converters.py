@@ -9,7 +9,7 @@ from triton_backend.engine.request import FinishReason, Response
 from triton_backend.models.detokenizer import (IncrementalDetokenizer, stop_strings_of,
                                                text_delta, visible_text)
 from triton_backend.models.request_converter import RequestDefaults, RequestError, parse_request
-from triton_backend.models.response_converter import StreamState, build_outputs
+from triton_backend.models.response_converter import StreamState, build_outputs, coalesce
 from triton_backend.models.text_request import check_max_tokens, tensorrt_llm_inputs, text_value
 from triton_backend.models.word_list import from_word_list, to_word_list
 
@@ -219,3 +219,26 @@ def test_perf_metric_outputs_carry_cache_reuse_and_draft_acceptance():
     assert out["acceptance_rate"].dtype == np.float32 and out["acceptance_rate"][0, 0] == 0.75
     assert out["total_draft_tokens"].tolist() == [[8]]
     assert out["total_accepted_draft_tokens"].tolist() == [[6]]
+
+
+def test_responses_of_one_request_waiting_together_go_out_as_one():
+    waiting = [Response(1, [10], False, log_probs=[-0.1], num_output_tokens=1),
+               Response(2, [20], False, num_output_tokens=1),
+               Response(1, [11], False, log_probs=[-0.2], num_output_tokens=2),
+               Response(1, [12], True, FinishReason.LENGTH, log_probs=[-0.3],
+                        num_output_tokens=3, cum_log_prob=-0.6),
+               Response(2, [], True, FinishReason.ERROR, error="boom", num_output_tokens=1),
+               Response(3, [30], False, num_output_tokens=1)]
+    out = coalesce(waiting)
+    assert [(r.request_id, r.output_token_ids, r.is_final) for r in out] == [
+        (1, [10, 11, 12], True), (2, [20], False), (2, [], True), (3, [30], False)]
+    assert out[0].log_probs == [-0.1, -0.2, -0.3] and out[0].num_output_tokens == 3
+    assert out[0].finish_reason is FinishReason.LENGTH and out[0].cum_log_prob == -0.6
+    assert out[2].error == "boom"  # an error is never merged: the tokens before it went first
+    # a stream built from the merged response is the stream of the separate ones
+    state_a, state_b = StreamState(input_ids=[1, 2]), StreamState(input_ids=[1, 2])
+    separate = [build_outputs(r, state_a, now_ns=5) for r in waiting if r.request_id == 1]
+    whole = build_outputs(out[0], state_b, now_ns=5)
+    assert np.concatenate([o["output_ids"].reshape(-1) for o in separate]).tolist() == \
+        whole["output_ids"].reshape(-1).tolist() == [10, 11, 12]
+    assert coalesce([]) == []

@@ -9,6 +9,7 @@ inputs both from the request and from a decoupled model, so they travel through 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,30 @@ class StreamState:
     streamed_ids: list[int] = field(default_factory=list)
     input_sent: bool = False
     stop_words: list[list[int]] = field(default_factory=list)
+
+
+def coalesce(responses: list[Response]) -> list[Response]:
+    """Merge the responses of one request that wait together into one: its tokens in order, the
+    counters of the latest. When the model falls behind the engine (a burst of short steps, a
+    busy machine), every send it saves is an IPC to Triton it no longer makes. An error response
+    is never merged (the tokens before it go out first); order across requests is kept."""
+    merged: list[Response] = []
+    latest: dict[int, int] = {}  # request id -> index in `merged` of its newest open response
+    for response in responses:
+        index = latest.get(response.request_id)
+        if index is not None and not response.has_error:
+            before = merged[index]
+            merged[index] = dataclasses.replace(
+                response, output_token_ids=before.output_token_ids + response.output_token_ids,
+                log_probs=before.log_probs + response.log_probs)
+        else:
+            merged.append(response)
+            index = len(merged) - 1
+        if response.is_final:
+            latest.pop(response.request_id, None)
+        else:
+            latest[response.request_id] = index
+    return merged
 
 
 def _i32(values) -> np.ndarray:

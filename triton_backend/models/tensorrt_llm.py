@@ -24,7 +24,7 @@ from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import (INPUT_NAMES, RequestDefaults, RequestError,
                                                      parse_request)
 from triton_backend.models.response_converter import (ERROR_AS_OUTPUT, StreamState,
-                                                      build_outputs, error_outputs)
+                                                      build_outputs, coalesce, error_outputs)
 from triton_backend.models.serving_control import (DRAIN_EXPIRED, DRAIN_REFUSED,
                                                    ENGINE_DOWN, drain_seconds,
                                                    is_drain_request)
@@ -205,7 +205,7 @@ class TensorrtLlmModel:
         last_stats = None
         while not self.stopping.is_set():
             responses = self.executor.await_responses(timeout=CHECK_SECONDS)
-            for response in responses:
+            for response in coalesce(responses):
                 self._deliver(response)
             if not responses and not self.executor.is_alive():
                 # The executor is down for good (await returns at once): answer what is left
