@@ -69,18 +69,28 @@ def _error_text(body: str) -> str:
         return body
 
 
-def _control_request(http_url: str, model: str, request_id: str, timeout: float) -> ProbeResult:
-    """A `stop` request under `request_id`, through Triton's HTTP `generate` endpoint."""
-    body = {"id": request_id, "input_ids": [0], "input_lengths": [1],
-            "request_output_len": [1], "stop": [True]}
+def _ask(http_url: str, model: str, endpoint: str, body: dict, timeout: float,
+         alive_error: str | None = None) -> ProbeResult:
+    """POST `body` to the model's `endpoint` and read the answer as a probe: 200 (or an error
+    holding `alive_error`, which the model's own code gives) is alive, a failure marker is broken,
+    anything else (or no answer) says nothing about the model."""
     try:
-        status, text = _post(f"http://{http_url}/v2/models/{model}/generate", body, timeout)
+        status, text = _post(f"http://{http_url}/v2/models/{model}/{endpoint}", body, timeout)
     except (urllib.error.URLError, OSError) as exc:
         return ProbeResult(None, f"no answer: {exc}")
     if status == 200:
         return ProbeResult(True)
     message = _error_text(text)
+    if alive_error is not None and alive_error in message:
+        return ProbeResult(True)
     return ProbeResult(False if any(m in message for m in FAILURE_MARKERS) else None, message)
+
+
+def _control_request(http_url: str, model: str, request_id: str, timeout: float) -> ProbeResult:
+    """A `stop` request under `request_id`, through Triton's HTTP `generate` endpoint."""
+    body = {"id": request_id, "input_ids": [0], "input_lengths": [1],
+            "request_output_len": [1], "stop": [True]}
+    return _ask(http_url, model, "generate", body, timeout)
 
 
 # The other Python models, each asked something its own code answers at once without generating:
@@ -100,25 +110,12 @@ _LIVENESS_PROBES = {
 SUPERVISED_MODELS = ("tensorrt_llm", *_LIVENESS_PROBES)
 
 
-def _liveness_request(http_url: str, model: str, timeout: float) -> ProbeResult:
-    endpoint, body, expected_error = _LIVENESS_PROBES[model]
-    try:
-        status, text = _post(f"http://{http_url}/v2/models/{model}/{endpoint}", body, timeout)
-    except (urllib.error.URLError, OSError) as exc:
-        return ProbeResult(None, f"no answer: {exc}")
-    if status == 200:
-        return ProbeResult(True)
-    message = _error_text(text)
-    if expected_error is not None and expected_error in message:
-        return ProbeResult(True)
-    return ProbeResult(False if any(m in message for m in FAILURE_MARKERS) else None, message)
-
-
 def probe_model(http_url: str, model: str = "tensorrt_llm", timeout: float = 5.0) -> ProbeResult:
     """Can `model` serve? `tensorrt_llm` gets the control request; the other models of our
     repository a request their own code answers at once (a dead stub fails it by name)."""
     if model in _LIVENESS_PROBES:
-        return _liveness_request(http_url, model, timeout)
+        endpoint, body, alive_error = _LIVENESS_PROBES[model]
+        return _ask(http_url, model, endpoint, body, timeout, alive_error)
     return _control_request(http_url, model, PROBE_REQUEST_ID, timeout)
 
 
