@@ -45,8 +45,9 @@ bench: setup
 gpu-smoke:
 	bash scripts/gpu_smoke.sh
 
-# Overload (4x capacity, 2 min) and soak (3,000 requests, 20% cancelled/disconnected) on a real
-# tritonserver; prints a table, writes $(SOAK_OUT). Shorter: make soak SOAK_ARGS="--overload-seconds 30 --soak-requests 500"
+# Overload (4x capacity, 2 min), soak (3,000 requests, 20% cancelled/disconnected) and priorities
+# (48 streams, a quarter at priority 10) on a real tritonserver; prints a table, writes $(SOAK_OUT),
+# exits 1 if a bound is missed. Shorter: make soak SOAK_ARGS="--overload-seconds 30 --soak-requests 500 --priority-seconds 20"
 SOAK_OUT ?= soak.json
 .PHONY: soak
 soak: setup

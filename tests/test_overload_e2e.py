@@ -164,3 +164,42 @@ def test_deadlines_end_waiting_and_running_requests_with_the_error(server):
             - value(before, "llm_forge_requests_total", outcome="timeout")) == 6
     reply = generate_http(server.http_url, "ensemble", {"text_input": "fox", "max_tokens": 2})
     assert reply[0]["text_output"]
+
+
+def test_the_soak_load_generator_counts_each_outcome_as_what_it_was(server):
+    """scripts/soak.py's figures rest on its client: pooled streams, one request at a time."""
+    import asyncio
+
+    from scripts.soak import Client
+
+    async def run():
+        client = Client(server.grpc_url, prompt_len=3, max_tokens=4, deadline=120)
+        try:
+            done = await client.run()
+            again = await client.run()  # on the same stream
+            assert len(client.idle) == 1
+            cancelled = await client.run("cancelled")
+            disconnected = await client.run("disconnected")
+            hog = start_hog(server)
+            behind = [Background(server, "tensorrt_llm", ids_request(3, 2)) for _ in range(2)]
+            wait_until_waiting(server, 2)
+            busy = await client.run()
+            hog.close()
+            assert all(b.result().error is None for b in behind)
+            after_busy = await client.run()  # an error answer leaves its stream usable
+            return done, again, cancelled, disconnected, busy, after_busy, len(client.idle)
+        finally:
+            await client.close()
+
+    done, again, cancelled, disconnected, busy, after_busy, idle = asyncio.run(run())
+    for record in (done, again, after_busy):
+        assert record["outcome"] == "output" and 1 <= record["tokens"] <= 4, record
+        assert 0 < record["server_ttft"] <= record["ttft"]
+    assert cancelled["outcome"] == "cancelled" and cancelled["tokens"] > 0
+    assert disconnected["outcome"] == "disconnected" and disconnected["tokens"] > 0
+    assert busy["outcome"] == "busy", busy
+    assert busy["error"].endswith(f"server busy: 2 requests waiting (limit "
+                                  f"{MAX_WAITING_REQUESTS})")
+    assert idle == 1  # cancelled and disconnected streams were dropped, not pooled
+    assert wait_for(lambda: value(scrape(server), "nv_trt_llm_kv_cache_block_metrics",
+                                  kv_cache_block_type="used") == 0)
