@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from builder.serve import MALLOC_CHOICES
+
 EXIT_BAD_INPUT = 2
 
 
@@ -73,9 +75,13 @@ def repository_command(engine_dir, output_dir, settings) -> None:
               help="Reloads of a model that cannot serve (tensorrt_llm; preprocessing, "
                    "postprocessing or the BLS with a dead stub), within 5 minutes, before the "
                    "supervisor gives up and leaves the server not ready.")
+@click.option("--malloc", type=click.Choice(MALLOC_CHOICES),
+              default="auto", show_default=True,
+              help="The allocator tritonserver and its stubs run with: auto takes jemalloc, "
+                   "else tcmalloc, if installed (glibc's malloc keeps every peak's memory).")
 def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_timeout, demo_prompt,
                   demo_max_tokens, openai_port, host, openai_triton_model,
-                  openai_max_concurrent_requests, drain_timeout, max_reloads) -> None:
+                  openai_max_concurrent_requests, drain_timeout, max_reloads, malloc) -> None:
     """Start tritonserver on loopback for a repository and supervise it; Ctrl-C or SIGTERM drain
     it and exit 0; exit 1 if tritonserver itself dies."""
     from builder.serve import engine_report, start_tritonserver
@@ -86,7 +92,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
     try:
         server = start_tritonserver(repository_dir, http_port=http_port, grpc_port=grpc_port,
                                     metrics_port=metrics_port, ready_timeout=ready_timeout,
-                                    drain_timeout=drain_timeout)
+                                    drain_timeout=drain_timeout, malloc=malloc)
     except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
         _fail(str(exc), code=1)
     try:
@@ -94,6 +100,9 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         click.echo(f"  HTTP     http://{server.http_url}")
         click.echo(f"  gRPC     {server.grpc_url}")
         click.echo(f"  metrics  {server.metrics_url}")
+        hint = (" (glibc's; apt-get install libjemalloc2 keeps memory flat under load)"
+                if server.allocator == "system" and malloc == "auto" else "")
+        click.echo(f"  malloc   {server.allocator}{hint}")
         report = engine_report(server.metrics_url)
         if report:
             click.echo(report)

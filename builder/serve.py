@@ -102,6 +102,60 @@ def _prepare_backend_dir(install: TritonInstall, workdir: Path) -> Path:
     return python_dir.parent
 
 
+# Memory allocators tritonserver can run with, as NVIDIA recommends for long-running servers:
+# glibc's malloc keeps what a peak of requests in flight allocated, so RSS steps up at each new
+# peak; jemalloc and tcmalloc give it back. The Debian/Ubuntu package names are in the hint.
+ALLOCATOR_LIBRARIES = {
+    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
+}
+ALLOCATOR_PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
+MALLOC_CHOICES = ("auto", *ALLOCATOR_LIBRARIES, "system")
+
+
+def library_dirs() -> list[Path]:
+    """Where the system's shared libraries live."""
+    multiarch = sysconfig.get_config_var("MULTIARCH") or f"{os.uname().machine}-linux-gnu"
+    return [Path(d) for d in (f"/usr/lib/{multiarch}", f"/lib/{multiarch}", "/usr/lib64",
+                              "/usr/lib", "/usr/local/lib")]
+
+
+def find_allocator(malloc: str = "auto",
+                   search_dirs: list[Path] | None = None) -> tuple[str, Path | None]:
+    """(name, library) of the allocator to preload for `--malloc`: `auto` takes jemalloc, else
+    tcmalloc, else the system's malloc; naming one that is not installed is an error."""
+    if malloc not in MALLOC_CHOICES:
+        raise ValueError(f"--malloc {malloc!r}: expected one of {', '.join(MALLOC_CHOICES)}")
+    if malloc == "system":
+        return "system", None
+    dirs = library_dirs() if search_dirs is None else search_dirs
+    for name in ALLOCATOR_LIBRARIES if malloc == "auto" else (malloc,):
+        for filename in ALLOCATOR_LIBRARIES[name]:
+            for directory in dirs:
+                if (directory / filename).is_file():
+                    return name, directory / filename
+    if malloc == "auto":
+        return "system", None
+    raise FileNotFoundError(f"--malloc {malloc}: {' or '.join(ALLOCATOR_LIBRARIES[malloc])} "
+                            f"not found in {', '.join(map(str, dirs))} (Debian/Ubuntu: apt-get "
+                            f"install {ALLOCATOR_PACKAGES[malloc]})")
+
+
+def with_allocator(env: dict[str, str], malloc: str = "auto",
+                   search_dirs: list[Path] | None = None) -> tuple[dict[str, str], str]:
+    """`env` with the allocator preloaded (an allocator the caller already preloads is kept)
+    and its name."""
+    preloaded = env.get("LD_PRELOAD", "")
+    for name in ALLOCATOR_LIBRARIES:
+        if any(Path(item).name.startswith(f"lib{name}")
+               for item in preloaded.replace(":", " ").split()):
+            return env, name
+    name, library = find_allocator(malloc, search_dirs)
+    if library is not None:
+        env = dict(env, LD_PRELOAD=":".join(filter(None, [str(library), preloaded])))
+    return env, name
+
+
 def server_environment(install: TritonInstall) -> dict[str, str]:
     """Environment for the server and the stubs it spawns: same interpreter, bundled libraries."""
     env = dict(os.environ)
@@ -138,6 +192,7 @@ class TritonServer:
     workdir: Path
     _stopped: bool = field(default=False, repr=False)
     control_token: str = field(default="", repr=False)  # the secret of its drain request
+    allocator: str = "system"  # the malloc it runs with (see `find_allocator`)
 
     @property
     def http_url(self) -> str:
@@ -281,28 +336,30 @@ def start_tritonserver(repository_dir: str | Path, *, http_port: int | None = No
                        grpc_port: int | None = None, metrics_port: int | None = None,
                        ready_timeout: float = 180.0, log_path: str | Path | None = None,
                        log_verbose: int = 0, install: TritonInstall | None = None,
-                       drain_timeout: float = DEFAULT_DRAIN_SECONDS) -> TritonServer:
+                       drain_timeout: float = DEFAULT_DRAIN_SECONDS,
+                       malloc: str = "auto") -> TritonServer:
     """Start tritonserver on loopback for `repository_dir` and wait until it is ready.
 
-    Ports left as None are picked free. Returns a `TritonServer` with `.grpc_url`, `.http_url`,
+    Ports left as None are picked free; `malloc` picks the allocator (`find_allocator`). Returns a `TritonServer` with `.grpc_url`, `.http_url`,
     `.metrics_url` and `.stop()`. On any failure the server is stopped before raising.
     """
     repository = Path(repository_dir).resolve()
     if not repository.is_dir():
         raise FileNotFoundError(f"--repository {repository}: no such directory")
     install = install or find_tritonserver()
+    env, allocator = with_allocator(server_environment(install), malloc)
     workdir = Path(tempfile.mkdtemp(prefix="forge-triton-"))
     backend_dir = _prepare_backend_dir(install, workdir) if install.from_wheel else None
     ports = (http_port or free_port(), grpc_port or free_port(), metrics_port or free_port())
     log = Path(log_path) if log_path else workdir / "tritonserver.log"
     command = server_command(install, repository, ports, backend_dir, log_verbose, drain_timeout)
     token = secrets.token_hex(16)
-    env = dict(server_environment(install), **{DRAIN_SECONDS_ENV: str(drain_timeout),
-                                               CONTROL_TOKEN_ENV: token})
+    env.update({DRAIN_SECONDS_ENV: str(drain_timeout), CONTROL_TOKEN_ENV: token})
     with open(log, "ab") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    server = TritonServer(process, *ports, log_path=log, workdir=workdir, control_token=token)
+    server = TritonServer(process, *ports, log_path=log, workdir=workdir, control_token=token,
+                          allocator=allocator)
     server.drain_timeout = drain_timeout
     try:
         server.wait_ready(ready_timeout)

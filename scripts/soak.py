@@ -91,10 +91,15 @@ class RssSampler(threading.Thread):
         super().__init__(daemon=True)
         self.root_pid, self.period, self.samples = root_pid, period, []
         self.stopping = threading.Event()
+        self.client: Client | None = None  # its peak of requests in flight goes in the series
+        self.peaks: list[tuple[float, int]] = []
 
     def run(self):
         while not self.stopping.wait(self.period):
-            self.samples.append((time.monotonic(), rss_by_process(self.root_pid)))
+            now = time.monotonic()
+            self.samples.append((now, rss_by_process(self.root_pid)))
+            if self.client is not None:
+                self.peaks.append((now, self.client.take_peak()))
 
     def flatness(self, since: float, until: float = float("inf")) -> dict[str, dict]:
         """Per process: mean RSS of the first and last quarter of the samples in the window."""
@@ -113,8 +118,11 @@ class RssSampler(threading.Thread):
         return result
 
     def series(self, since: float) -> list[dict]:
-        """Every sample from `since`: seconds, then MiB per process."""
-        return [dict(t=round(t - since, 1), **{k: round(v / 2**20, 2) for k, v in s.items()})
+        """Every sample from `since`: seconds, MiB per process and the client's peak of
+        requests in flight since the sample before (memory tends to follow those peaks)."""
+        peaks = dict(self.peaks)
+        return [dict(t=round(t - since, 1), in_flight_peak=peaks.get(t),
+                     **{k: round(v / 2**20, 2) for k, v in s.items()})
                 for t, s in self.samples if t >= since]
 
 
@@ -146,6 +154,7 @@ class Client:
                                                                      deadline)
         self.channel = self._connect()
         self.idle: list[_Stream] = []
+        self.in_flight = self.peak_in_flight = 0
         self._requests: dict[int, object] = {}
 
     def _connect(self):
@@ -193,6 +202,8 @@ class Client:
         record = {"outcome": None, "ttft": None, "tokens": 0}
         keep = False
         start = time.monotonic()
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             await stream.call.write(self.request(priority))
             while True:
@@ -239,10 +250,16 @@ class Client:
             record["outcome"], record["error"] = "error", repr(exc)[:200]
             return record
         finally:
+            self.in_flight -= 1
             if keep:
                 self.idle.append(stream)
             else:
                 await stream.drop()
+
+    def take_peak(self) -> int:
+        """Most requests in flight at once since the last call."""
+        peak, self.peak_in_flight = self.peak_in_flight, self.in_flight
+        return peak
 
     async def close(self):
         for stream in self.idle:
@@ -337,6 +354,7 @@ async def warm_up(client: Client, concurrency: int, seconds: float = 5.0) -> Non
 async def run_load_phases(args, server, sampler: RssSampler, report: dict) -> None:
     """capacity, then overload and soak as chosen; figures into `report`."""
     client = Client(server.grpc_url, args.prompt_len, args.max_tokens, args.deadline)
+    sampler.client = client
     try:
         await warm_up(client, args.concurrency)
         print(f"[soak] capacity: closed loop, {args.concurrency} streams, "
@@ -477,6 +495,8 @@ def main(argv=None) -> int:
                         help="engine_num_threads of the tiny engine's repository (0: every core; "
                              "1 leaves a core to this load generator on a small machine)")
     parser.add_argument("--warmup-seconds", type=float, default=20)
+    parser.add_argument("--malloc", default="auto",
+                        help="tritonserver's allocator, as forge serve --malloc")
     parser.add_argument("--out", default="soak.json")
     args = parser.parse_args(argv)
 
@@ -504,7 +524,9 @@ def main(argv=None) -> int:
 
     if args.overload_seconds > 0 or args.soak_requests > 0:
         print(f"[soak] starting tritonserver on {load_repository}", flush=True)
-        server = start_tritonserver(load_repository, ready_timeout=600)
+        server = start_tritonserver(load_repository, ready_timeout=600,
+                                    malloc=args.malloc)
+        report["allocator"] = server.allocator
         sampler = RssSampler(server.process.pid)
         try:
             sampler.start()
@@ -514,13 +536,14 @@ def main(argv=None) -> int:
             server.stop()
     if args.priority_seconds > 0:
         print(f"[soak] starting tritonserver on {priority_repository}", flush=True)
-        server = start_tritonserver(priority_repository, ready_timeout=600)
+        server = start_tritonserver(priority_repository, ready_timeout=600,
+                                    malloc=args.malloc)
         try:
             asyncio.run(run_priority_phase(args, server, report))
         finally:
             server.stop()
 
-    rows = []
+    rows = [("tritonserver malloc", report.get("allocator", "-"))]
     cap = report.get("capacity")
     if cap:
         rows += [

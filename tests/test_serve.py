@@ -2,6 +2,7 @@
 interpreter, serves on free loopback ports, stops cleanly; `forge repository` / `forge query`."""
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,6 +63,55 @@ def test_server_runs_python_models_with_this_interpreter_and_stops(echo_reposito
         assert text == b"hi"
         assert stub_python.decode().startswith(sys.prefix)  # the venv's own interpreter
     assert not server.is_alive() and not server.is_ready()
+
+
+def test_the_allocator_is_jemalloc_then_tcmalloc_then_glibcs(tmp_path):
+    from builder.serve import find_allocator, with_allocator
+
+    jemalloc_dir, tcmalloc_dir, empty = (tmp_path / "a", tmp_path / "b", tmp_path / "c")
+    for directory, name in ((jemalloc_dir, "libjemalloc.so.2"),
+                            (tcmalloc_dir, "libtcmalloc_minimal.so.4")):
+        directory.mkdir()
+        (directory / name).write_bytes(b"")
+    empty.mkdir()
+    both = [tcmalloc_dir, jemalloc_dir]
+    assert find_allocator("auto", both) == ("jemalloc", jemalloc_dir / "libjemalloc.so.2")
+    assert find_allocator("tcmalloc", both) == ("tcmalloc",
+                                                tcmalloc_dir / "libtcmalloc_minimal.so.4")
+    assert find_allocator("auto", [empty]) == ("system", None)
+    assert find_allocator("system", both) == ("system", None)
+    with pytest.raises(FileNotFoundError) as err:
+        find_allocator("jemalloc", [empty])
+    assert str(err.value) == (f"--malloc jemalloc: libjemalloc.so.2 or libjemalloc.so not found "
+                              f"in {empty} (Debian/Ubuntu: apt-get install libjemalloc2)")
+    with pytest.raises(ValueError, match="--malloc 'mimalloc': expected one of auto, jemalloc, "
+                                         "tcmalloc, system"):
+        find_allocator("mimalloc", both)
+    # preloaded first, anything the caller preloads stays after it
+    env, name = with_allocator({"LD_PRELOAD": "/opt/libfoo.so"}, "auto", both)
+    assert name == "jemalloc"
+    assert env["LD_PRELOAD"] == f"{jemalloc_dir / 'libjemalloc.so.2'}:/opt/libfoo.so"
+    # an allocator the caller already preloads is the one used
+    env, name = with_allocator({"LD_PRELOAD": "/x/libtcmalloc.so.4"}, "jemalloc", [empty])
+    assert (name, env["LD_PRELOAD"]) == ("tcmalloc", "/x/libtcmalloc.so.4")
+    assert with_allocator({"PATH": "/bin"}, "system", both) == ({"PATH": "/bin"}, "system")
+
+
+@pytest.mark.slow
+def test_the_server_runs_with_the_preloaded_allocator(echo_repository, tmp_path, monkeypatch):
+    import subprocess
+
+    # a stand-in library (an allocator is not installed everywhere): what is checked is that
+    # tritonserver is started with it loaded and reports it
+    source = tmp_path / "stand_in.c"
+    source.write_text("int llm_forge_stand_in(void) { return 0; }\n")
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    monkeypatch.setenv("LD_PRELOAD", str(library))
+    with running_tritonserver(echo_repository, ready_timeout=120) as server:
+        assert server.allocator == "tcmalloc"
+        maps = (Path("/proc") / str(server.process.pid) / "maps").read_text()
+        assert str(library) in maps
 
 
 def test_start_refuses_a_missing_repository(tmp_path):
