@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from builder.serve import MALLOC_CHOICES
+from builder.serve import ALLOCATOR_PACKAGES, MALLOC_CHOICES
 
 EXIT_BAD_INPUT = 2
 
@@ -100,7 +100,8 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         click.echo(f"  HTTP     http://{server.http_url}")
         click.echo(f"  gRPC     {server.grpc_url}")
         click.echo(f"  metrics  {server.metrics_url}")
-        hint = (" (glibc's; apt-get install libjemalloc2 keeps memory flat under load)"
+        hint = (f" (glibc's; apt-get install {ALLOCATOR_PACKAGES['jemalloc']} keeps memory "
+                "flat under load)"
                 if server.allocator == "system" and malloc == "auto" else "")
         click.echo(f"  malloc   {server.allocator}{hint}")
         report = engine_report(server.metrics_url)

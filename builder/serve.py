@@ -104,7 +104,7 @@ def _prepare_backend_dir(install: TritonInstall, workdir: Path) -> Path:
 
 # Memory allocators tritonserver can run with, as NVIDIA recommends for long-running servers:
 # glibc's malloc keeps what a peak of requests in flight allocated, so RSS steps up at each new
-# peak; jemalloc and tcmalloc give it back. The Debian/Ubuntu package names are in the hint.
+# peak; jemalloc and tcmalloc give it back. The Debian/Ubuntu packages are named when missing.
 ALLOCATOR_LIBRARIES = {
     "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
     "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
@@ -340,8 +340,9 @@ def start_tritonserver(repository_dir: str | Path, *, http_port: int | None = No
                        malloc: str = "auto") -> TritonServer:
     """Start tritonserver on loopback for `repository_dir` and wait until it is ready.
 
-    Ports left as None are picked free; `malloc` picks the allocator (`find_allocator`). Returns a `TritonServer` with `.grpc_url`, `.http_url`,
-    `.metrics_url` and `.stop()`. On any failure the server is stopped before raising.
+    Ports left as None are picked free; `malloc` picks the allocator (`find_allocator`). Returns
+    a `TritonServer` with `.grpc_url`, `.http_url`, `.metrics_url` and `.stop()`. On any failure
+    the server is stopped before raising.
     """
     repository = Path(repository_dir).resolve()
     if not repository.is_dir():

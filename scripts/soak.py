@@ -92,18 +92,15 @@ class RssSampler(threading.Thread):
         self.root_pid, self.period, self.samples = root_pid, period, []
         self.stopping = threading.Event()
         self.client: Client | None = None  # its peak of requests in flight goes in the series
-        self.peaks: list[tuple[float, int]] = []
 
     def run(self):
         while not self.stopping.wait(self.period):
-            now = time.monotonic()
-            self.samples.append((now, rss_by_process(self.root_pid)))
-            if self.client is not None:
-                self.peaks.append((now, self.client.take_peak()))
+            peak = self.client.take_peak() if self.client is not None else None
+            self.samples.append((time.monotonic(), rss_by_process(self.root_pid), peak))
 
     def flatness(self, since: float, until: float = float("inf")) -> dict[str, dict]:
         """Per process: mean RSS of the first and last quarter of the samples in the window."""
-        samples = [s for t, s in self.samples if since <= t <= until]
+        samples = [s for t, s, _ in self.samples if since <= t <= until]
         result = {}
         if len(samples) < 4:
             return result
@@ -120,10 +117,9 @@ class RssSampler(threading.Thread):
     def series(self, since: float) -> list[dict]:
         """Every sample from `since`: seconds, MiB per process and the client's peak of
         requests in flight since the sample before (memory tends to follow those peaks)."""
-        peaks = dict(self.peaks)
-        return [dict(t=round(t - since, 1), in_flight_peak=peaks.get(t),
+        return [dict(t=round(t - since, 1), in_flight_peak=peak,
                      **{k: round(v / 2**20, 2) for k, v in s.items()})
-                for t, s in self.samples if t >= since]
+                for t, s, peak in self.samples if t >= since]
 
 
 class _Stream:
@@ -181,11 +177,9 @@ class Client:
             request = service_pb2.ModelInferRequest(model_name="tensorrt_llm")
             request.parameters["triton_enable_empty_final_response"].bool_param = True
             for name, array in inputs.items():
-                tensor = request.inputs.add(name=name, shape=list(array.shape),
-                                            datatype={np.int32: "INT32",
-                                                      np.bool_: "BOOL"}[array.dtype.type])
-                del tensor  # the data goes in raw_input_contents, in input order
-                request.raw_input_contents.append(array.tobytes())
+                request.inputs.add(name=name, shape=list(array.shape),
+                                   datatype={np.int32: "INT32", np.bool_: "BOOL"}[array.dtype.type])
+                request.raw_input_contents.append(array.tobytes())  # in input order
             for name in self.OUTPUTS:
                 request.outputs.add(name=name)
             self._requests[priority] = request
@@ -251,7 +245,7 @@ class Client:
             return record
         finally:
             self.in_flight -= 1
-            if keep:
+            if keep and stream.channel is None:  # a disconnect's own connection is not pooled
                 self.idle.append(stream)
             else:
                 await stream.drop()
