@@ -38,7 +38,8 @@ def test_a_falling_line_is_not_believed():
 
 def test_prefill_beside_decodes_is_cut_to_the_room_and_finishes():
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
-    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5)
+    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5,
+                      long_prefill_tokens=0)  # every prefill counts as long
     for i in range(4):
         sched.add(seq(i, 3, max_tokens=40))
     assert _run(sched, 2)[1] == [(i, 1) for i in range(4)]  # prefilled, now decoding
@@ -48,6 +49,39 @@ def test_prefill_beside_decodes_is_cut_to_the_room_and_finishes():
     assert log[0] == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 2)]
     prefill = [n for step in log for s, n in step if s == 9]
     assert prefill[:15] == [2] * 15 and sum(prefill) == 30 + 1  # 30 prompt tokens, 1 decode
+
+
+def test_a_long_prompt_is_cut_until_its_rest_is_short_then_goes_whole():
+    bm = BlockManager(num_blocks=64, tokens_per_block=4)
+    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5)
+    assert sched.long_prefill_threshold == 8  # max_num_tokens // 8 when not given
+    for i in range(4):
+        sched.add(seq(i, 3, max_tokens=40))
+    _run(sched, 2)
+    sched.add(seq(9, 30, max_tokens=2))
+    prefill = [n for step in _run(sched, 16) for s, n in step if s == 9]
+    # 2 rows a step beside 4 decodes while more than 8 tokens are left, then the 8 at once
+    assert prefill[:12] == [2] * 11 + [8] and sum(prefill[:12]) == 30
+
+
+def test_short_prompts_are_prefilled_whole_beside_decodes_even_past_the_room():
+    bm = BlockManager(num_blocks=64, tokens_per_block=4)
+    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5,
+                      long_prefill_tokens=12)
+    sched.add(seq(0, 3, max_tokens=40))
+    _run(sched, 1)  # one sequence decodes: the room beside it is 1 row
+    for i in (1, 2, 3):
+        sched.add(seq(i, 12, max_tokens=4))
+    sched.add(seq(4, 13, max_tokens=4))  # long: waits for room, and keeps its place in line
+    sched.add(seq(5, 4, max_tokens=4))
+    assert _run(sched, 1)[0] == [(0, 1), (1, 12), (2, 12), (3, 12)]
+
+
+def test_long_prefill_tokens_is_validated_naming_the_field():
+    with pytest.raises(ValueError, match=r"limits.long_prefill_tokens must be an integer in "
+                                         r"\[0, limits.max_num_tokens \(64\)\] or absent, got 65"):
+        Limits(max_num_tokens=64, long_prefill_tokens=65)
+    assert Limits(max_num_tokens=64, long_prefill_tokens=0).long_prefill_tokens == 0
 
 
 def test_measured_fixed_cost_widens_the_room():

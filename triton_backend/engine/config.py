@@ -84,6 +84,12 @@ class Limits:
     # most this many times a decode-only step (step_cost.py); 0 lets prefills take the whole
     # max_num_tokens budget. Not a trtllm-build setting: our scheduler's.
     max_decode_slowdown: float = 1.5
+    # A prompt with more than this many tokens left to prefill is long: only long prompts are
+    # cut to the room `max_decode_slowdown` leaves beside decodes; a short one is prefilled whole
+    # within max_num_tokens, as vLLM's long_prefill_token_threshold does (chunking a short prompt
+    # costs its time to first token and, on a CPU, GEMM efficiency, for little ITL gained).
+    # None: max_num_tokens // 8.
+    long_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len"):
@@ -93,6 +99,12 @@ class Limits:
                  and (slowdown == 0 or 1 < slowdown <= 100),
                  f"limits.max_decode_slowdown must be 0 (off) or a number in (1, 100], "
                  f"got {slowdown!r}")
+        _require(self.long_prefill_tokens is None or (
+                     not isinstance(self.long_prefill_tokens, bool)
+                     and isinstance(self.long_prefill_tokens, int)
+                     and 0 <= self.long_prefill_tokens <= self.max_num_tokens),
+                 f"limits.long_prefill_tokens must be an integer in [0, limits.max_num_tokens "
+                 f"({self.max_num_tokens})] or absent, got {self.long_prefill_tokens!r}")
         _require(self.max_input_len < self.max_seq_len,
                  f"limits.max_input_len ({self.max_input_len}) must be < limits.max_seq_len "
                  f"({self.max_seq_len})")

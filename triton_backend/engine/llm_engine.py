@@ -106,7 +106,8 @@ class LLMEngine:
         limits = self.config.limits
         return Scheduler(self.block_manager, limits.max_num_tokens, limits.max_batch_size,
                          self.priority_aging_rate, self.clock,
-                         max_decode_slowdown=limits.max_decode_slowdown)
+                         max_decode_slowdown=limits.max_decode_slowdown,
+                         long_prefill_tokens=limits.long_prefill_tokens)
 
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served."""
