@@ -22,6 +22,7 @@ namespace {
 
 constexpr int64_t kPart = 256;
 constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kValueBlock = 64;  // features of a value row accumulated in registers at once
 
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t D) {
@@ -42,21 +43,25 @@ struct Item {
   int64_t row, kv_head, key_begin, key_end, seq;
 };
 
-inline int64_t slot_of(const int32_t* table, int64_t j, int64_t tpb) {
-  return static_cast<int64_t>(table[j / tpb]) * tpb + j % tpb;
-}
-
 // One part: scores of keys [kb, ke) for the group's heads, softmax numerators against the part's
 // own max, and the weighted sum of values. Writes (m, l, acc[D]) per head to `partial`.
 template <typename T>
 void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v_cache,
                  const int32_t* table, int64_t kv_head, int64_t kb, int64_t ke, float* partial,
-                 std::vector<float>& scratch) {
-  const int64_t G = g.group(), D = g.D, n = ke - kb, tpb = g.tokens_per_block;
+                 std::vector<float>& scratch, std::vector<int64_t>& slots) {
+  const int64_t G = g.group(), D = g.D, n = ke - kb;
   scratch.resize(G * (n + kLanes) + G * D);
   float* scores = scratch.data();           // [G, n + 8]: rows padded for the 8-key stores
   float* qf = scores + G * (n + kLanes);    // [G, D] scaled queries
   const int64_t stride = n + kLanes;
+  // Each key's cache offset, walked block by block (a division per key cost as much as its dots).
+  slots.resize(n);
+  for (int64_t j = 0, block = kb / g.tokens_per_block, offset = kb % g.tokens_per_block; j < n;
+       ++j) {
+    slots[j] = (static_cast<int64_t>(table[block]) * g.tokens_per_block + offset) *
+               g.kv_slot_stride + kv_head * D;
+    if (++offset == g.tokens_per_block) offset = 0, ++block;
+  }
   for (int64_t h = 0; h < G; ++h) {
     const T* qh = q_row + (kv_head * G + h) * g.q_head_stride;
     for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(qh[i]) * g.scale;
@@ -66,9 +71,7 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j0);
     for (int64_t jj = 0; jj < kLanes; ++jj) {
-      const T* k = k_cache + slot_of(table, kb + j0 + std::min(jj, count - 1), tpb) *
-                   g.kv_slot_stride + kv_head * D;
-      widen(k, keys + jj * D, D);
+      widen(k_cache + slots[j0 + std::min(jj, count - 1)], keys + jj * D, D);
     }
     for (int64_t h = 0; h < G; ++h) {
       float* out = scores + h * stride + j0;
@@ -109,25 +112,33 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
     ph[1] = l;
     for (int64_t i = 0; i < D; ++i) ph[2 + i] = 0.f;
   }
-  // Values 8 at a time, widened once; each head's accumulator chunk stays in a register across
-  // the block's 8 keys.
-  float* values = keys;  // the key buffer is free again
+  // Values read in place (widened in registers), 8 keys at a time; each head's accumulator
+  // block stays in registers across the 8 keys: 8 independent FMA chains per key.
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j0);
-    for (int64_t jj = 0; jj < count; ++jj)
-      widen(v_cache + slot_of(table, kb + j0 + jj, tpb) * g.kv_slot_stride + kv_head * D,
-            values + jj * D, D);
+    const T* rows[kLanes];
+    for (int64_t jj = 0; jj < count; ++jj) rows[jj] = v_cache + slots[j0 + jj];
     for (int64_t h = 0; h < G; ++h) {
       float* acc = partial + h * (2 + D) + 2;
       const float* p = scores + h * stride + j0;
       int64_t i = 0;
+      for (; i + kValueBlock <= D; i += kValueBlock) {
+        vf a[kValueBlock / kLanes];
+        for (int c = 0; c < kValueBlock / kLanes; ++c) a[c] = load(acc + i + c * kLanes);
+        for (int64_t jj = 0; jj < count; ++jj) {
+          const vf pj = splat(p[jj]);
+          for (int c = 0; c < kValueBlock / kLanes; ++c)
+            a[c] = fmadd(pj, load(rows[jj] + i + c * kLanes), a[c]);
+        }
+        for (int c = 0; c < kValueBlock / kLanes; ++c) store(acc + i + c * kLanes, a[c]);
+      }
       for (; i + kLanes <= D; i += kLanes) {
         vf a = load(acc + i);
-        for (int64_t jj = 0; jj < count; ++jj) a = fmadd(splat(p[jj]), load(values + jj * D + i), a);
+        for (int64_t jj = 0; jj < count; ++jj) a = fmadd(splat(p[jj]), load(rows[jj] + i), a);
         store(acc + i, a);
       }
       for (; i < D; ++i)
-        for (int64_t jj = 0; jj < count; ++jj) acc[i] += p[jj] * values[jj * D + i];
+        for (int64_t jj = 0; jj < count; ++jj) acc[i] += p[jj] * to_float(rows[jj][i]);
     }
   }
 }
@@ -186,11 +197,12 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const T* vp = v_cache.data_ptr<T>();
   parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
+    thread_local std::vector<int64_t> slots;
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       attend_part(g, qp + it.row * g.q_row_stride, kp, vp, tables + it.seq * g.max_blocks,
                   it.kv_head, it.key_begin, it.key_end, parts.data() + i * g.partial_size(),
-                  scratch);
+                  scratch, slots);
     }
   });
   T* op = out.data_ptr<T>();

@@ -71,9 +71,15 @@ inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf load_bits(const uint16_t* p) {  // 8 bf16 bit patterns -> fp32 (exact)
+#if defined(__AVX2__)
+  // One vpmovzxwd from memory; GCC's generic widening of a 16-byte vector splits it in halves.
+  const __m256i lanes = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vf)_mm256_slli_epi32(lanes, 16);
+#else
   vh h;
   std::memcpy(&h, p, sizeof h);
   return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
 }
 inline vf load(const bf16* p) { return load_bits(reinterpret_cast<const uint16_t*>(p)); }
 
