@@ -198,12 +198,14 @@ def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> Non
 
         plan = bf16_gemm_plan(build_key())
         if not plan.packed:
-            log("bf16 projections: torch's bf16 GEMM (this CPU has bf16 matrix instructions)")
+            log("bf16 projections: torch's bf16 GEMM (faster than our packed kernels on this CPU)")
             return
         widened = (f"; from {plan.upcast_min_rows} tokens on, widened to fp32 for torch's fp32 "
                    f"GEMM" if plan.upcast_min_rows else "")
-        log(f"bf16 projections: the packed bf16 kernel (faster than torch's bf16 GEMM on this "
-            f"CPU){widened}")
+        kernel = ("bf16 dot products (AVX-512 BF16)" if plan.layout == "pairs"
+                  else "weights widened to fp32 in registers")
+        log(f"bf16 projections: the packed bf16 kernel, {kernel} (faster than torch's bf16 GEMM "
+            f"on this CPU){widened}")
 
 
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:

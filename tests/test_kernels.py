@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from triton_backend.engine.kernels import load_cpu_kernels
-from triton_backend.engine.kernels.linear import (Bf16GemmPlan, PackedBf16Linear,
-                                                  _plan_from_timings, pack_weight)
+from triton_backend.engine.kernels.linear import (PLAN_ENV, Bf16GemmPlan, PackedBf16Linear,
+                                                  _plan_from_timings, available_layouts,
+                                                  bf16_gemm_plan, pack_weight)
 from triton_backend.engine.ops import CppOps, TorchOps
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels did not build")
@@ -43,14 +44,23 @@ def test_silu_mul_matches_torch(dtype):
     _close(CppOps().silu_mul(gate_up), TorchOps().silu_mul(gate_up), dtype, exact_bf16=True)
 
 
+def _layouts():
+    """Every packed layout, the ones this CPU cannot run marked skipped (named, not hidden)."""
+    if not load_cpu_kernels():
+        return ["tiles", "pairs"]
+    return ["tiles"] + [pytest.param("pairs", marks=pytest.mark.skipif(
+        "pairs" not in available_layouts(), reason="no AVX-512 BF16 on this CPU"))]
+
+
+@pytest.mark.parametrize("layout", _layouts())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 13, 100])
-def test_packed_linear_matches_a_float32_matmul(dtype, m):
+def test_packed_linear_matches_a_float32_matmul(dtype, m, layout):
     torch.manual_seed(m)
     weight = torch.randn(50, 72).to(torch.bfloat16)  # 50 outputs: a partial last tile
     bias = torch.randn(50).to(torch.bfloat16)
     x = torch.randn(m, 72).to(dtype)
-    out = PackedBf16Linear(weight, bias)(x)
+    out = PackedBf16Linear(weight, bias, layout=layout)(x)
     assert out.dtype == dtype and out.shape == (m, 50)
     expected = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
     _close(out, expected, dtype)
@@ -75,22 +85,75 @@ def test_from_upcast_min_rows_the_weight_is_widened_for_torchs_gemm(dtype):
 ])
 def test_the_bf16_gemm_plan_follows_the_timings(torch_over_packed, upcast_over_packed, plan):
     assert _plan_from_timings(torch_over_packed, upcast_over_packed) == plan
+    assert _plan_from_timings(torch_over_packed, upcast_over_packed, "pairs").layout == (
+        "pairs" if plan.packed else "tiles")
 
 
-def test_packed_linear_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("layout", _layouts())
+def test_packed_linear_rows_do_not_depend_on_the_batch(layout):
     torch.manual_seed(1)
-    layer = PackedBf16Linear(torch.randn(96, 64).to(torch.bfloat16), None)
-    x = torch.randn(13, 64)
+    layer = PackedBf16Linear(torch.randn(96, 64).to(torch.bfloat16), None, layout=layout)
+    x = torch.randn(13, 64).to(torch.bfloat16)  # 13 rows: 4-row blocks and a 1-row rest
     batched = layer(x)
     for i in (0, 5, 12):
         assert torch.equal(layer(x[i:i + 1])[0], batched[i])
 
 
-def test_packed_rows_are_the_weight_rows():
+@pytest.mark.parametrize("layout", ["tiles", "pairs"])
+def test_packed_rows_are_the_weight_rows(layout):
     weight = torch.randn(37, 16).to(torch.bfloat16)
     ids = torch.tensor([0, 36, 17, 16, 5])
-    assert torch.equal(PackedBf16Linear(weight, None).rows(ids), weight[ids])
-    assert pack_weight(weight).shape == (3, 16, 16)
+    layer = PackedBf16Linear(weight, None, layout=layout)
+    assert torch.equal(layer.rows(ids), weight[ids])
+    assert torch.equal(layer.weight_rows(), weight)
+    assert pack_weight(weight, layout).shape == {"tiles": (3, 16, 16), "pairs": (3, 8, 16, 2)}[
+        layout]
+
+
+def test_an_odd_in_features_keeps_the_tiles_layout():
+    weight = torch.randn(20, 15).to(torch.bfloat16)
+    assert PackedBf16Linear(weight, None, layout="pairs").layout == "tiles"
+    with pytest.raises(ValueError, match="the pairs layout needs an even in_features, got 15"):
+        pack_weight(weight, "pairs")
+
+
+@pytest.mark.parametrize("value, plan", [
+    ("torch", Bf16GemmPlan(False)), ("tiles", Bf16GemmPlan(True, None, "tiles"))])
+def test_the_gemm_plan_can_be_forced_without_measuring(monkeypatch, tmp_path, value, plan):
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    monkeypatch.setenv(PLAN_ENV, value)
+    assert bf16_gemm_plan("any-key") == plan
+    assert not (tmp_path / "kernels").exists()  # nothing measured, nothing cached
+    monkeypatch.setenv(PLAN_ENV, "fastest")
+    with pytest.raises(ValueError, match="LLM_FORGE_GEMM_PLAN must be one of auto, torch, tiles, "
+                                         "pairs, got 'fastest'"):
+        bf16_gemm_plan("any-key")
+
+
+def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path):
+    """The plan is cached per kernel build key, and the key names the CPU: another CPU never
+    reads this one's plan."""
+    from triton_backend.engine import kernels
+
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    monkeypatch.delenv(PLAN_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_cpu_signature", lambda: "model name: cpu A\nflags: avx2")
+    key_a = kernels.build_key()
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_cpu_signature", lambda: "model name: cpu B\nflags: avx2 amx")
+    assert kernels.build_key() != key_a
+    cached = tmp_path / "kernels" / key_a / "bf16_gemm_plan.json"
+    cached.parent.mkdir(parents=True)
+    cached.write_text('{"plan": {"packed": true, "upcast_min_rows": 512, "layout": "tiles"}}')
+    assert bf16_gemm_plan(key_a) == Bf16GemmPlan(True, 512, "tiles")  # A reads its own plan
+    measured = []
+    monkeypatch.setattr("triton_backend.engine.kernels.linear._measure_layout",
+                        lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}))
+    monkeypatch.setattr("triton_backend.engine.kernels.linear.available_layouts",
+                        lambda: ("tiles",))
+    assert bf16_gemm_plan(kernels.build_key()) == Bf16GemmPlan(True, None, "tiles")
+    assert measured == ["tiles"]  # B measured anew
 
 
 def _paged_case(dtype, q_lens, ctx_lens, num_heads=6, num_kv_heads=2, head_dim=32, tpb=4):

@@ -1,15 +1,17 @@
-"""bf16 projections on the packed-weight GEMM kernel, and when to use it.
+"""bf16 projections on our packed-weight GEMM kernels, and when to use them.
 
 `pack_linears(model, plan)` swaps every plain bf16 `nn.Linear` of a loaded model (and the LM head
-of tied embeddings) for a `PackedBf16Linear` that keeps the weight in the kernel's tile layout.
-It is applied only where the kernel beats torch's own bf16 GEMM on this machine (`bf16_gemm_plan`,
-measured once per machine and cached): on CPUs with bf16 matrix instructions (AMX, AVX512-BF16)
-torch's oneDNN path is the faster one and the model is left as it is.
+of tied embeddings) for a `PackedBf16Linear` that keeps the weight in a kernel's layout: `tiles`
+(gemm.cpp: weights widened to fp32 in registers, for CPUs without bf16 dot products) or `pairs`
+(gemm_bf16_dot.cpp: AVX-512 BF16 dot products). It is applied only where a kernel beats torch's
+own bf16 GEMM on this machine (`bf16_gemm_plan`, measured once per machine and kernel build,
+cached; `LLM_FORGE_GEMM_PLAN` forces one, e.g. to run the suite as another CPU would).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,47 +23,69 @@ from triton_backend.engine.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 TILE = 16
+LAYOUTS = ("tiles", "pairs")
+PLAN_ENV = "LLM_FORGE_GEMM_PLAN"  # auto (measure) | torch | tiles | pairs
+PLAN_CHOICES = ("auto", "torch", *LAYOUTS)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16] bf16: tile t holds columns 16t..16t+15, k-major."""
+def pack_weight(weight: torch.Tensor, layout: str = "tiles") -> torch.Tensor:
+    """[N, K] -> bf16 tiles of 16 output columns. `tiles`: [ceil(N / 16), K, 16], tile t holds
+    columns 16t..16t+15, k-major. `pairs`: [ceil(N / 16), K / 2, 16, 2], each column's k in
+    consecutive pairs (the operand order of a bf16 dot-product instruction); K must be even."""
     n, k = weight.shape
     padded = -(-n // TILE) * TILE
     tiles = torch.zeros(padded, k, dtype=torch.bfloat16)
     tiles[:n] = weight
+    if layout == "pairs":
+        if k % 2:
+            raise ValueError(f"the pairs layout needs an even in_features, got {k}")
+        return tiles.view(padded // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return tiles.view(padded // TILE, TILE, k).permute(0, 2, 1).contiguous()
 
 
 class PackedBf16Linear(nn.Module):
-    """y = x W^T (+ b) with W packed for `torch.ops.llm_forge.linear_bf16_packed`; from
-    `upcast_min_rows` rows on, W is widened to fp32 for torch's fp32 GEMM instead."""
+    """y = x W^T (+ b) with W packed for `torch.ops.llm_forge.linear_bf16_packed` (which reads
+    either layout); from `upcast_min_rows` rows on, W is widened to fp32 for torch's fp32 GEMM
+    instead. The pairs kernel multiplies bf16 activations only: other dtypes take the widened
+    weight, as the tiles kernel would compute them."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 upcast_min_rows: int | None = None) -> None:
+                 upcast_min_rows: int | None = None, layout: str = "tiles") -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.upcast_min_rows = upcast_min_rows
-        self.register_buffer("packed", pack_weight(weight))
+        self.layout = "tiles" if layout == "pairs" and self.in_features % 2 else layout
+        self.register_buffer("packed", pack_weight(weight, self.layout))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.upcast_min_rows is not None and x.numel() >= self.upcast_min_rows * self.in_features:
+        if ((self.upcast_min_rows is not None
+             and x.numel() >= self.upcast_min_rows * self.in_features)
+                or (self.layout == "pairs" and x.dtype != torch.bfloat16)):
             return self.widened(x)
         return torch.ops.llm_forge.linear_bf16_packed(x, self.packed, self.bias,
                                                       self.out_features)
 
+    def weight_rows(self) -> torch.Tensor:
+        """The bf16 [N, K] weight as a view of the packed one (not contiguous)."""
+        order = (0, 2, 1, 3) if self.layout == "pairs" else (0, 2, 1)
+        return self.packed.permute(*order).reshape(-1, self.in_features)[:self.out_features]
+
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 GEMM on the weight widened for this call (rounded once, at the end)."""
-        weight = self.packed.permute(0, 2, 1).reshape(-1, self.in_features)[:self.out_features]
         bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+        return F.linear(x.float(), self.weight_rows().float(), bias).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows W[ids] (an embedding lookup when W is a tied embedding table)."""
+        if self.layout == "pairs":
+            picked = self.packed[ids // TILE, :, ids % TILE, :]  # [..., K / 2, 2]
+            return picked.reshape(*ids.shape, self.in_features)
         return self.packed[ids // TILE, :, ids % TILE]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed bf16"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"packed bf16 ({self.layout})")
 
 
 class PackedEmbedding(nn.Module):
@@ -82,12 +106,13 @@ def pack_linears(model: nn.Module, plan: Bf16GemmPlan) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
                 setattr(parent, name, PackedBf16Linear(child.weight.data, child.bias,
-                                                       plan.upcast_min_rows))
+                                                       plan.upcast_min_rows, plan.layout))
                 count += 1
     if getattr(model, "lm_head", None) is None and model.tie_word_embeddings:
         embedding = model.transformer.vocab_embedding
         if embedding.weight.dtype == torch.bfloat16:
-            model.lm_head = PackedBf16Linear(embedding.weight.data, None, plan.upcast_min_rows)
+            model.lm_head = PackedBf16Linear(embedding.weight.data, None, plan.upcast_min_rows,
+                                             plan.layout)
             model.transformer.vocab_embedding = PackedEmbedding(model.lm_head)
             count += 1
     return count
@@ -111,12 +136,13 @@ def _best_times(fns, repeats: int = 7) -> list[float]:
 
 @dataclass(frozen=True)
 class Bf16GemmPlan:
-    """How bf16 projections run on this machine: the packed kernel or torch's own bf16 GEMM,
-    and from how many rows on (if ever) the packed weights are widened to fp32 for torch's
-    fp32 GEMM instead (MKL's blocking for large M beats the kernel's register tiles)."""
+    """How bf16 projections run on this machine: a packed kernel (`layout`) or torch's own bf16
+    GEMM, and from how many rows on (if ever) the packed weights are widened to fp32 for torch's
+    fp32 GEMM instead (MKL's blocking for large M beats the widening kernel's register tiles)."""
 
     packed: bool
     upcast_min_rows: int | None = None
+    layout: str = "tiles"
 
 
 UPCAST_ROWS = (256, 512, 1024)  # where widening for torch's fp32 GEMM is measured
@@ -132,22 +158,37 @@ def _upcast_threshold(upcast_over_packed: dict[int, float]) -> int | None:
     return threshold
 
 
-def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[int, float]
-                       ) -> Bf16GemmPlan:
+def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[int, float],
+                       layout: str = "tiles") -> Bf16GemmPlan:
     packed = min(torch_over_packed) > 1.1
-    return Bf16GemmPlan(packed, _upcast_threshold(upcast_over_packed) if packed else None)
+    if not packed:
+        return Bf16GemmPlan(False)
+    return Bf16GemmPlan(True, _upcast_threshold(upcast_over_packed), layout)
 
 
-def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
-    """Measured once per machine and kernel build (`key`), then read from the cache."""
-    path = cache_root() / "kernels" / key / "bf16_gemm_plan.json"
-    try:
-        return Bf16GemmPlan(**json.loads(path.read_text())["plan"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    k, n = 1024, 2048
-    weight = torch.randn(n, k).to(torch.bfloat16)
-    layer = PackedBf16Linear(weight, None)
+def available_layouts() -> tuple[str, ...]:
+    """The packed layouts this build of the kernels can run (pairs needs AVX-512 BF16)."""
+    return LAYOUTS if torch.ops.llm_forge.bf16_dot_available() else ("tiles",)
+
+
+def forced_plan() -> Bf16GemmPlan | None:
+    """The plan `LLM_FORGE_GEMM_PLAN` asks for, or None (auto: measure)."""
+    choice = os.environ.get(PLAN_ENV, "auto").strip().lower()
+    if choice not in PLAN_CHOICES:
+        raise ValueError(f"{PLAN_ENV} must be one of {', '.join(PLAN_CHOICES)}, got {choice!r}")
+    if choice == "auto":
+        return None
+    if choice == "torch":
+        return Bf16GemmPlan(False)
+    if choice not in available_layouts():
+        raise ValueError(f"{PLAN_ENV}={choice}: this build of the kernels has no {choice} kernel "
+                         f"(it runs {', '.join(available_layouts())})")
+    return Bf16GemmPlan(True, None, choice)
+
+
+def _measure_layout(layout: str, weight: torch.Tensor, k: int) -> tuple[list[float], dict]:
+    """torch's time over the packed kernel's at decode sizes, and widening's over it above."""
+    layer = PackedBf16Linear(weight, None, layout=layout)
     torch_over_packed, upcast_over_packed = [], {}
     for m in (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, k).to(torch.bfloat16)
@@ -157,10 +198,32 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
         else:
             ours, widened = _best_times([lambda: layer(x), lambda: layer.widened(x)], 3)
             upcast_over_packed[m] = widened / ours
-    plan = _plan_from_timings(torch_over_packed, upcast_over_packed)
+    return torch_over_packed, upcast_over_packed
+
+
+def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
+    """Forced by `LLM_FORGE_GEMM_PLAN`, else measured once per machine and kernel build (`key`
+    names the CPU too, so another machine measures anew), then read from the cache. Each
+    candidate is timed in turns with the others and by its fastest run, so load on the machine
+    while it is measured slows every candidate alike instead of deciding the plan."""
+    forced = forced_plan()
+    if forced is not None:
+        return forced
+    path = cache_root() / "kernels" / key / "bf16_gemm_plan.json"
+    try:
+        return Bf16GemmPlan(**json.loads(path.read_text())["plan"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    k, n = 1024, 2048
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    timings = {layout: _measure_layout(layout, weight, k) for layout in available_layouts()}
+    # The layout whose worse decode-size ratio over torch is best.
+    layout = max(timings, key=lambda name: min(timings[name][0]))
+    plan = _plan_from_timings(*timings[layout], layout)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"plan": plan.__dict__, "torch_over_packed_time": torch_over_packed,
-                                "upcast_over_packed_time": upcast_over_packed}, indent=1) + "\n")
+    path.write_text(json.dumps({"plan": plan.__dict__, "torch_over_packed_time": {
+        name: t[0] for name, t in timings.items()}, "upcast_over_packed_time": {
+        name: t[1] for name, t in timings.items()}}, indent=1) + "\n")
     log.info("bf16 GEMM plan: %s", plan)
     return plan
 

@@ -12,6 +12,7 @@
 // micro-kernel reads two 8-lane vectors of weights per k and broadcasts one x value per row:
 // MR rows x 16 columns of accumulators (x NT tiles for tiny M). Every output element is summed over
 // k in the same order whatever M is, so a row's result does not depend on the rows batched with it.
+#include "ops.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -263,6 +264,7 @@ at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, i
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (packed.dim() == 4) return linear_bf16_pairs(x, packed, bias, N);  // gemm_bf16_dot.cpp
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
                   packed.size(2) == kTile && packed.is_contiguous(),
               "packed weight must be a contiguous bf16 [tiles, K, 16] tensor");

@@ -6,6 +6,7 @@
 TORCH_LIBRARY(llm_forge, m) {
   m.def("linear_bf16_packed(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
         &llm_forge::linear_bf16_packed);
+  m.def("bf16_dot_available() -> bool", &llm_forge::bf16_dot_available);
   m.def("linear_int4_packed(Tensor x, Tensor packed, Tensor scales, Tensor? prequant, "
         "Tensor? bias, int group_size, int n) -> Tensor", &llm_forge::linear_int4_packed);
   m.def("dequantize_int4_packed(Tensor packed, Tensor scales, int group_size, int n) -> Tensor",

@@ -1,0 +1,150 @@
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias) with bf16 dot-product instructions (AVX-512 BF16:
+// vdpbf16ps), for bf16 activations and weights.
+//
+// Why: a decode step of a small batch reads every weight once, so it is bound by memory and by
+// the instructions spent per weight byte. Widening bf16 to fp32 before each FMA (gemm.cpp) costs
+// four instructions per 16 weights; vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 fp32
+// sums in one. torch's oneDNN GEMM uses the same instruction but at decode-sized M it pays per
+// call and streams cold weights at a fraction of the machine's bandwidth.
+//
+// Layout (packed once at load): output columns in tiles of 16, input features in pairs:
+// [tiles, K / 2, 16, 2], so one 64-byte load holds 16 columns x 2 consecutive k. Each x row is
+// read as (x[2p], x[2p+1]) pairs broadcast to all 16 lanes. Every output element is summed over
+// the pairs in the same order whatever M is and whichever micro-kernel runs it, so a row's result
+// does not depend on the rows batched with it.
+//
+// Compiled only where the compiler targets AVX-512 BF16 (`-march=native` on such a CPU); elsewhere
+// `bf16_dot_available()` is false and the Python side keeps the widening kernel.
+#include "vec.h"
+
+#include <ATen/ATen.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define LLM_FORGE_BF16_DOT 1
+#include <immintrin.h>
+#endif
+
+namespace llm_forge {
+
+bool bf16_dot_available() {
+#ifdef LLM_FORGE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef LLM_FORGE_BF16_DOT
+namespace {
+
+constexpr int kTile = 16;
+constexpr int64_t kPairPrefetch = 16;  // pair steps (64 bytes each) ahead of the reads
+
+template <typename T>
+inline void store_tile_row(T* out, const __m512& sums, const float* bias, int64_t n0,
+                           int64_t n_valid) {
+  float values[kTile];
+  _mm512_storeu_ps(values, sums);
+  for (int64_t j = 0; j < n_valid; ++j)
+    out[n0 + j] = static_cast<T>(values[j] + (bias ? bias[n0 + j] : 0.f));
+}
+
+// MR rows x NT tiles, all K: MR * NT sums in registers.
+template <int MR, int NT, typename T>
+void dot_micro_kernel(const uint16_t* x, int64_t K, const uint16_t* w, int64_t tile0,
+                      int64_t N, const float* bias, T* out) {
+  const int64_t pairs = K / 2;
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  const uint16_t* tiles[NT];
+  for (int t = 0; t < NT; ++t) tiles[t] = w + (tile0 + t) * pairs * 2 * kTile;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[NT];
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* at = tiles[t] + p * 2 * kTile;
+      _mm_prefetch(reinterpret_cast<const char*>(at + kPairPrefetch * 2 * kTile), _MM_HINT_T0);
+      wv[t] = (__m512bh)_mm512_loadu_si512(at);
+    }
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * p, sizeof pair);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, wv[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (tile0 + t) * kTile;
+    const int64_t n_valid = std::min<int64_t>(kTile, N - n0);
+    for (int m = 0; m < MR; ++m) store_tile_row(out + m * N, acc[m][t], bias, n0, n_valid);
+  }
+}
+
+// Rows [0, M) against NT tiles from tile0: blocks of 4 rows while the tiles' weights stay in
+// L1/L2, then the 1-3 rows left.
+template <int NT, typename T>
+void dot_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tile0,
+              int64_t N, const float* bias, T* out) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    dot_micro_kernel<4, NT>(x + m * K, K, w, tile0, N, bias, out + m * N);
+  const uint16_t* xr = x + m * K;
+  T* o = out + m * N;
+  switch (M - m) {
+    case 3: dot_micro_kernel<3, NT>(xr, K, w, tile0, N, bias, o); break;
+    case 2: dot_micro_kernel<2, NT>(xr, K, w, tile0, N, bias, o); break;
+    case 1: dot_micro_kernel<1, NT>(xr, K, w, tile0, N, bias, o); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void run_dot_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_tiles,
+                  int64_t N, const float* bias, T* out) {
+  // Threads claim chunks of whole 4-tile groups (each streams its own weights), about 8 per
+  // thread; the tiles past the last whole group run one at a time.
+  constexpr int64_t kGroup = 4;
+  const int64_t groups = num_tiles / kGroup;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, groups / (8 * threads));
+  parallel_chunks(groups + (num_tiles - groups * kGroup), chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (i < groups) dot_rows<kGroup>(x, M, K, w, i * kGroup, N, bias, out);
+      else dot_rows<1>(x, M, K, w, groups * kGroup + (i - groups), N, bias, out);
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
+                             const c10::optional<at::Tensor>& bias, int64_t N) {
+#ifdef LLM_FORGE_BF16_DOT
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous(),
+              "packed weight must be a contiguous bf16 [tiles, K / 2, 16, 2] tensor");
+  const int64_t num_tiles = packed.size(0), K = 2 * packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16 for the bf16 dot-product GEMM");
+  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0)
+    run_dot_gemm(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K,
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), num_tiles,
+                 N, bias_ptr, out.data_ptr<at::BFloat16>());
+  return out.view(sizes);
+#else
+  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product GEMM (the CPU or the "
+                     "compiler target lacks AVX-512 BF16)");
+#endif
+}
+
+}  // namespace llm_forge
