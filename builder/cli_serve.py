@@ -63,8 +63,11 @@ def repository_command(engine_dir, output_dir, settings) -> None:
               help="Also serve the OpenAI-compatible API on this port (0: a free one).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address the OpenAI-compatible API binds to.")
-@click.option("--openai-triton-model", type=click.Choice(["ensemble", "tensorrt_llm_bls"]),
-              default="ensemble", show_default=True, help="The model the OpenAI API calls.")
+@click.option("--openai-triton-model",
+              type=click.Choice(["tensorrt_llm", "ensemble", "tensorrt_llm_bls"]),
+              default="tensorrt_llm", show_default=True,
+              help="The model the OpenAI API calls: tensorrt_llm with token ids (the API "
+                   "tokenizes and detokenizes), or the ensemble / BLS with text.")
 @click.option("--openai-max-concurrent-requests", type=int, default=256, show_default=True,
               help="Requests in flight on the OpenAI API; more get HTTP 429.")
 @click.option("--drain-timeout", type=click.FloatRange(0, 3600), default=30.0,

@@ -153,6 +153,38 @@ def test_completions_equal_the_ensemble_output(served):
     assert again == first  # the seed makes sampling reproducible, streamed or not
 
 
+def test_the_ensemble_path_answers_as_the_direct_one(served):
+    """The endpoint calls `tensorrt_llm` with token ids by default (tokenizing and detokenizing
+    itself); through the ensemble the same requests give the same texts, stop strings trimmed
+    and split characters joined alike, streamed or not."""
+    from builder.openai.config import OpenAIServerConfig
+    from builder.openai.server import start_openai_server
+
+    config = OpenAIServerConfig.from_repository(served.repository, served.grpc_url,
+                                                triton_model="ensemble")
+    direct = served.client()
+    assert config.skip_special_tokens and config.triton_model == "ensemble"
+    with start_openai_server(config) as server:
+        via_ensemble = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                                     timeout=120)
+        for options in (dict(max_tokens=20), dict(max_tokens=20, stop=[" the", "."]),
+                        dict(max_tokens=16, temperature=0.8, seed=3, extra_body={"min_tokens": 16})):
+            texts = []
+            for client in (direct, via_ensemble):
+                full = client.completions.create(model=NAME, prompt=PROMPT, **options)
+                streamed = "".join(c.choices[0].text for c in client.completions.create(
+                    model=NAME, prompt=PROMPT, stream=True, **options))
+                assert streamed == full.choices[0].text
+                texts.append((full.choices[0].text, full.choices[0].finish_reason,
+                              full.usage.completion_tokens))
+            assert texts[0] == texts[1], options
+        question = [{"role": "user", "content": QUESTION}]
+        assert (direct.chat.completions.create(model=NAME, messages=question, max_tokens=24)
+                .choices[0].message.content
+                == via_ensemble.chat.completions.create(model=NAME, messages=question,
+                                                        max_tokens=24).choices[0].message.content)
+
+
 def test_stop_max_tokens_usage_and_logprobs(served):
     client = served.client()
     full = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, logprobs=0)

@@ -193,7 +193,7 @@ def test_server_config_validates(tmp_path):
                 limits=limits)
     OpenAIServerConfig(**good)
     for bad, message in [({"port": 70000}, "openai port must be an integer in 0..65535"),
-                         ({"triton_model": "tensorrt_llm"}, "triton_model must be one of"),
+                         ({"triton_model": "preprocessing"}, "triton_model must be one of"),
                          ({"max_concurrent_requests": 0}, "max_concurrent_requests must be"),
                          ({"tokenizer_dir": tmp_path / "nope"}, "no such directory")]:
         with pytest.raises(ValueError, match=message):

@@ -22,6 +22,7 @@ from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error)
 from builder.openai.service import Generation, OpenAIService
 from builder.openai.streaming import sse_events
+from builder.openai.direct import TextCodec
 from builder.openai.triton import TritonBackend
 
 T = TypeVar("T")
@@ -103,8 +104,10 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        codec = TextCodec(service.tokenizer, config.limits, config.add_special_tokens,
+                          config.skip_special_tokens)
         service.backend = TritonBackend(config.triton_grpc_url, config.triton_model,
-                                        config.request_timeout_s)
+                                        config.request_timeout_s, codec)
         try:
             yield
         finally:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from triton_backend.engine.config import EngineConfig, Limits
 
-TRITON_MODELS = ("ensemble", "tensorrt_llm_bls")
+# tensorrt_llm: token ids, tokenized and detokenized by the endpoint (direct.py); the fewest
+# Python-backend calls per streamed token. ensemble / tensorrt_llm_bls: text.
+TRITON_MODELS = ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")
 LOOPBACK = "127.0.0.1"
 
 
@@ -22,10 +24,11 @@ class OpenAIServerConfig:
     model_name: str
     tokenizer_dir: Path
     limits: Limits
-    triton_model: str = "ensemble"
+    triton_model: str = "tensorrt_llm"
     host: str = LOOPBACK
     port: int = 0
     add_special_tokens: bool = True
+    skip_special_tokens: bool = True
     max_concurrent_requests: int = 256
     request_timeout_s: float = 3600.0
 
@@ -60,9 +63,12 @@ class OpenAIServerConfig:
 
         config = EngineConfig.load(path("engine_dir"))
         add_special_tokens = params.get("add_special_tokens", "true").lower() in ("true", "1")
+        post = repository_parameters(repository_dir, "postprocessing")
+        skip_special_tokens = post.get("skip_special_tokens", "true").lower() in ("true", "1")
         return cls(triton_grpc_url=triton_grpc_url, model_name=config.name,
                    tokenizer_dir=path("tokenizer_dir"), limits=config.limits,
-                   add_special_tokens=add_special_tokens, **options)
+                   add_special_tokens=add_special_tokens,
+                   skip_special_tokens=skip_special_tokens, **options)
 
 
 def repository_parameters(repository_dir: Path, model: str) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""The ensemble over Triton's gRPC streaming API, from asyncio (tritonclient's aio client).
+"""Generation over Triton's gRPC streaming API, from asyncio (tritonclient's aio client): to the
+`tensorrt_llm` model with token ids (`direct.py` tokenizes and detokenizes here), or to the
+`ensemble` / `tensorrt_llm_bls` with text.
 
 One gRPC stream per OpenAI request on one shared channel; the stream's sending half stays open
 until the request ends. A request abandoned before its last chunk (the HTTP client went away)
@@ -20,6 +22,8 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from builder.client import text_inputs
+from builder.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS, RequestError,
+                                   TextCodec, direct_request)
 from builder.openai.errors import OpenAIError, from_triton, internal, not_ready
 
 BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
@@ -58,9 +62,27 @@ def _chunk(result) -> Chunk:
         token_ids=[] if token_ids is None else token_ids.reshape(-1).tolist())
 
 
+def _direct_chunk(result, detokenizer) -> Chunk:
+    """A `tensorrt_llm` response as the ensemble's chunk would read (text detokenized here)."""
+    reason = _first(result.as_numpy("finish_reason"), b"")
+    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    token_ids = result.as_numpy("output_ids")
+    token_ids = [] if token_ids is None else token_ids.reshape(-1).tolist()
+    log_probs = result.as_numpy("output_log_probs")
+    return Chunk(text=detokenizer.add(token_ids, reason), finish_reason=reason,
+                 num_input_tokens=int(_first(result.as_numpy("num_input_tokens"))),
+                 num_output_tokens=int(_first(result.as_numpy("num_output_tokens"))),
+                 log_probs=[] if log_probs is None else log_probs.reshape(-1).tolist(),
+                 token_ids=token_ids)
+
+
 def _tensors(values: dict[str, object]) -> list[InferInput]:
+    return _infer_inputs(text_inputs(**values))
+
+
+def _infer_inputs(arrays: dict[str, np.ndarray]) -> list[InferInput]:
     tensors = []
-    for name, array in text_inputs(**values).items():
+    for name, array in arrays.items():
         tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
@@ -73,8 +95,11 @@ class TritonBackend:
     Create it inside the event loop that uses it (gRPC aio channels belong to one loop).
     """
 
-    def __init__(self, url: str, model: str, request_timeout_s: float) -> None:
-        self.url, self.model = url, model
+    def __init__(self, url: str, model: str, request_timeout_s: float,
+                 codec: TextCodec | None = None) -> None:
+        if model == GENERATION_MODEL and codec is None:
+            raise ValueError("the tensorrt_llm model takes token ids: a TextCodec is required")
+        self.url, self.model, self.codec = url, model, codec
         self.request_timeout_s = request_timeout_s
         self.client = InferenceServerClient(url)
         self._stops: set[asyncio.Task] = set()  # stop requests in flight (keeps them alive)
@@ -92,10 +117,7 @@ class TritonBackend:
 
         Closing the generator before its last chunk cancels the request in Triton.
         """
-        outputs = [InferRequestedOutput(name)
-                   for name in BASE_OUTPUTS + (LOG_PROB_OUTPUTS if log_probs else ())]
-        request = {"model_name": self.model, "inputs": _tensors(values), "outputs": outputs,
-                   "request_id": request_id}
+        request, to_chunk = self._request(values, request_id, prompt_field, log_probs)
         done = asyncio.Event()
 
         async def requests():
@@ -109,7 +131,7 @@ class TritonBackend:
                 if error is not None:
                     finished = True
                     raise from_triton(error.message(), prompt_field)
-                chunk = _chunk(result)
+                chunk = to_chunk(result)
                 finished = bool(chunk.finish_reason)
                 yield chunk
                 if finished:
@@ -121,10 +143,29 @@ class TritonBackend:
             done.set()
             if not finished:
                 call.cancel()
-                if self.model == "ensemble":
+                if self.model in ("ensemble", GENERATION_MODEL):
                     task = asyncio.ensure_future(self._stop(request_id))
                     self._stops.add(task)
                     task.add_done_callback(self._stops.discard)
+
+    def _request(self, values: dict[str, object], request_id: str, prompt_field: str,
+                 log_probs: bool):
+        """The stream request for `values` and the function reading its responses."""
+        if self.model != GENERATION_MODEL:
+            names = BASE_OUTPUTS + (LOG_PROB_OUTPUTS if log_probs else ())
+            inputs = _tensors(values)
+            to_chunk = _chunk
+        else:
+            try:
+                direct = direct_request(self.codec, values)
+            except RequestError as exc:
+                raise from_triton(str(exc), prompt_field) from None
+            names = DIRECT_OUTPUTS + (DIRECT_LOG_PROB_OUTPUTS if log_probs else ())
+            inputs = _infer_inputs(direct.tensors)
+            to_chunk = lambda result: _direct_chunk(result, direct.detokenizer)  # noqa: E731
+        request = {"model_name": self.model, "inputs": inputs, "request_id": request_id,
+                   "outputs": [InferRequestedOutput(name) for name in names]}
+        return request, to_chunk
 
     async def _stop(self, request_id: str) -> None:
         """`stop: true` with the request's id cancels it in the tensorrt_llm model."""

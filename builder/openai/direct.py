@@ -1,0 +1,62 @@
+"""OpenAI requests straight to the `tensorrt_llm` model, tokenized and detokenized here.
+
+Through the `ensemble` every streamed token also costs a `postprocessing` call (a Python-backend
+round trip) and the ensemble's own scheduling in tritonserver; on a small machine those share the
+cores with the engine. The OpenAI endpoint already holds the engine's tokenizer, so the direct path
+prepares the request with the same code as `preprocessing` and the BLS (`text_request.py`: prompt
+ids, the max_input_len / max_seq_len checks, stop words as token sequences) and turns each chunk
+of ids into text with the BLS's incremental detokenizer (`detokenizer.py`, stop strings trimmed).
+The answers are the ensemble's, token for token and character for character.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from builder.client import text_inputs
+from triton_backend.engine.config import Limits
+from triton_backend.models.detokenizer import IncrementalDetokenizer, stop_strings_of
+from triton_backend.models.request_converter import RequestError
+from triton_backend.models.text_request import (check_max_tokens, encode_words, prompt_ids,
+                                                tensorrt_llm_inputs)
+
+# What the endpoint reads of each `tensorrt_llm` response (log probs only when asked for).
+DIRECT_OUTPUTS = ("output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+DIRECT_LOG_PROB_OUTPUTS = ("output_log_probs",)
+
+
+@dataclass(frozen=True)
+class TextCodec:
+    """The tokenizer and the settings the repository's preprocessing / postprocessing use."""
+
+    tokenizer: object
+    limits: Limits
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class DirectRequest:
+    tensors: dict[str, np.ndarray]  # the tensorrt_llm model's inputs
+    detokenizer: IncrementalDetokenizer
+
+
+def direct_request(codec: TextCodec, values: dict[str, object]) -> DirectRequest:
+    """The `tensorrt_llm` request for ensemble-named `values`; raises `RequestError` with the
+    message the ensemble would give for the same input."""
+    tokenizer = codec.tokenizer
+    ids = prompt_ids(tokenizer, str(values["text_input"]), codec.add_special_tokens, codec.limits)
+    max_tokens = check_max_tokens(values.get("max_tokens"), len(ids), codec.limits)
+    stop = encode_words(tokenizer, list(values.get("stop_words") or []), "stop_words")
+    inputs = text_inputs(**{name: value for name, value in values.items()
+                            if name not in ("text_input", "stop_words", "stream")})
+    # Always streamed inside: chunks are where a client that went away is noticed.
+    tensors = tensorrt_llm_inputs(inputs, ids, max_tokens, stop, [], streaming=True)
+    stop_strings = stop_strings_of(tokenizer, stop, codec.skip_special_tokens)
+    return DirectRequest(tensors, IncrementalDetokenizer(tokenizer, stop_strings,
+                                                         codec.skip_special_tokens))
+
+
+__all__ = ["DIRECT_LOG_PROB_OUTPUTS", "DIRECT_OUTPUTS", "DirectRequest", "RequestError",
+           "TextCodec", "direct_request"]
