@@ -99,6 +99,18 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(layout):
         assert torch.equal(layer(x[i:i + 1])[0], batched[i])
 
 
+@pytest.mark.parametrize("layout", _layouts())
+def test_fp32_outputs_are_the_unrounded_sums(layout):
+    torch.manual_seed(3)
+    layer = PackedBf16Linear(torch.randn(40, 64).to(torch.bfloat16), None, layout=layout)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    exact = F.linear(x.double(), layer.weight_rows().double())
+    fp32 = layer.forward_fp32(x)
+    assert fp32.dtype == torch.float32
+    assert (fp32.double() - exact).abs().max() < 1e-4  # bf16 rounding would be ~1e-2 here
+    assert torch.equal(fp32.to(torch.bfloat16), layer(x))  # the same sums, rounded once
+
+
 @pytest.mark.parametrize("layout", ["tiles", "pairs"])
 def test_packed_rows_are_the_weight_rows(layout):
     weight = torch.randn(37, 16).to(torch.bfloat16)

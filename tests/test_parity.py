@@ -58,11 +58,19 @@ def test_chunked_prefill_logits_match_one_shot(tmp_path):
 
 
 def test_bfloat16_engine_matches_transformers_bfloat16(tmp_path):
+    """Every greedy token of ours is transformers' bf16 argmax at that step, up to bf16's own
+    resolution: transformers rounds logits to bf16 (0.0625 at 8), where two tokens often tie
+    and the lower id wins, while our packed LM head keeps its fp32 sums. Which of two tied
+    tokens comes out is not the engine's behaviour to pin, so the check is by logits."""
     engine_dir = tiny.build_engine(tmp_path, "qwen2_bias_tied", dtype="bfloat16")
     prompt = list(range(7, 30))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf-qwen2_bias_tied"),
                                               dtype=torch.bfloat16)
-    expected = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                           do_sample=False, max_new_tokens=32, min_new_tokens=32)[0, len(prompt):]
-    ours = generate(LLMEngine(engine_dir), [Request(prompt, 32, ignore_eos=True)])[0]
-    assert ours.output_ids == expected.tolist()
+    ours = generate(LLMEngine(engine_dir), [Request(prompt, 32, ignore_eos=True)])[0].output_ids
+    with torch.inference_mode():  # transformers' bf16 logits along our tokens
+        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
+    best = logits.max(dim=-1).values
+    resolution = 2.0 ** (torch.floor(torch.log2(best.abs())) - 7)  # one bf16 step at the top
+    chosen = logits[torch.arange(len(ours)), torch.tensor(ours)]
+    assert bool((chosen >= best - resolution).all()), (best - chosen).tolist()
+    assert len(set(ours)) > 5

@@ -119,4 +119,5 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return F.linear(hidden, self.transformer.vocab_embedding.weight).float()
-        return self.lm_head(hidden).float()
+        fp32_logits = getattr(self.lm_head, "forward_fp32", None)  # packed heads keep fp32 sums
+        return fp32_logits(hidden) if fp32_logits else self.lm_head(hidden).float()

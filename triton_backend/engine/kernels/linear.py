@@ -59,12 +59,24 @@ class PackedBf16Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if ((self.upcast_min_rows is not None
-             and x.numel() >= self.upcast_min_rows * self.in_features)
-                or (self.layout == "pairs" and x.dtype != torch.bfloat16)):
+        if self._widens(x):
             return self.widened(x)
         return torch.ops.llm_forge.linear_bf16_packed(x, self.packed, self.bias,
                                                       self.out_features)
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """The same product with fp32 outputs: the kernel's fp32 sums, not rounded to x's dtype
+        (the LM head's logits: bf16 rounding at 25 is 0.125 and turns near-ties into ties)."""
+        if self._widens(x):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight_rows().float(), bias)
+        return torch.ops.llm_forge.linear_bf16_packed(x, self.packed, self.bias,
+                                                      self.out_features, True)
+
+    def _widens(self, x: torch.Tensor) -> bool:
+        return ((self.upcast_min_rows is not None
+                 and x.numel() >= self.upcast_min_rows * self.in_features)
+                or (self.layout == "pairs" and x.dtype != torch.bfloat16))
 
     def weight_rows(self) -> torch.Tensor:
         """The bf16 [N, K] weight as a view of the packed one (not contiguous)."""

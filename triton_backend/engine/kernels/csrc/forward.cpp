@@ -30,7 +30,7 @@ at::Tensor project(const at::Tensor& x, const Weights& weights, int64_t slot, in
   const c10::optional<at::Tensor> bias = weights.get(slot + 3);
   switch (kind) {
     case kPackedBf16:
-      return linear_bf16_packed(x, weight, bias, out_features);
+      return linear_bf16_packed(x, weight, bias, out_features, false);
     case kPackedInt4:
       return linear_int4_packed(x, weight, required(weights, slot + 1), weights.get(slot + 2),
                                 bias, group_size, out_features);

@@ -237,7 +237,8 @@ at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& pre
 
 template <typename W>
 at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, int64_t N,
-                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& prequant) {
+                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& prequant,
+                bool fp32_out = false) {
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
@@ -250,9 +251,9 @@ at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, i
   const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
   if (M > 0) {
-    if (x.scalar_type() == at::kBFloat16)
+    if (out.scalar_type() == at::kBFloat16)
       run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<at::BFloat16>());
     else
       run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<float>());
@@ -263,14 +264,14 @@ at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, i
 }  // namespace
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const c10::optional<at::Tensor>& bias, int64_t N) {
-  if (packed.dim() == 4) return linear_bf16_pairs(x, packed, bias, N);  // gemm_bf16_dot.cpp
+                              const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out) {
+  if (packed.dim() == 4) return linear_bf16_pairs(x, packed, bias, N, fp32_out);
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
                   packed.size(2) == kTile && packed.is_contiguous(),
               "packed weight must be a contiguous bf16 [tiles, K, 16] tensor");
   const Bf16Tiles w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                     packed.size(1)};
-  return gemm(x, w, packed.size(1), packed.size(0), N, bias, c10::nullopt);
+  return gemm(x, w, packed.size(1), packed.size(0), N, bias, c10::nullopt, fp32_out);
 }
 
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,

@@ -119,7 +119,7 @@ void run_dot_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, in
 #endif
 
 at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
-                             const c10::optional<at::Tensor>& bias, int64_t N) {
+                             const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out) {
 #ifdef LLM_FORGE_BF16_DOT
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous(),
@@ -135,11 +135,11 @@ at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
   const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0)
-    run_dot_gemm(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K,
-                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), num_tiles,
-                 N, bias_ptr, out.data_ptr<at::BFloat16>());
+  at::Tensor out = at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (M > 0 && fp32_out) run_dot_gemm(xp, M, K, wp, num_tiles, N, bias_ptr, out.data_ptr<float>());
+  else if (M > 0) run_dot_gemm(xp, M, K, wp, num_tiles, N, bias_ptr, out.data_ptr<at::BFloat16>());
   return out.view(sizes);
 #else
   TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product GEMM (the CPU or the "

@@ -5,12 +5,14 @@
 
 namespace llm_forge {
 
+// fp32_out: the sums as they are, not rounded to x's dtype (logits that sampling compares).
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const c10::optional<at::Tensor>& bias, int64_t N);
+                              const c10::optional<at::Tensor>& bias, int64_t N,
+                              bool fp32_out = false);
 // [tiles, K / 2, 16, 2] weights on bf16 dot-product instructions; linear_bf16_packed sends
 // 4-D packed weights here.
 at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
-                             const c10::optional<at::Tensor>& bias, int64_t N);
+                             const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out);
 bool bf16_dot_available();
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,

@@ -4,7 +4,8 @@
 #include "ops.h"
 
 TORCH_LIBRARY(llm_forge, m) {
-  m.def("linear_bf16_packed(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
+  m.def("linear_bf16_packed(Tensor x, Tensor packed, Tensor? bias, int n, bool fp32_out=False) "
+        "-> Tensor",
         &llm_forge::linear_bf16_packed);
   m.def("bf16_dot_available() -> bool", &llm_forge::bf16_dot_available);
   m.def("linear_int4_packed(Tensor x, Tensor packed, Tensor scales, Tensor? prequant, "
