@@ -22,8 +22,11 @@ from triton_backend.engine.weights import load_model, runtime_dtype
 
 
 # Chunks of at most this many new tokens are attended by the paged kernel (decodes, short
-# chunks); longer prefill chunks by torch's flash attention, which is faster for them.
-KERNEL_MAX_QUERY = 8
+# chunks); longer prefill chunks by torch's flash attention, which is faster for them. 64, not
+# 8: the chunks the scheduler cuts beside decodes (about 10 rows beside 8 decodes here) then
+# stay in the one-call decode path, instead of sending the whole step through the Python model
+# (ITL p99 while a 256-token prompt is chunked in: 2.29x the steady p50 with 8, 1.96x with 64).
+KERNEL_MAX_QUERY = 64
 
 
 @dataclass
