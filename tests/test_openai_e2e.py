@@ -200,18 +200,19 @@ def test_stop_max_tokens_usage_and_logprobs(served):
     assert stopped.choices[0].text == "".join(tokens[:at])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == at + 1  # the stop token was generated
-    chat = client.chat.completions.create(model=NAME, max_tokens=32, logprobs=True,
-                                          messages=[{"role": "user", "content": QUESTION}])
-    entries = chat.choices[0].logprobs.content
-    assert len(entries) == chat.usage.completion_tokens  # an end token has one too
-    # Greedy text can differ with the machine's kernel choice: the reply may end with the end
-    # token (no text of its own) or at max_tokens.
-    finish = chat.choices[0].finish_reason
-    assert finish in ("stop", "length")
-    texts = [e.token for e in entries]
-    if finish == "stop":
-        assert texts[-1] == ""
-    assert "".join(texts) == chat.choices[0].message.content
+    # Both ways a chat reply can end, each made to happen (not left to the machine's kernels):
+    # the end token (min_tokens 0, room to finish) and max_tokens (min_tokens = max_tokens).
+    for extra, finish in (({}, "stop"), ({"min_tokens": 6}, "length")):
+        chat = client.chat.completions.create(model=NAME, max_tokens=6 if extra else 64,
+                                              logprobs=True, extra_body=extra,
+                                              messages=[{"role": "user", "content": "Say hi."}])
+        assert chat.choices[0].finish_reason == finish
+        entries = chat.choices[0].logprobs.content
+        assert len(entries) == chat.usage.completion_tokens  # the end token has one too
+        texts = [e.token for e in entries]
+        assert "".join(texts) == chat.choices[0].message.content
+        if finish == "stop":  # the end token adds no text: its entry's token is empty
+            assert texts[-1] == "" and entries[-1].bytes == [] and entries[-1].logprob <= 0
 
 
 def test_a_disconnected_stream_frees_its_kv_blocks(served):

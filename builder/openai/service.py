@@ -44,6 +44,7 @@ class OpenAIService:
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer, config.add_special_tokens)
         self.backend: TritonBackend | None = None  # set once the event loop runs
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self.in_flight = 0
 
     # -- requests -> generations --------------------------------------------------------------
@@ -108,6 +109,12 @@ class OpenAIService:
             self.in_flight -= 1
 
     def token_text(self, token_id: int) -> str:
+        """The text a token adds to the answer: a special token (the end token) adds none
+        when the repository skips special tokens, so its log-prob entry has an empty `token`
+        (the entry stays: `usage` counts the token, and its log prob is the model's confidence
+        in stopping). The entries' texts then join into the answer exactly."""
+        if self.config.skip_special_tokens and token_id in self._special_ids:
+            return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def logprobs(self, generation: Generation, chunk_ids: list[int], chunk_log_probs: list[float],
