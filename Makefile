@@ -29,8 +29,16 @@ demo: setup $(REPO)/ensemble/config.pbtxt
 	$(FORGE) serve --repository $(REPO) --http-port 0 --grpc-port 0 --metrics-port 0 \
 		--demo-prompt "$(PROMPT)" --demo-max-tokens 64
 
+# After the suite, the tests whose results go through the kernels run again as an AVX2-only
+# CPU would run them: the kernels built for x86-64-v3 (no AVX-512) and the widening GEMM forced.
+KERNEL_TESTS ?= tests/test_kernels.py tests/test_parity.py tests/test_inflight.py \
+	tests/test_prefix_cache.py tests/test_spec_decode.py tests/test_quant_runtime.py
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+	@if [ "$$(uname -m)" = x86_64 ]; then \
+		echo "[test] kernel tests again on an AVX2 build (LLM_FORGE_KERNEL_MARCH=x86-64-v3, LLM_FORGE_GEMM_PLAN=tiles)"; \
+		LLM_FORGE_KERNEL_MARCH=x86-64-v3 LLM_FORGE_GEMM_PLAN=tiles $(PY) -m pytest -q $(KERNEL_TESTS); \
+	fi
 
 lint: setup
 	$(PY) -m compileall -q builder triton_backend scripts tests

@@ -274,3 +274,21 @@ def test_the_decode_fast_path_gives_the_python_models_tokens(tmp_path, shape, dt
     engine_dir = tiny.build_engine(tmp_path, shape, dtype=dtype)
     with_fast, without, steps = _fast_and_python_ids(engine_dir)
     assert steps > 10 and with_fast == without
+
+
+def test_the_kernels_can_be_built_for_a_lower_instruction_set(monkeypatch):
+    """LLM_FORGE_KERNEL_MARCH builds the code paths of another CPU (make test runs the kernel
+    tests again with x86-64-v3: AVX2, no AVX-512); each choice is a build of its own."""
+    from triton_backend.engine import kernels
+
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("LLM_FORGE_KERNEL_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in kernels.cflags() and "-march=native" not in kernels.cflags()
+    capped = kernels.build_key()
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.delenv("LLM_FORGE_KERNEL_MARCH")
+    assert kernels.build_key() != capped
+    monkeypatch.setenv("LLM_FORGE_KERNEL_MARCH", "-O0 -fevil")
+    with pytest.raises(ValueError, match="LLM_FORGE_KERNEL_MARCH must be one of native, "
+                                         "x86-64-v2, x86-64-v3, x86-64-v4, got '-O0 -fevil'"):
+        kernels.cflags()

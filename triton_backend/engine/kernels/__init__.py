@@ -34,7 +34,11 @@ HEADERS = ("vec.h", "ops.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # No implicit FMA contraction: elementwise kernels round like the torch ops they replace; the
 # GEMM and dot products fuse explicitly.
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17")
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17")
+# The instruction set the kernels are built for: this CPU's own (native), or a lower x86-64 level
+# to build and test the code paths another CPU takes (x86-64-v3: AVX2 and FMA, no AVX-512).
+MARCH_ENV = "LLM_FORGE_KERNEL_MARCH"
+MARCH_CHOICES = ("native", "x86-64-v2", "x86-64-v3", "x86-64-v4")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
 ENV_SWITCH = "LLM_FORGE_KERNELS"  # "torch": never build, use the pure-torch paths
 
@@ -50,6 +54,13 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def cflags() -> tuple[str, ...]:
+    march = os.environ.get(MARCH_ENV, "native").strip() or "native"
+    if march not in MARCH_CHOICES:
+        raise ValueError(f"{MARCH_ENV} must be one of {', '.join(MARCH_CHOICES)}, got {march!r}")
+    return (*CFLAGS, f"-march={march}")
+
+
 def build_key() -> str:
     """Names one build of the kernels: sources, flags, torch (version and install) and the CPU."""
     if "key" in _state:
@@ -57,7 +68,7 @@ def build_key() -> str:
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update((CSRC / name).read_bytes())
-    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
+    digest.update(" ".join((*cflags(), *LDFLAGS)).encode())
     digest.update(torch.__version__.encode())
     digest.update(os.path.dirname(torch.__file__).encode())
     digest.update(_cpu_signature().encode())
@@ -93,7 +104,7 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
 
         with _build_lock(build_dir):
             load(name=f"llm_forge_cpu_{key}", sources=_stage_sources(build_dir),
-                 extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                 extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
                  build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a toolchain too old: keep serving
         _state["ok"] = False
