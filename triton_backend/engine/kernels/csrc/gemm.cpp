@@ -246,19 +246,14 @@ at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, i
   auto x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
   at::Tensor xf = widen_rows(x2, prequant);
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
+  GemmOutput o(x, bias, M, N, fp32_out);
   if (M > 0) {
-    if (out.scalar_type() == at::kBFloat16)
-      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<at::BFloat16>());
+    if (o.out.scalar_type() == at::kBFloat16)
+      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, o.bias(), o.out.data_ptr<at::BFloat16>());
     else
-      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, bias_ptr, out.data_ptr<float>());
+      run_gemm(xf.data_ptr<float>(), M, K, w, num_tiles, N, o.bias(), o.out.data_ptr<float>());
   }
-  return out.view(sizes);
+  return o.result();
 }
 
 }  // namespace

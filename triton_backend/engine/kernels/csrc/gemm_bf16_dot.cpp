@@ -15,6 +15,7 @@
 //
 // Compiled only where the compiler targets AVX-512 BF16 (`-march=native` on such a CPU); elsewhere
 // `bf16_dot_available()` is false and the Python side keeps the widening kernel.
+#include "ops.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -130,17 +131,13 @@ at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
+  GemmOutput o(x, bias, M, N, fp32_out);
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  if (M > 0 && fp32_out) run_dot_gemm(xp, M, K, wp, num_tiles, N, bias_ptr, out.data_ptr<float>());
-  else if (M > 0) run_dot_gemm(xp, M, K, wp, num_tiles, N, bias_ptr, out.data_ptr<at::BFloat16>());
-  return out.view(sizes);
+  if (M > 0 && fp32_out) run_dot_gemm(xp, M, K, wp, num_tiles, N, o.bias(), o.out.data_ptr<float>());
+  else if (M > 0)
+    run_dot_gemm(xp, M, K, wp, num_tiles, N, o.bias(), o.out.data_ptr<at::BFloat16>());
+  return o.result();
 #else
   TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product GEMM (the CPU or the "
                      "compiler target lacks AVX-512 BF16)");

@@ -3,7 +3,25 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace llm_forge {
+
+// What every GEMM entry point prepares around its kernel: the bias widened to fp32 (or none),
+// the [M, N] output (in x's dtype, or fp32 when asked) and the shape to view it as (x's, with N).
+struct GemmOutput {
+  at::Tensor bias_f, out;
+  std::vector<int64_t> sizes;
+  GemmOutput(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t M, int64_t N,
+             bool fp32_out)
+      : out(at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options())),
+        sizes(x.sizes().vec()) {
+    if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+    sizes.back() = N;
+  }
+  const float* bias() const { return bias_f.defined() ? bias_f.data_ptr<float>() : nullptr; }
+  at::Tensor result() const { return out.view(sizes); }
+};
 
 // fp32_out: the sums as they are, not rounded to x's dtype (logits that sampling compares).
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
