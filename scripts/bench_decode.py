@@ -82,11 +82,13 @@ def _build_sides(args, protocol: EngineProtocol, names: list[str], stack: list) 
     triton_models = [n for n in names if n in ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")]
     if triton_models:
         from builder.bench.engine_level_triton import TritonSide
-        from builder.repository import emit_repository
+        from builder.repository import RepositoryOptions, emit_repository
         from builder.serve import start_tritonserver
 
         repository = Path(tempfile.mkdtemp(prefix="bench-decode-repo-"))
-        emit_repository(Path(args.engine), repository)
+        # Without KV reuse: the prompts repeat across repeats (see InProcessSide).
+        emit_repository(Path(args.engine), repository,
+                        RepositoryOptions(enable_kv_cache_reuse=False))
         print(f"starting tritonserver on {repository} ...", file=sys.stderr)
         server = start_tritonserver(repository, ready_timeout=900)
         stack.append(server)

@@ -107,7 +107,9 @@ class InProcessSide:
     """Our engine stepped on this process's main thread (what the engine itself can do)."""
 
     def __init__(self, engine_dir: str | Path, protocol: EngineProtocol) -> None:
-        self.engine = LLMEngine(engine_dir)
+        # The prompts repeat across repeats: a prefix cache would turn every prefill after the
+        # first into a lookup (and the TTFT and c=N figures with it).
+        self.engine = LLMEngine(engine_dir, enable_prefix_caching=False)
         self.protocol = protocol
 
     def _request(self, ids: list[int], max_tokens: int | None = None) -> Request:
