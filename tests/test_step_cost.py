@@ -115,3 +115,25 @@ def test_max_decode_slowdown_is_validated_naming_the_field(value):
     with pytest.raises(ValueError, match="limits.max_decode_slowdown must be 0 .off. or a "
                                          "number in .1, 100."):
         Limits(max_decode_slowdown=value)
+
+
+def test_with_only_short_prompts_the_default_schedules_as_the_throttle_off():
+    """The vLLM workload's shape: waves of 128-token prompts arriving one by one among decodes.
+    Every prompt is short (<= max_num_tokens / 8), so the default's schedule is the one with the
+    throttle off, step for step (whatever the step-cost line has learned)."""
+    def schedules(slowdown: float) -> list:
+        sched = Scheduler(BlockManager(num_blocks=2048, tokens_per_block=16), max_num_tokens=2048,
+                          max_batch_size=32, max_decode_slowdown=slowdown)
+        for _ in range(20):
+            sched.step_cost.observe(16, 0.040)  # a compute-bound CPU: all cost per row
+        log, next_id = [], 0
+        for step in range(400):
+            if step % 9 == 0 and next_id < 48:  # arrivals trickle in between steps
+                for _ in range(min(1 + step % 4, 48 - next_id)):
+                    sched.add(seq(next_id, 128, max_tokens=64))
+                    next_id += 1
+            log += _run(sched, 1)
+        assert next_id == 48 and not sched.has_work()
+        return log
+
+    assert schedules(1.5) == schedules(0)
