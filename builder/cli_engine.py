@@ -47,6 +47,7 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
     version) is unchanged is not rebuilt; --force rebuilds it anyway.
     """
     from builder.build_key import BuildKey
+    from builder.repository_target import check_repository_target, serves_another_engine
     from builder.spec import spec_from_dict
 
     overrides = {"checkpoint": checkpoint, "output": output, "name": name, "dtype": dtype,
@@ -67,14 +68,19 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
         except ValueError:
             spec_from_dict(data, source=source)  # a bad spec is the error to report first
             raise
+        repository = Path(repository_dir) if repository_dir else Path("model_repository") / str(data["name"])
         reason = key.stale_reason(engine_dir)
+        other = None if no_repository else serves_another_engine(repository, engine_dir)
+        if reason is None and other is not None:  # the promised repository was repointed
+            reason = f"repository {repository} serves the engine {other}, not {engine_dir}"
         if check_only:
             if reason is None:
                 click.echo(f"up to date: {engine_dir} (build key {key.key[:12]})")
                 return
             click.echo(f"rebuild needed: {reason}", err=True)
             sys.exit(EXIT_STALE)
-        repository = Path(repository_dir) if repository_dir else Path("model_repository") / str(data["name"])
+        if not no_repository:
+            check_repository_target(repository, engine_dir, force)
         if reason is None and not force:
             click.echo(f"up to date: {engine_dir} (build key {key.key[:12]}); --force rebuilds",
                        err=True)

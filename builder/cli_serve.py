@@ -107,12 +107,14 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                 "flat under load)"
                 if server.allocator == "system" and malloc == "auto" else "")
         click.echo(f"  malloc   {server.allocator}{hint}")
+        click.echo(served_engine_line(repository_dir))
         report = engine_report(server.metrics_url)
         if report:
             click.echo(report)
-        click.echo("try:")
+        click.echo("try:")  # a chat model answers a bare question with its end token at once
         click.echo(f"  curl -s -X POST http://{server.http_url}/v2/models/ensemble/generate "
-                   "-d '{\"text_input\": \"What is Triton?\", \"max_tokens\": 32}'")
+                   "-d '{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, "
+                   "\"apply_chat_template\": true}'")
         if demo_prompt:
             _demo(server, demo_prompt, demo_max_tokens)
             return
@@ -162,6 +164,24 @@ def _start_supervisors(server, repository_dir: Path, max_reloads: int) -> list:
     click.echo(f"supervisor: probing {', '.join(models)} every {supervisors[0].period:g} s; "
                f"at most {max_reloads} reloads of each within 5 minutes")
     return supervisors
+
+
+def served_engine_line(repository_dir) -> str:
+    """Which engine the repository serves (tensorrt_llm's engine_dir; the other models use its
+    tokenizer), with its dtype and quantization, so a repointed repository shows at once."""
+    from builder.repository_target import served_engine
+    from triton_backend.engine.config import EngineConfig
+
+    engine = served_engine(Path(repository_dir))
+    if engine is None:
+        return "  engine   (no tensorrt_llm model in the repository)"
+    try:
+        config = EngineConfig.load(engine)
+    except (OSError, ValueError) as exc:
+        return f"  engine   {engine} (unreadable: {exc})"
+    quant = config.quantization
+    return (f"  engine   {engine} ({config.target}, {config.dtype}, weights "
+            f"{quant.weights}, KV cache {quant.kv_cache}): tensorrt_llm, ensemble, BLS")
 
 
 def _start_openai(repository_dir, server, port, host, triton_model, max_concurrent_requests):

@@ -117,3 +117,37 @@ def test_trtllm_engine_needs_the_same_tensorrt_llm_and_gpu(monkeypatch, tmp_path
     monkeypatch.setattr(toolchain, "current_toolchain", lambda target: here)
     with pytest.raises(ToolchainMismatch, match="tensorrt_llm: built with 1.2.1"):
         toolchain.check_toolchain(tmp_path, "trtllm")
+
+
+def test_a_variant_build_never_repoints_a_repository_serving_another_engine(built, tmp_path):
+    """A variant built elsewhere under the same spec name must not take over the repository
+    that serves the engine: refused (exit 2, naming both, nothing built), unless --force."""
+    from builder.repository_target import served_engine
+
+    spec, _, engine = built
+    repository = tmp_path / "repository"
+    first = forge("engine", "--spec", spec, "--repository", repository)
+    assert first.exit_code == 0, first.output
+    assert served_engine(repository) == engine.resolve()
+    variant = tmp_path / "variants" / "fp32-copy"
+    refused = forge("engine", "--spec", spec, "--output", variant, "--repository", repository)
+    assert refused.exit_code == 2
+    assert (f"error: repository {repository} serves the engine {engine.resolve()}, not {variant}: "
+            "it is not rewritten without --force") in refused.stderr
+    assert not variant.exists() and served_engine(repository) == engine.resolve()
+    assert forge("engine", "--spec", spec, "--repository", repository, "--check").exit_code == 0
+
+    forced = forge("engine", "--spec", spec, "--output", variant, "--repository", repository,
+                   "--force")
+    assert forced.exit_code == 0, forced.output
+    assert served_engine(repository) == variant.resolve()
+    from builder.cli_serve import served_engine_line
+
+    assert served_engine_line(repository) == (f"  engine   {variant.resolve()} (torch, float32, "
+                                              "weights none, KV cache none): tensorrt_llm, "
+                                              "ensemble, BLS")
+    # The engine's build key still holds, but the repository it promised serves the variant.
+    stale = forge("engine", "--spec", spec, "--repository", repository, "--check")
+    assert stale.exit_code == 4
+    assert (f"rebuild needed: repository {repository} serves the engine {variant.resolve()}, "
+            f"not {engine}") in stale.stderr

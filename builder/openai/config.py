@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from builder.repository_target import repository_parameters
 from triton_backend.engine.config import EngineConfig, Limits
 
 # tensorrt_llm: token ids, tokenized and detokenized by the endpoint (direct.py); the fewest
@@ -69,15 +70,3 @@ class OpenAIServerConfig:
                    tokenizer_dir=path("tokenizer_dir"), limits=config.limits,
                    add_special_tokens=add_special_tokens,
                    skip_special_tokens=skip_special_tokens, **options)
-
-
-def repository_parameters(repository_dir: Path, model: str) -> dict[str, str]:
-    """The string parameters of `<repository>/<model>/config.pbtxt`."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    path = repository_dir / model / "config.pbtxt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found (is {repository_dir} an emitted repository?)")
-    parsed = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-    return {key: value.string_value for key, value in parsed.parameters.items()}
