@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from builder import convert
 from builder.checkpoint import resolve_checkpoint
+from builder.errors import QualityGateError
 from builder.install import check_replaceable, staging_dir, swap_in
 from builder.manifest import write_manifest
 from builder.quality import QualityThresholds, run_quality_gate
@@ -139,7 +140,11 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
     tmp_dir = staging_dir(engine_dir)
     try:
         _stage_torch_engine(spec, config, hf_dir, steps, tmp_dir)
-    except BaseException:  # a failed or rejected build leaves the previous engine as it was
+    except QualityGateError as exc:  # rejected: the previous engine stays, the report is kept
+        report = keep_rejected_report(tmp_dir, engine_dir)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise QualityGateError(f"{exc} (report: {report})" if report else str(exc)) from None
+    except BaseException:  # a failed build leaves the previous engine as it was
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     swap_in(tmp_dir, engine_dir)
@@ -206,6 +211,21 @@ def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> Non
                   else "weights widened to fp32 in registers")
         log(f"bf16 projections: the packed bf16 kernel, {kernel} (faster than torch's bf16 GEMM "
             f"on this CPU){widened}")
+
+
+def keep_rejected_report(staged: Path, engine_dir: Path) -> Path | None:
+    """Move a rejected build's quality.json to `<engine_dir>.rejected/` (replacing an older one)
+    so CI can archive it; returns its path, or None when the gate wrote none."""
+    from builder.quality import QUALITY_FILE
+
+    source = staged / QUALITY_FILE
+    if not source.is_file():
+        return None
+    target_dir = engine_dir.with_name(engine_dir.name + ".rejected")
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / QUALITY_FILE
+    shutil.move(str(source), target)
+    return target
 
 
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:

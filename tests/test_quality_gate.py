@@ -112,3 +112,26 @@ def test_metrics_on_known_logits():
 def test_unknown_quality_key_is_named():
     with pytest.raises(ValueError, match=r"quantization\.quality\.max_ppl: unknown key"):
         QualityThresholds.from_spec({"max_ppl": 3})
+
+
+def test_a_rejected_build_keeps_its_report_where_the_message_says(tmp_path):
+    """The gate rejects a build (exit 3): the previous engine stays as it was and the report
+    lands in <output>.rejected/quality.json, whose path the error names."""
+    checkpoint = tiny.make_checkpoint(tmp_path / "hf", "llama_gqa")
+    output = tmp_path / "engine"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"name: gated\ncheckpoint: {checkpoint}\ndtype: bfloat16\noutput: {output}\n"
+        "limits: {max_batch_size: 4, max_num_tokens: 64, max_input_len: 64, max_seq_len: 128}\n"
+        "quantization:\n  weights: int4_rtn\n  group_size: 32\n"
+        "  calibration: {samples: 2, seq_len: 32}\n"
+        "  quality: {max_perplexity_increase_pct: null, min_top1_agreement: null,\n"
+        "            min_logit_cosine: 1.01, windows: 2, seq_len: 32, prompts: 1,\n"
+        "            greedy_tokens: 2}\n")  # a cosine above 1 no quantization can reach
+    result = CliRunner().invoke(main, ["engine", "--spec", str(spec), "--no-repository"])
+    assert result.exit_code == 3, result.output
+    report = output.with_name("engine.rejected") / "quality.json"
+    assert f"(report: {report})" in result.output
+    quality = json.loads(report.read_text())
+    assert quality["passed"] is False and quality["failures"][0].startswith("logit_cosine")
+    assert not output.exists()  # nothing was installed in its place
