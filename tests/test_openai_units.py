@@ -76,6 +76,11 @@ def refused(body: dict, kind=CompletionRequest) -> OpenAIError:
     ({"prompt": [1, 2, 3]}, "prompt", "prompt: token-id prompts are not supported, send text"),
     ({"echo": True}, "echo", "echo: not supported by this server"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "min_tokens (9) must not exceed"),
+    # Refused by name on completions as on chat, never answered 200 and ignored.
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "response_format: only type 'text' is supported, got 'json_object'"),
+    ({"tools": [{"type": "function"}]}, "tools",
+     "tools: tool calling is not supported by this server"),
 ])
 def test_bad_completion_requests_name_the_field(body, param, message):
     error = refused({"model": "m", "prompt": "hi", **body})

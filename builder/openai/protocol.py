@@ -43,6 +43,10 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0, **FiniteFloat)
+    # Declared so that they are refused by name on both endpoints, never silently ignored.
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -71,9 +75,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -94,6 +95,12 @@ def _check_shared(request: SamplingRequest) -> None:
             and request.min_tokens > request.max_tokens):
         raise bad_request("min_tokens", f"min_tokens ({request.min_tokens}) must not exceed "
                                         f"max_tokens ({request.max_tokens})")
+    for name in ("tools", "functions"):
+        if getattr(request, name):
+            raise bad_request(name, f"{name}: tool calling is not supported by this server")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise bad_request("response_format", "response_format: only type 'text' is supported, "
+                                             f"got {request.response_format.get('type')!r}")
 
 
 def check_completion(request: CompletionRequest) -> str:
@@ -120,12 +127,6 @@ def check_completion(request: CompletionRequest) -> str:
 
 def check_chat(request: ChatCompletionRequest) -> None:
     _check_shared(request)
-    for name in ("tools", "functions"):
-        if getattr(request, name):
-            raise bad_request(name, f"{name}: tool calling is not supported by this server")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("response_format", "response_format: only type 'text' is supported, "
-                                             f"got {request.response_format.get('type')!r}")
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs", "top_logprobs: needs logprobs true")
 
