@@ -68,6 +68,10 @@ def repository_command(engine_dir, output_dir, settings) -> None:
               default="tensorrt_llm", show_default=True,
               help="The model the OpenAI API calls: tensorrt_llm with token ids (the API "
                    "tokenizes and detokenizes), or the ensemble / BLS with text.")
+@click.option("--api-key", envvar="LLM_FORGE_API_KEY", default=None,
+              help="Clients of the OpenAI API must send this key as a bearer token (401 "
+                   "otherwise); also read from LLM_FORGE_API_KEY. Triton's own ports take no "
+                   "key: they bind loopback.")
 @click.option("--openai-max-concurrent-requests", type=int, default=256, show_default=True,
               help="Requests in flight on the OpenAI API; more get HTTP 429.")
 @click.option("--drain-timeout", type=click.FloatRange(0, 3600), default=30.0,
@@ -83,7 +87,7 @@ def repository_command(engine_dir, output_dir, settings) -> None:
               help="The allocator tritonserver and its stubs run with: auto takes jemalloc, "
                    "else tcmalloc, if installed (glibc's malloc keeps every peak's memory).")
 def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_timeout, demo_prompt,
-                  demo_max_tokens, openai_port, host, openai_triton_model,
+                  demo_max_tokens, openai_port, host, openai_triton_model, api_key,
                   openai_max_concurrent_requests, drain_timeout, max_reloads, malloc) -> None:
     """Start tritonserver on loopback for a repository and supervise it; Ctrl-C or SIGTERM drain
     it and exit 0; exit 1 if tritonserver itself dies."""
@@ -120,7 +124,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
             return
         if openai_port is not None:
             openai = _start_openai(repository_dir, server, openai_port, host, openai_triton_model,
-                                   openai_max_concurrent_requests)
+                                   openai_max_concurrent_requests, api_key)
         supervisors = _start_supervisors(server, Path(repository_dir), max_reloads)
         while not stop.wait(1.0):
             if not server.is_alive():
@@ -184,22 +188,25 @@ def served_engine_line(repository_dir) -> str:
             f"{quant.weights}, KV cache {quant.kv_cache}): tensorrt_llm, ensemble, BLS")
 
 
-def _start_openai(repository_dir, server, port, host, triton_model, max_concurrent_requests):
+def _start_openai(repository_dir, server, port, host, triton_model, max_concurrent_requests,
+                  api_key):
     from builder.openai.config import OpenAIServerConfig
     from builder.openai.server import start_openai_server
 
     try:
         config = OpenAIServerConfig.from_repository(
             repository_dir, server.grpc_url, host=host, port=port, triton_model=triton_model,
-            max_concurrent_requests=max_concurrent_requests)
+            max_concurrent_requests=max_concurrent_requests, api_key=api_key)
     except (ValueError, FileNotFoundError) as exc:
         _fail(str(exc))
     try:
         openai = start_openai_server(config)
     except (RuntimeError, TimeoutError) as exc:
         _fail(str(exc), code=1)
-    click.echo(f"OpenAI API ready: {openai.base_url} (model {config.model_name!r})")
-    click.echo(f"  curl -s {openai.base_url}/chat/completions -H 'Content-Type: application/json' "
+    key = " (API key required)" if api_key else ""
+    click.echo(f"OpenAI API ready: {openai.base_url} (model {config.model_name!r}){key}")
+    auth = " -H 'Authorization: Bearer $LLM_FORGE_API_KEY'" if api_key else ""
+    click.echo(f"  curl -s {openai.base_url}/chat/completions{auth} -H 'Content-Type: application/json' "
                f"-d '{{\"model\": \"{config.model_name}\", \"messages\": [{{\"role\": \"user\", "
                f"\"content\": \"What is the capital of France?\"}}]}}'")
     return openai

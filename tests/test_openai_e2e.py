@@ -387,3 +387,32 @@ def test_forge_bench_compares_the_openai_and_grpc_paths(served, tmp_path):
                 assert request["output_tokens"] == request["max_tokens"]
                 assert request["output_tokens_source"] == "server"
     assert all(row["ttft_p50_ratio"] > 0 for row in doc["comparison"])
+
+
+def test_api_key_guards_the_v1_routes(served):
+    from builder.openai.config import OpenAIServerConfig
+    from builder.openai.server import start_openai_server
+
+    config = OpenAIServerConfig.from_repository(served.repository, served.grpc_url,
+                                                api_key="s3cret-key")
+    with start_openai_server(config) as server:
+        right = openai.OpenAI(base_url=server.base_url, api_key="s3cret-key", max_retries=0)
+        assert right.completions.create(model=NAME, prompt=PROMPT, max_tokens=4).choices[0].text
+        assert [m.id for m in right.models.list()] == [NAME]
+        wrong = openai.OpenAI(base_url=server.base_url, api_key="s3cret-kez", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            wrong.completions.create(model=NAME, prompt=PROMPT, max_tokens=4)
+        assert info.value.status_code == 401
+        assert info.value.body["code"] == "invalid_api_key"
+        assert info.value.body["message"] == "Incorrect API key provided"
+        request = urllib.request.Request(server.base_url + "/completions", method="POST",
+                                         data=json.dumps({"model": NAME, "prompt": "hi"}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as none:
+            urllib.request.urlopen(request, timeout=10)
+        assert none.value.code == 401
+        assert json.loads(none.value.read())["error"]["message"].startswith(
+            "You didn't provide an API key")
+        assert http_status(server.base_url.removesuffix("/v1") + "/health") == 200
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        OpenAIServerConfig.from_repository(served.repository, served.grpc_url, api_key=" ")

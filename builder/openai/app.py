@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from typing import AsyncIterator, Awaitable, TypeVar
 
@@ -17,12 +18,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from builder.openai.config import OpenAIServerConfig
-from builder.openai.errors import OpenAIError, internal, model_not_found, not_ready
+from builder.openai.direct import TextCodec
+from builder.openai.errors import (OpenAIError, internal, model_not_found, not_ready,
+                                   unauthorized)
 from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error)
 from builder.openai.service import Generation, OpenAIService
 from builder.openai.streaming import sse_events
-from builder.openai.direct import TextCodec
 from builder.openai.triton import TritonBackend
 
 T = TypeVar("T")
@@ -76,6 +78,22 @@ async def _answer(service: OpenAIService, generation: Generation, request: Reque
                              headers={"Cache-Control": "no-cache"})
 
 
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """Every /v1/* request must carry `Authorization: Bearer <api_key>` (compared in constant
+    time); /health stays open for load balancers, as in vLLM."""
+    expected = api_key.encode()
+
+    @app.middleware("http")
+    async def _check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            scheme, _, given = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                     expected):
+                return error_response(unauthorized(bool(header)))
+        return await call_next(request)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     """Whatever fails, the client gets OpenAI's error shape (and the server keeps serving)."""
 
@@ -116,6 +134,8 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     app = FastAPI(title="llm-forge OpenAI-compatible API", lifespan=lifespan)
     app.state.service = service
     _install_error_handlers(app)
+    if config.api_key is not None:
+        _require_api_key(app, config.api_key)
     model_card = {"id": config.model_name, "object": "model", "created": int(time.time()),
                   "owned_by": "llm-forge"}
 

@@ -32,6 +32,7 @@ class OpenAIServerConfig:
     skip_special_tokens: bool = True
     max_concurrent_requests: int = 256
     request_timeout_s: float = 3600.0
+    api_key: str | None = None  # clients of /v1/* must send it as a bearer token
 
     def __post_init__(self) -> None:
         if self.triton_model not in TRITON_MODELS:
@@ -47,6 +48,8 @@ class OpenAIServerConfig:
                              f"got {self.max_concurrent_requests!r}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it out to serve without one)")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
         if not Path(self.tokenizer_dir).is_dir():

@@ -50,6 +50,13 @@ def bad_request(param: str | None, message: str) -> OpenAIError:
     return OpenAIError(400, message, param)
 
 
+def unauthorized(given: bool) -> OpenAIError:
+    """401 as OpenAI answers a missing or wrong key (the key itself is never echoed)."""
+    message = ("Incorrect API key provided" if given else
+               "You didn't provide an API key: send it as 'Authorization: Bearer KEY'")
+    return OpenAIError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
 def model_not_found(name: str, served: str) -> OpenAIError:
     return OpenAIError(404, f"model: the model {name!r} does not exist; this server serves "
                             f"{served!r}", "model", code="model_not_found")
