@@ -261,6 +261,7 @@ def drain(server, timeout: float, report: Callable[[str], None] = print,
     if result.ok is not True:
         report(f"drain: {model} did not take the drain request ({result.message})")
     mark_not_ready(server.http_url, "the server is shutting down (draining)")
+    at_start = active_requests(server.metrics_url, model)
     deadline = started + timeout + 5.0  # the model ends what is left at `timeout`
     while server.is_alive() and time.monotonic() < deadline:
         if active_requests(server.metrics_url, model) == 0:
@@ -269,5 +270,9 @@ def drain(server, timeout: float, report: Callable[[str], None] = print,
             time.sleep(RELAY_SECONDS)
             break
         time.sleep(0.2)
-    report(f"drain: requests in flight ended after {time.monotonic() - started:.1f} s "
-           f"(drain timeout {timeout:g} s)")
+    if at_start == 0:
+        report("drain: no requests were in flight")
+    else:
+        count = f"{at_start} " if at_start else ""
+        report(f"drain: {count}requests in flight ended after {time.monotonic() - started:.1f} s "
+               f"(drain timeout {timeout:g} s)")

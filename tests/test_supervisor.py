@@ -12,6 +12,7 @@ on them, and engine restarts stay quick on a busy machine.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -475,10 +476,21 @@ def test_sigterm_drains_sixteen_streams_and_exits_zero(forge_serve):
     assert not_ready is not None
     assert late[0] == "error" and DRAIN_REFUSED in late[2], late
     assert code == 0, serve.text()
+    assert re.search(r"drain: \d+ requests in flight ended after [0-9.]+ s \(drain timeout 4 s\)",
+                     serve.text()), serve.text()
     done = sum(reason == "length" for _, _, reason in results)
     print(f"\ndrain: not ready {not_ready:.2f} s after SIGTERM; {done} streams completed, "
           f"{16 - done} were cancelled at the drain timeout; all ended {drained:.1f} s and forge serve "
           f"exited 0 {exited:.1f} s after SIGTERM (drain timeout 4 s)")
+
+
+@pytest.mark.slow
+def test_a_drain_with_nothing_in_flight_says_so(forge_serve):
+    serve = forge_serve("--drain-timeout", "4")
+    serve.process.send_signal(signal.SIGTERM)
+    assert serve.process.wait(60) == 0
+    assert "drain: no requests were in flight" in serve.text()
+    assert "requests in flight ended" not in serve.text()
 
 
 @pytest.mark.slow
