@@ -109,7 +109,9 @@ def _check(report: QualityReport, thresholds: QualityThresholds) -> list[str]:
 def evaluation_windows(tokenizer, thresholds: QualityThresholds, max_len: int) -> torch.Tensor:
     seq_len = min(thresholds.seq_len, max_len)
     texts = calibration.load_texts(thresholds.dataset)
-    return calibration.token_windows(tokenizer, texts, thresholds.windows, seq_len)
+    return calibration.token_windows(tokenizer, texts, thresholds.windows, seq_len,
+                                     "evaluation", "quantization.quality.seq_len; forge check "
+                                     "--threshold seq_len=N lowers it")
 
 
 def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresholds,

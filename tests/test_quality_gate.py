@@ -135,3 +135,15 @@ def test_a_rejected_build_keeps_its_report_where_the_message_says(tmp_path):
     quality = json.loads(report.read_text())
     assert quality["passed"] is False and quality["failures"][0].startswith("logit_cosine")
     assert not output.exists()  # nothing was installed in its place
+
+
+def test_check_with_too_little_text_names_the_minimum(engines, tmp_path):
+    good, _, hf_dir = engines
+    data = tmp_path / "short.jsonl"
+    data.write_text(json.dumps({"text": "A few words only."}) + "\n")
+    result = CliRunner().invoke(main, ["check", "--engine", str(good), "--reference", str(hf_dir),
+                                       "--data", str(data), "--threshold", "seq_len=32"])
+    assert result.exit_code == 2, result.output
+    assert ("fewer than one window of 32 tokens (quantization.quality.seq_len; forge check "
+            "--threshold seq_len=N lowers it)") in result.output
+    assert "error: evaluation text has" in result.output

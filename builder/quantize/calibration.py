@@ -42,11 +42,14 @@ def load_texts(dataset: str) -> list[str]:
     return [" ".join(p.split()) for p in paragraphs if p.strip()]
 
 
-def token_windows(tokenizer, texts: list[str], samples: int, seq_len: int) -> torch.Tensor:
+def token_windows(tokenizer, texts: list[str], samples: int, seq_len: int,
+                  purpose: str = "calibration",
+                  setting: str = "quantization.calibration.seq_len") -> torch.Tensor:
     """Concatenate the documents (separated by EOS when the tokenizer has one) and cut the token
     stream into `samples` windows of `seq_len` tokens -> LongTensor [n, seq_len], n <= samples.
 
-    Raises ValueError when the text does not fill even one window.
+    Raises ValueError naming what the text is for (`purpose`), the minimum and the spec setting
+    that sets it when the text does not fill even one window.
     """
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
@@ -56,6 +59,6 @@ def token_windows(tokenizer, texts: list[str], samples: int, seq_len: int) -> to
             break
     count = min(samples, len(stream) // seq_len)
     if count == 0:
-        raise ValueError(f"calibration text has {len(stream)} tokens, fewer than one window of "
-                         f"seq_len {seq_len}")
+        raise ValueError(f"{purpose} text has {len(stream)} tokens, fewer than one window of "
+                         f"{seq_len} tokens ({setting})")
     return torch.tensor(stream[:count * seq_len], dtype=torch.long).reshape(count, seq_len)
