@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -144,7 +145,8 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
     settings = BenchSettings(levels, requests_ or (None if duration else "4x"), duration, rate,
                              warmup, timeout, fixed_output, seed, keep_text)
     _targets(url, model, protocol, compare, baseline, labels, baseline_model, metrics)  # early
-    console = Console()
+    # Piped or redirected, rich would cut the tables to 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
         counts = [settings.num_requests(c) for c in levels]
         num_items = max(counts) if duration is None else 256
@@ -172,7 +174,8 @@ def _run_and_report(console: Any, targets: list, wl: Any, settings: Any, tok: An
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from builder.bench import plots as plot_mod
-    from builder.bench.report import markdown_comparison, print_report, write_results
+    from builder.bench.report import (markdown_comparison, markdown_levels, print_report,
+                                      write_results)
     from builder.bench.runner import run_bench
 
     console.print(f"[bold]forge bench[/] {wl.name}: {len(wl.items)} distinct requests, "
@@ -186,8 +189,8 @@ def _run_and_report(console: Any, targets: list, wl: Any, settings: Any, tok: An
         except ValueError as exc:
             raise _BadInput(str(exc))
     path = write_results(result, out)
-    if "comparison" in result:
-        (out / "summary.md").write_text(markdown_comparison(result))
+    summary = markdown_comparison(result) if "comparison" in result else markdown_levels(result)
+    (out / "summary.md").write_text(summary)
     print_report(result, console)
     if plots:
         for png in plot_mod.write_plots(result, out):

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 import tiny
 from builder.bench.loadgen import LevelPlan, run_level
 from builder.bench.records import RequestRecord
-from builder.bench.report import markdown_comparison, print_report, write_results
+from builder.bench.report import (markdown_comparison, markdown_levels, print_report,
+                                  write_results)
 from builder.bench.runner import BenchSettings, compare_levels
 from builder.bench.stats import percentiles, summarize
 from builder.bench.workloads import WorkItem, build_workload
@@ -203,6 +204,8 @@ def test_comparison_ratios_report_and_plots(tmp_path):
     markdown = markdown_comparison(result)
     assert "| 4 | 300.0 | 60.0 | 5.00x | " in markdown
     assert " / 80 | " in markdown and " / 400 | " in markdown
+    levels = markdown_levels(result)  # summary.md of a run with one server
+    assert levels.count("| concurrency | ok/err/canc |") == 2 and "| 4 | " in levels
     path = write_results(result, tmp_path)
     assert json.loads(path.read_text())["comparison"][0]["concurrency"] == 1
     from builder.bench.plots import write_plots

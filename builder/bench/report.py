@@ -117,3 +117,24 @@ def markdown_comparison(result: dict[str, Any]) -> str:
                      f"{_ms(la['itl_s']['p50'])} | {_ms(lb['itl_s']['p50'])} | "
                      f"{server_counters(la)} |")
     return header + "\n".join(lines) + "\n"
+
+
+def markdown_levels(result: dict[str, Any]) -> str:
+    """Every target's levels as Markdown tables (summary.md of a run without a comparison)."""
+    wl = result["workload"]
+    parts = [f"Workload `{wl['name']}` (seed {wl['seed']}, scale {wl['scale']}; input tokens "
+             f"{wl['input_tokens']}, max_tokens {wl['max_tokens']}), measured "
+             f"{result.get('created', '?')}.\n"]
+    for target in result["targets"]:
+        lines = [f"{target['label']}: {target['model']} @ {target['url']} ({target['protocol']})",
+                 "", "| concurrency | ok/err/canc | out tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+                 "ITL p50 / p99 ms | E2E p50 / p99 ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for lv in target["levels"]:
+            ttft, itl, e2e = lv["ttft_s"], lv["itl_s"], lv["e2e_s"]
+            lines.append(f"| {lv['concurrency']} | {lv['completed']}/{lv['errors']}/"
+                         f"{lv['cancelled']} | {_num(lv['output_tokens_per_s'])} | "
+                         f"{_num(lv['requests_per_s'], '{:.2f}')} | {_ms(ttft['p50'])} / "
+                         f"{_ms(ttft['p90'])} / {_ms(ttft['p99'])} | {_ms(itl['p50'])} / "
+                         f"{_ms(itl['p99'])} | {_ms(e2e['p50'])} / {_ms(e2e['p99'])} |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
