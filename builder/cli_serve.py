@@ -246,16 +246,23 @@ def query_command(prompt, url, protocol, stream, model, max_tokens, temperature,
     values = dict(text_input=prompt, max_tokens=max_tokens, temperature=temperature,
                   top_k=top_k, top_p=top_p, seed=seed, stop_words=list(stop_words) or None,
                   apply_chat_template=True if chat else None)
+    printed = 0
     try:
         if protocol == "grpc":
             for chunk in stream_grpc(url, model, text_inputs(stream=stream, **values)):
-                click.echo(decode_text(chunk), nl=False)
+                text = decode_text(chunk)
+                printed += len(text)
+                click.echo(text, nl=False)
         else:
             payload = {k: v for k, v in values.items() if v is not None}
             payload["stream"] = stream
             for event in generate_http(url, model, payload, stream=stream):
+                printed += len(event["text_output"])
                 click.echo(event["text_output"], nl=False)
         click.echo()
+        if not printed and not chat:  # an instruct model ends a bare question at once
+            click.echo("(the answer is empty: the model ended at once; a chat model answers "
+                       "questions asked as a chat turn: --chat)", err=True)
     except RuntimeError as exc:
         _fail(str(exc))
     except Exception as exc:  # connection refused and friends

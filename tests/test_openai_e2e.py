@@ -362,6 +362,14 @@ def test_apply_chat_template_input_and_forge_query_chat(served):
     result = CliRunner().invoke(query_command, [QUESTION, "--url", served.grpc_url, "--chat",
                                                 "--max-tokens", "32"])
     assert result.exit_code == 0 and result.output.strip() == expected.strip()
+    # An empty answer says why instead of printing a bare empty line: made empty here by a
+    # stop word that is the answer's own first token.
+    first = ensemble_text(served, text_input=PROMPT, max_tokens=1)
+    empty = CliRunner().invoke(query_command, [PROMPT, "--url", served.grpc_url, "--max-tokens",
+                                               "1", "--stop-word", first])
+    assert empty.exit_code == 0 and empty.stdout.strip() == ""
+    assert "(the answer is empty: the model ended at once; a chat model answers questions " \
+           "asked as a chat turn: --chat)" in empty.stderr
 
 
 def test_forge_bench_compares_the_openai_and_grpc_paths(served, tmp_path):
