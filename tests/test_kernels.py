@@ -292,3 +292,26 @@ def test_the_kernels_can_be_built_for_a_lower_instruction_set(monkeypatch):
     with pytest.raises(ValueError, match="LLM_FORGE_KERNEL_MARCH must be one of native, "
                                          "x86-64-v2, x86-64-v3, x86-64-v4, got '-O0 -fevil'"):
         kernels.cflags()
+
+
+def test_the_plan_timings_are_not_decided_by_a_burst_of_load(monkeypatch):
+    """Candidates are timed in turns and each by its fastest run: load that falls on some runs
+    (here 5 extra units on every other call of the faster candidate, 3 on the first rounds of
+    the other) leaves each candidate's own cost, so the ratio and the plan stay as unloaded."""
+    from triton_backend.engine.kernels import linear
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(linear.time, "perf_counter", lambda: clock["now"])
+    calls = {"fast": 0, "slow": 0}
+
+    def run(name, cost, burst):
+        def fn():
+            calls[name] += 1
+            clock["now"] += cost + burst(calls[name])
+        return fn
+
+    fast = run("fast", 1.0, lambda n: 5.0 if n % 2 else 0.0)
+    slow = run("slow", 3.0, lambda n: 3.0 if n < 4 else 0.0)
+    ours, theirs = linear._best_times([fast, slow], 7)
+    assert (ours, theirs) == (1.0, 3.0)
+    assert linear._plan_from_timings([theirs / ours, theirs / ours], {}) == Bf16GemmPlan(True)
