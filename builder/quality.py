@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from builder.errors import QualityGateError
+from builder.task_check import TASK_ITEMS, chat_prompt_ids, run_task_check
 from builder.quantize import calibration
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
 
@@ -44,6 +45,11 @@ class QualityThresholds:
     min_top1_agreement: float | None = 0.65
     min_logit_cosine: float | None = 0.90
     min_greedy_agreement: float | None = None  # reported; gated only when set
+    # The task check (task_check.py): of the chat questions the reference answers right, the
+    # share the engine answers right too; null reports it without gating.
+    min_task_retention: float | None = 0.9
+    task_tokens: int = 24            # greedy tokens of each answer
+    task_agreement_tokens: int = 8   # first tokens compared for the greedy agreement
     dataset: str = "builtin:heldout"
     windows: int = 8          # held-out windows of `seq_len` tokens
     seq_len: int = 128
@@ -54,11 +60,12 @@ class QualityThresholds:
 
     def __post_init__(self) -> None:
         for name in ("max_perplexity_increase_pct", "min_top1_agreement", "min_logit_cosine",
-                     "min_greedy_agreement"):
+                     "min_greedy_agreement", "min_task_retention"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"quantization.quality.{name}: a number or null, got {value!r}")
-        for name in ("windows", "seq_len", "prompts", "prompt_len", "greedy_tokens"):
+        for name in ("windows", "seq_len", "prompts", "prompt_len", "greedy_tokens",
+                     "task_tokens", "task_agreement_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"quantization.quality.{name}: an integer >= 1, got {value!r}")
@@ -84,6 +91,13 @@ class QualityReport:
     dataset: str
     reference: str
     failures: list[str] = field(default_factory=list)
+    # The task check; None without a chat template (and retention None when the reference
+    # answers none of the items: nothing to retain).
+    task_engine_score: float | None = None
+    task_reference_score: float | None = None
+    task_retention: float | None = None
+    task_first_tokens_agreement: float | None = None
+    task_items: list[dict] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -94,11 +108,12 @@ def _check(report: QualityReport, thresholds: QualityThresholds) -> list[str]:
     rules = (("perplexity_increase_pct", thresholds.max_perplexity_increase_pct, "<="),
              ("top1_agreement", thresholds.min_top1_agreement, ">="),
              ("logit_cosine", thresholds.min_logit_cosine, ">="),
-             ("greedy_agreement", thresholds.min_greedy_agreement, ">="))
+             ("greedy_agreement", thresholds.min_greedy_agreement, ">="),
+             ("task_retention", thresholds.min_task_retention, ">="))
     failures = []
     for metric, limit, op in rules:
         value = getattr(report, metric)
-        if limit is None:
+        if limit is None or value is None:
             continue
         ok = value <= limit if op == "<=" else value >= limit
         if not ok or math.isnan(value):
@@ -156,10 +171,16 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     config = EngineConfig.load(engine_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(engine_dir) / TOKENIZER_DIR))
     windows = evaluation_windows(tokenizer, thresholds, config.limits.max_input_len)
-    engine = EngineModel(engine_dir, windows.shape[1] + thresholds.greedy_tokens)
+    longest_question = max((len(chat_prompt_ids(tokenizer, item.question)) for item in TASK_ITEMS),
+                           default=0) if getattr(tokenizer, "chat_template", None) else 0
+    engine = EngineModel(engine_dir, max(windows.shape[1] + thresholds.greedy_tokens,
+                                         longest_question + thresholds.task_tokens))
     reference = reference or ReferenceModel(reference_hf_dir)
     metrics = compare(reference, engine, windows, thresholds, progress)
-    report = QualityReport(dataset=thresholds.dataset, reference=str(reference_hf_dir), **metrics)
+    task = run_task_check(reference, engine, tokenizer, frozenset(config.tokenizer.eos_token_ids),
+                          thresholds.task_tokens, thresholds.task_agreement_tokens, progress)
+    report = QualityReport(dataset=thresholds.dataset, reference=str(reference_hf_dir), **metrics,
+                           **(task or {}))
     report.failures = _check(report, thresholds)
     return report
 
@@ -177,6 +198,16 @@ def format_table(report: QualityReport, thresholds: QualityThresholds) -> str:
         rows.append((metric, f"{getattr(report, metric):.4f}",
                      "" if limit is None else f"{op} {limit:g}",
                      "" if limit is None else ("FAIL" if failed else "ok")))
+    if report.task_engine_score is not None:
+        limit = thresholds.min_task_retention
+        failed = any(f.startswith("task_retention ") for f in report.failures)
+        retention = "n/a" if report.task_retention is None else f"{report.task_retention:.4f}"
+        rows += [("task score (reference)", f"{report.task_reference_score:.4f}", "", ""),
+                 ("task score (engine)", f"{report.task_engine_score:.4f}", "", ""),
+                 ("task_retention", retention, "" if limit is None else f">= {limit:g}",
+                  "" if limit is None or report.task_retention is None
+                  else ("FAIL" if failed else "ok")),
+                 ("task first tokens agree", f"{report.task_first_tokens_agreement:.4f}", "", "")]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'metric':<{width}}  {'value':>10}  {'threshold':>10}  result",
              f"{'-' * width}  {'-' * 10}  {'-' * 10}  ------"]
