@@ -113,7 +113,10 @@ def test_greedy_text_is_identical_on_every_path(server, engine_dir):
         texts[f"generate/{model}"] = replies[0]["text_output"]
         events = generate_http(server.http_url, model,
                                {"text_input": PROMPT, "max_tokens": 48, "stream": True}, True)
-        assert len(events) > 1 and events[-1]["finish_reason"] in ("length", "end_id")
+        # How many events is timing: responses that wait together are merged (coalesce), and on
+        # a busy machine a short reply of the tiny engine can arrive as one.
+        assert events and events[-1]["finish_reason"] in ("length", "end_id")
+        assert [e["finish_reason"] for e in events[:-1]] == [""] * (len(events) - 1)
         texts[f"generate_stream/{model}"] = "".join(e["text_output"] for e in events)
     texts["forge generate"] = forge_generate_text(engine_dir, PROMPT, 48)
     assert len(set(texts.values())) == 1, texts
