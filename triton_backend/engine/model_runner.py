@@ -13,6 +13,7 @@ import torch
 
 from triton_backend.engine.attention import AttentionMetadata, PrefillChunk
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.guided.masks import apply_grammar_masks
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.sampler import Sampler
@@ -98,10 +99,13 @@ class ModelRunner:
             return RunnerOutput({}, all_logits)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
+        logits = logits.cpu()
+        if any(c.grammar is not None for c in sampling_chunks):
+            apply_grammar_masks(logits, sampling_chunks, eos_ids)
         if any(c.num_draft_tokens for c in sampling_chunks):
-            sampled, accepted = verify(self.sampler, logits.cpu(), sampling_chunks, eos_ids)
+            sampled, accepted = verify(self.sampler, logits, sampling_chunks, eos_ids)
             return RunnerOutput(sampled, all_logits, accepted)
-        picks = self.sampler(logits.cpu(), sampling_chunks, eos_ids)
+        picks = self.sampler(logits, sampling_chunks, eos_ids)
         return RunnerOutput({c.seq_id: p for c, p in zip(sampling_chunks, picks)}, all_logits)
 
     def _for_kernel(self, chunk: ScheduledChunk) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from triton_backend.engine.guided.params import GuidedDecodingParams
 from triton_backend.engine.sampling_params import SamplingParams
 
 
@@ -36,6 +37,9 @@ class Request:
     reached the server; None: when the engine receives it. With `timeout_ms` the request ends
     with an error naming `timeout_field` once `timeout_ms` have passed since its arrival,
     waiting or running.
+
+    `guided_decoding`: a grammar the output must follow (JSON, a JSON schema, a regex, an EBNF
+    grammar); the sequence ends when the grammar allows nothing more.
     """
 
     input_token_ids: list[int]
@@ -51,6 +55,7 @@ class Request:
     arrival_time_ns: int | None = None
     timeout_ms: int | None = None
     timeout_field: str = "timeout_ms"  # the input that set the deadline, for its error
+    guided_decoding: GuidedDecodingParams | None = None
 
 
 @dataclass

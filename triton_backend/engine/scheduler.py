@@ -53,6 +53,7 @@ class ScheduledChunk:
     token_ids: list[int]      # the whole sequence so far (for penalties and bad words)
     num_prompt_tokens: int
     num_draft_tokens: int = 0  # the last new_token_ids are drafts to verify (after the real ones)
+    grammar: object | None = None  # the sequence's GrammarState (guided decoding), else None
 
 
 @dataclass
@@ -211,7 +212,7 @@ class Scheduler:
             num_computed_tokens=start, block_table=list(seq.block_table),
             needs_sample=start + num_new == seq.num_tokens, request=seq.request,
             token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            num_draft_tokens=num_drafts)
+            num_draft_tokens=num_drafts, grammar=seq.grammar)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.block_manager.free(seq)
