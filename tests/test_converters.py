@@ -242,3 +242,34 @@ def test_responses_of_one_request_waiting_together_go_out_as_one():
     assert np.concatenate([o["output_ids"].reshape(-1) for o in separate]).tolist() == \
         whole["output_ids"].reshape(-1).tolist() == [10, 11, 12]
     assert coalesce([]) == []
+
+
+# -- guided decoding inputs ----------------------------------------------------------------------
+def _guided(**values):
+    return {**trt_inputs(), **{k: np.array([[v.encode()]], dtype=object) for k, v in values.items()}}
+
+
+def test_guided_decoding_inputs_become_the_requests_guide():
+    from triton_backend.engine.guided import GuidedDecodingParams
+
+    request = parse_request(_guided(guided_decoding_guide_type="regex",
+                                    guided_decoding_guide="[0-9]+"), LIMITS, 100).request
+    assert request.guided_decoding == GuidedDecodingParams("regex", "[0-9]+")
+    request = parse_request(_guided(guided_decoding_guide_type="json"), LIMITS, 100).request
+    assert request.guided_decoding == GuidedDecodingParams("json", "")
+    assert parse_request(trt_inputs(), LIMITS, 100).request.guided_decoding is None
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"guided_decoding_guide": "[0-9]+"}, "guided_decoding_guide needs guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": "yaml", "guided_decoding_guide": "a: 1"},
+     "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, got 'yaml'"),
+    ({"guided_decoding_guide_type": "ebnf_grammar"},
+     "guided_decoding_guide is required for guided_decoding_guide_type ebnf_grammar"),
+])
+def test_bad_guided_decoding_inputs_name_the_field(values, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(_guided(**values), LIMITS, 100)
+    # the BLS and the OpenAI direct path pass both inputs through to tensorrt_llm as strings
+    tensors = tensorrt_llm_inputs(_guided(**values), [5, 6], 4, [], [], False)
+    assert {k: tensors[k][0, 0].decode() for k in values} == values

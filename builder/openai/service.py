@@ -15,11 +15,12 @@ from typing import AsyncIterator
 from builder.openai import mapping
 from builder.openai.chat import ChatRenderer
 from builder.openai.config import OpenAIServerConfig
-from builder.openai.errors import bad_request, busy, model_not_found
+from builder.openai.errors import OpenAIError, bad_request, busy, model_not_found
 from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                      check_chat, check_completion)
 from builder.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
                                       usage)
+from builder.openai.structured import Guide, rename_guide_error, request_guide
 from builder.openai.triton import Chunk, TritonBackend
 
 
@@ -32,6 +33,7 @@ class Generation:
     prompt_field: str  # the OpenAI field `text_input` errors are about
     log_probs: bool
     builder: ResponseBuilder
+    guide: Guide | None = None
 
     @property
     def stream(self) -> bool:
@@ -66,9 +68,10 @@ class OpenAIService:
                                           f"{request.logprobs}")
         max_tokens = request.max_tokens or mapping.COMPLETIONS_DEFAULT_MAX_TOKENS
         log_probs = request.logprobs is not None
+        guide = request_guide(request)
         return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
-                                                           log_probs),
-                          "prompt", log_probs, self._builder("completion"))
+                                                           log_probs, guide),
+                          "prompt", log_probs, self._builder("completion"), guide)
 
     def chat(self, request: ChatCompletionRequest) -> Generation:
         self._check_model(request)
@@ -77,11 +80,12 @@ class OpenAIService:
             raise bad_request("top_logprobs", "top_logprobs: the engine returns the sampled "
                                               "tokens' log probabilities only: use 0, got "
                                               f"{request.top_logprobs}")
+        guide = request_guide(request)
         prompt = self.renderer.render(request.messages)
         max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
         return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
-                                                           request.logprobs),
-                          "messages", request.logprobs, self._builder("chat"))
+                                                           request.logprobs, guide),
+                          "messages", request.logprobs, self._builder("chat"), guide)
 
     def _remaining_context(self, prompt: str) -> int:
         """Chat without max_tokens may use the whole context the prompt leaves (as OpenAI)."""
@@ -105,6 +109,11 @@ class OpenAIService:
                                                      generation.prompt_field,
                                                      generation.log_probs):
                 yield chunk
+        except OpenAIError as exc:
+            if exc.param in ("guided_decoding_guide", "guided_decoding_guide_type"):
+                raise bad_request(generation.guide.field if generation.guide else exc.param,
+                                  rename_guide_error(exc.message, generation.guide)) from None
+            raise
         finally:
             self.in_flight -= 1
 
