@@ -186,7 +186,7 @@ class LLMEngine:
             started = time.perf_counter()
             result = self.runner.run(output, eos, return_logits=return_logits)
             self._observe_step_time(output, time.perf_counter() - started)
-            finished = self.scheduler.update(output, result.sampled, result.accepted)
+            finished = self.scheduler.update(output, result.sampled, result.accepted, result.top)
         except SamplingError as exc:
             return self._fail_step(exc.failures)
         except Exception as exc:  # the batch fails, the engine goes on
@@ -268,6 +268,7 @@ class LLMEngine:
             request_id=seq.seq_id, output_token_ids=generated[start:], is_final=final,
             finish_reason=seq.finish_reason if final else None,
             log_probs=seq.log_probs[start:] if seq.request.return_log_probs else [],
+            top_ids=seq.top_ids[start:], top_log_probs=seq.top_log_probs[start:],
             cum_log_prob=sum(seq.log_probs), num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(generated), num_reused_blocks=seq.num_reused_blocks,
             num_new_blocks=seq.num_new_blocks, num_draft_tokens=seq.num_draft_tokens,

@@ -47,6 +47,9 @@ class Sequence:
     # Guided decoding: the grammar state (`guided.state.GrammarState`), advanced with every
     # kept token.
     grammar: object | None = None
+    # top_log_probs: per generated token, the most likely ids and their raw log probs.
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, seq_id: int, request: Request, eos_ids: frozenset[int]) -> "Sequence":
@@ -70,9 +73,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, log_prob: float) -> None:
+    def append_token(self, token_id: int, log_prob: float,
+                     top: tuple[list[int], list[float]] | None = None) -> None:
         self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
+        if top is not None:
+            self.top_ids.append(top[0])
+            self.top_log_probs.append(top[1])
         if self.grammar is not None and token_id not in self.eos_ids:
             self.grammar.accept(token_id)
         self.finish_reason = self._check_stop(token_id)
