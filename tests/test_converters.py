@@ -206,7 +206,7 @@ def test_build_outputs_makes_only_the_requested_outputs_and_still_advances_the_s
                            state, 20, frozenset({"preceding_output_ids", "finish_reason"}))
     assert second["preceding_output_ids"].tolist() == [[5]]
     assert second["finish_reason"].reshape(-1)[0] == b"length"
-    assert len(build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)) == 20
+    assert len(build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)) == 22
 
 
 def test_perf_metric_outputs_carry_cache_reuse_and_draft_acceptance():
@@ -273,3 +273,22 @@ def test_bad_guided_decoding_inputs_name_the_field(values, message):
     # the BLS and the OpenAI direct path pass both inputs through to tensorrt_llm as strings
     tensors = tensorrt_llm_inputs(_guided(**values), [5, 6], 4, [], [], False)
     assert {k: tensors[k][0, 0].decode() for k in values} == values
+
+
+def test_top_log_probs_input_and_outputs():
+    assert parse_request(trt_inputs(top_log_probs=3), LIMITS, 100).request.top_log_probs == 3
+    with pytest.raises(RequestError, match=r"top_log_probs must be an integer in \[0, 20\], got 21"):
+        parse_request(trt_inputs(top_log_probs=21), LIMITS, 100)
+    state = StreamState(input_ids=[1, 2], exclude_input_in_output=False)
+    response = Response(1, [5, 6], False, top_ids=[[5, 9], [6, 3]],
+                        top_log_probs=[[-0.1, -2.5], [-0.2, -1.9]])
+    out = build_outputs(response, state, 0)
+    # prompt tokens lead output_ids here, so their alternatives are placeholders
+    assert out["output_top_ids"].tolist() == [[[-1, -1], [-1, -1], [5, 9], [6, 3]]]
+    assert out["output_top_log_probs"].shape == (1, 4, 2)
+    merged = coalesce([response, Response(1, [7], True, FinishReason.LENGTH, top_ids=[[7, 1]],
+                                          top_log_probs=[[-0.3, -1.0]])])
+    assert merged[0].top_ids == [[5, 9], [6, 3], [7, 1]]
+    # none asked for: empty
+    assert build_outputs(Response(1, [5], True), StreamState([1]), 0)["output_top_ids"].shape \
+        == (1, 0, 0)

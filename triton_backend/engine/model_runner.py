@@ -133,7 +133,7 @@ class ModelRunner:
             return RunnerOutput({}, all_logits)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
-        logits = logits.cpu()
+        logits = logits.cpu().float().contiguous()  # no copy when it is so already
         raw = raw_log_probs(logits, sampling_chunks)  # before any mask or penalty
         if any(c.grammar is not None for c in sampling_chunks):
             apply_grammar_masks(logits, sampling_chunks, eos_ids)

@@ -14,7 +14,8 @@ import numpy as np
 
 from triton_backend.engine.config import Limits
 from triton_backend.engine.guided import GuidedDecodingParams
-from triton_backend.engine.request import MAX_TIMEOUT_MS, PRIORITY_MAX, PRIORITY_MIN, Request
+from triton_backend.engine.request import (MAX_TIMEOUT_MS, MAX_TOP_LOG_PROBS, PRIORITY_MAX,
+                                           PRIORITY_MIN, Request)
 from triton_backend.engine.sampling_params import SamplingParams
 from triton_backend.engine.validation import check_word_limits
 from triton_backend.models.word_list import from_word_list
@@ -27,7 +28,8 @@ INPUT_NAMES = (
     "runtime_top_p", "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty",
     "frequency_penalty", "seed", "return_log_probs", "return_perf_metrics",
     "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output", "stop",
-    "streaming", "timeout_ms", "priority", "guided_decoding_guide_type", "guided_decoding_guide")
+    "streaming", "timeout_ms", "priority", "guided_decoding_guide_type", "guided_decoding_guide",
+    "top_log_probs")
 SAMPLING_INPUTS = {
     "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
@@ -244,6 +246,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
                                f"[0, {vocab_size})")
     timeout_ms, timeout_field = _deadline(inputs, request_timeout_us)
     priority = _bounded_integer(inputs, "priority", PRIORITY_MIN, PRIORITY_MAX)
+    top_log_probs = _bounded_integer(inputs, "top_log_probs", 0, MAX_TOP_LOG_PROBS)
     request = Request(
         input_token_ids=ids, max_tokens=max_tokens, sampling=_sampling(inputs, defaults),
         streaming=_flag(inputs, "streaming", False),
@@ -251,7 +254,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
         stop_token_sequences=words["stop_words_list"], bad_token_sequences=words["bad_words_list"],
         return_log_probs=_flag(inputs, "return_log_probs", False),
         priority=priority or 0, arrival_time_ns=arrival_time_ns, timeout_ms=timeout_ms,
-        timeout_field=timeout_field, guided_decoding=_guided_decoding(inputs))
+        timeout_field=timeout_field, guided_decoding=_guided_decoding(inputs),
+        top_log_probs=top_log_probs or 0)
     return ParsedRequest(
         request=request,
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output",

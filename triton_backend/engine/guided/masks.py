@@ -15,30 +15,28 @@ from triton_backend.engine.scheduler import ScheduledChunk
 
 def apply_grammar_masks(logits: torch.Tensor, chunks: list[ScheduledChunk],
                         eos_ids: dict[int, frozenset[int]]) -> None:
-    """Mask `logits` [rows, V] in place; rows in chunk order, 1 + num_draft_tokens each."""
-    rows, spans = [], []
-    row = 0
+    """Mask `logits` [rows, V] (float32, CPU) in place; rows in chunk order, 1 + num_draft_tokens
+    each. Works on numpy views of each chunk's rows: a gather / masked_fill / scatter of the
+    rows through torch cost 4 ms for 16 rows of a 49k vocabulary, this well under one."""
+    spans, row = [], 0
     for chunk in chunks:
-        num_rows = 1 + chunk.num_draft_tokens
         if chunk.grammar is not None:
-            spans.append((chunk, len(rows)))
-            rows.extend(range(row, row + num_rows))
-        row += num_rows
+            spans.append((chunk, row))
+        row += 1 + chunk.num_draft_tokens
     if not spans:
         return
     vocab = logits.shape[1]
     words = -(-spans[0][0].grammar.mask_vocab_size // 32)
-    mask = np.zeros((len(rows), words), dtype=np.int32)
+    values = logits.numpy()
     for chunk, first in spans:
+        num_rows = 1 + chunk.num_draft_tokens
         end_ids = eos_ids[chunk.seq_id]
+        mask = np.zeros((num_rows, words), dtype=np.int32)
         chunk.grammar.sync(chunk.token_ids[chunk.num_prompt_tokens:], end_ids)
-        chunk.grammar.fill_rows(mask, first, _drafts(chunk))
-    allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
-    for chunk, first in spans:
-        _translate_end_ids(allowed[first:first + 1 + chunk.num_draft_tokens],
-                           chunk.grammar.engine_eos_ids, eos_ids[chunk.seq_id], vocab)
-    index = torch.tensor(rows, dtype=torch.long)
-    logits[index] = logits[index].masked_fill(~torch.from_numpy(allowed), float("-inf"))
+        chunk.grammar.fill_rows(mask, 0, _drafts(chunk))
+        allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        _translate_end_ids(allowed, chunk.grammar.engine_eos_ids, end_ids, vocab)
+        np.copyto(values[first:first + num_rows], -np.inf, where=allowed == 0)
 
 
 def _drafts(chunk: ScheduledChunk) -> list[int]:
@@ -51,8 +49,10 @@ def _translate_end_ids(allowed: np.ndarray, grammar_end: frozenset[int],
     """Where the grammar may end, the request's end ids are allowed (and only those)."""
     grammar_end = [t for t in grammar_end if t < vocab]
     request_end = [t for t in request_end if t < vocab]
+    if set(grammar_end) == set(request_end):
+        return
     may_end = allowed[:, grammar_end].any(axis=1) if grammar_end else np.zeros(len(allowed), bool)
     if grammar_end:
-        allowed[:, grammar_end] = False
-    if request_end:
-        allowed[np.ix_(may_end, request_end)] = True
+        allowed[:, grammar_end] = 0
+    for row in np.flatnonzero(may_end):
+        allowed[row, request_end] = 1
