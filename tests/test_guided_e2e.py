@@ -293,3 +293,48 @@ def test_a_bad_guide_through_the_ensemble_is_a_triton_error_naming_the_input(ser
         text_input="Year:", max_tokens=16, stream=True, guided_decoding_guide_type="regex",
         guided_decoding_guide="[0-9]{4}")))
     assert re.fullmatch("[0-9]{4}", text)
+
+
+# -- top_logprobs (the engine's alternatives; their values are checked against transformers in
+# tests/test_top_logprobs.py) -------------------------------------------------------------------
+def test_top_logprobs_on_chat_and_completions(served):
+    client = served.client()
+    reply = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12,
+                                           logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        alternatives = entry.top_logprobs
+        assert len(alternatives) == 5
+        values = [a.logprob for a in alternatives]
+        assert values == sorted(values, reverse=True) and values[0] <= 0
+        # greedy on raw logits: the chosen token is the likeliest (a tie may order it second)
+        assert abs(entry.logprob - values[0]) < 1e-6
+        assert (entry.token, entry.logprob) in [(a.token, a.logprob) for a in alternatives]
+    chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+    completion = client.completions.create(model=NAME, prompt="The capital of France is",
+                                           max_tokens=6, logprobs=3)
+    top = completion.choices[0].logprobs.top_logprobs
+    assert len(top) == len(completion.choices[0].logprobs.tokens)
+    assert all(1 <= len(t) <= 3 for t in top)
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs: Input should be less than or equal to 20, got 21"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs: needs logprobs true"),
+])
+def test_bad_top_logprobs_are_400s(served, fields, param, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client().chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4,
+                                                **fields)
+    assert info.value.body["param"] == param
+    assert info.value.body["message"].startswith(message)
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client().completions.create(model=NAME, prompt="x", max_tokens=4, logprobs=21)
+    assert info.value.body["param"] == "logprobs"
