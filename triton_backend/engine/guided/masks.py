@@ -16,8 +16,8 @@ from triton_backend.engine.scheduler import ScheduledChunk
 def apply_grammar_masks(logits: torch.Tensor, chunks: list[ScheduledChunk],
                         eos_ids: dict[int, frozenset[int]]) -> None:
     """Mask `logits` [rows, V] (float32, CPU) in place; rows in chunk order, 1 + num_draft_tokens
-    each. Works on numpy views of each chunk's rows: a gather / masked_fill / scatter of the
-    rows through torch cost 4 ms for 16 rows of a 49k vocabulary, this well under one."""
+    each. Works on numpy views of each chunk's rows: for 16 rows of a 49k vocabulary a torch
+    gather / masked_fill / scatter of the rows alone took 4 ms, this whole function 1.2 ms."""
     spans, row = [], 0
     for chunk in chunks:
         if chunk.grammar is not None:
