@@ -9,7 +9,9 @@ at `--concurrency` through the official `openai` client:
 - `regex`: a regex that cannot end before `--tokens` tokens, so every step of every request
   computes a mask (the same lengths as `free`: a pure per-token cost);
 - `schemas`: the 20 JSON schemas of tests/test_guided_e2e.py in turn (answers end when the
-  document does: shorter, so a prompt's prefill weighs more per token).
+  document does, after 5 to 40 tokens);
+- `twin`: unconstrained, request i exactly as long as request i of the `schemas` run just
+  before it (`min_tokens` = `max_tokens`): the same prefills, lengths and order without masks.
 
 Then it compiles every guide once in-process with the server's own compiler (cold cache) and
 prints the compile times, and reads `guided_*` from the server's /metrics.
@@ -42,12 +44,14 @@ from bench_openai import start_forge_serve  # noqa: E402
 PROMPT = [{"role": "user", "content": "List some facts about the planets of the solar system."}]
 
 
-def _workload(name: str, tokens: int, schemas: list[dict]):
+def _workload(name: str, tokens: int, schemas: list[dict], lengths: list[int] | None = None):
     regex = "(yes|no)( (yes|no)){%d}" % (tokens + 8)
 
     def fields(i: int) -> dict:
         if name == "free":
             return {"max_tokens": tokens, "extra_body": {"min_tokens": tokens}}
+        if name == "twin":
+            return {"max_tokens": lengths[i], "extra_body": {"min_tokens": lengths[i]}}
         if name == "regex":
             return {"max_tokens": tokens, "extra_body": {"guided_regex": regex}}
         schema = schemas[i % len(schemas)]
@@ -56,8 +60,10 @@ def _workload(name: str, tokens: int, schemas: list[dict]):
     return fields
 
 
-def run_level(client, model: str, fields, requests: int, concurrency: int) -> tuple[float, int]:
-    """(completion tokens per second, completion tokens) of `requests` closed-loop requests."""
+def run_level(client, model: str, fields, requests: int, concurrency: int
+              ) -> tuple[float, list[int]]:
+    """(completion tokens per second, each request's completion tokens) of `requests`
+    closed-loop requests."""
     def one(i: int) -> int:
         reply = client.chat.completions.create(model=model, messages=PROMPT, **fields(i))
         return reply.usage.completion_tokens
@@ -65,7 +71,7 @@ def run_level(client, model: str, fields, requests: int, concurrency: int) -> tu
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         counts = list(pool.map(one, range(requests)))
-    return sum(counts) / (time.perf_counter() - started), sum(counts)
+    return sum(counts) / (time.perf_counter() - started), counts
 
 
 def compile_times(engine: Path, schemas: list[dict]) -> list[tuple[str, float]]:
@@ -115,27 +121,34 @@ def main() -> int:
                                max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         run_level(client, model, _workload("free", 8, SCHEMAS), args.concurrency, args.concurrency)
-        rates: dict[str, list[float]] = {"free": [], "regex": [], "schemas": []}
+        rates: dict[str, list[float]] = {"free": [], "regex": [], "schemas": [], "twin": []}
         tokens: dict[str, int] = {}
+        lengths: list[int] = []
         for turn in range(args.repeats):
-            for name in (rates if turn % 2 == 0 else reversed(list(rates))):
-                rate, count = run_level(client, model, _workload(name, args.tokens, SCHEMAS),
-                                        args.requests, args.concurrency)
+            order = ["free", "regex"] if turn % 2 == 0 else ["regex", "free"]
+            for name in order + ["schemas", "twin"]:
+                rate, counts = run_level(client, model,
+                                         _workload(name, args.tokens, SCHEMAS, lengths),
+                                         args.requests, args.concurrency)
+                if name == "schemas":
+                    lengths = counts
                 rates[name].append(rate)
-                tokens[name] = count
+                tokens[name] = sum(counts)
                 print(f"[bench-guided] turn {turn + 1} {name}: {rate:.1f} tok/s", flush=True)
         stats = guided_stats(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
-    free = statistics.median(rates["free"])
     print(f"\nc={args.concurrency}, {args.requests} requests per workload, median of "
           f"{args.repeats} turns\n")
-    print("| workload | tok/s | vs free | tokens per request |")
-    print("|---|---|---|---|")
+    print("| workload | tok/s | vs its unconstrained twin | tokens per request | turns |")
+    print("|---|---|---|---|---|")
+    twin = {"free": "free", "regex": "free", "schemas": "twin", "twin": "twin"}
     for name, values in rates.items():
         rate = statistics.median(values)
-        print(f"| {name} | {rate:.1f} | {rate / free:.0%} | {tokens[name] / args.requests:.0f} |")
+        base = statistics.median(rates[twin[name]])
+        print(f"| {name} | {rate:.1f} | {rate / base:.0%} | {tokens[name] / args.requests:.0f} "
+              f"| {', '.join(f'{v:.0f}' for v in values)} |")
     print("\n| guide | first-use compile ms |")
     print("|---|---|")
     for label, seconds in compile_times(engine, SCHEMAS):

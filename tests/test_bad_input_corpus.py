@@ -101,7 +101,7 @@ TEXT_CASES = [
          "guided_decoding_guide needs guided_decoding_guide_type"),
     case("guide-regex-does-not-compile", {"guided_decoding_guide_type": "regex",
                                           "guided_decoding_guide": "(a"},
-         "guided_decoding_guide: invalid regex: .*unclosed group"),
+         "guided_decoding_guide: invalid regex: at 1"),
     case("guide-schema-not-json", {"guided_decoding_guide_type": "json_schema",
                                    "guided_decoding_guide": "{not json"},
          "guided_decoding_guide: the json_schema is not valid JSON"),
