@@ -108,12 +108,13 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--log", type=Path, default=Path("/tmp/bench_guided_serve.log"))
+    parser.add_argument("--log", type=Path, default=ROOT / "bench" / "guided-serve.log")
     args = parser.parse_args()
     import openai
     from test_guided_e2e import SCHEMAS
 
     engine, repository = ensure_engine(args.spec, rebuild=False)
+    args.log.parent.mkdir(parents=True, exist_ok=True)
     process, openai_url, _ = start_forge_serve(repository, args.log)
     try:
         metrics_port = _metrics_port(args.log)
