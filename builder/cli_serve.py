@@ -147,6 +147,10 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
             openai.stop()
         click.echo("stopping tritonserver")
         server.stop()
+        stuck = server.stuck_at_exit()
+        if stuck:
+            click.echo(f"warning: tritonserver stopped at its exit timeout: {stuck} "
+                       f"(log: {server.log_path})", err=True)
 
 
 def _start_supervisors(server, repository_dir: Path, max_reloads: int) -> list:

@@ -168,6 +168,8 @@ def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
         "preprocessing_instance_count": opt.preprocessing_instance_count,
         "tensorrt_llm_instance_count": opt.tensorrt_llm_instance_count,
         "postprocessing_instance_count": opt.postprocessing_instance_count,
+        "postprocessing_batching": ("" if opt.postprocessing_instance_count == 1 else
+                                    "dynamic_batching {\n  preserve_ordering: true\n}\n"),
         "bls_instance_count": opt.bls_instance_count,
         "bls_max_concurrent_requests": opt.bls_max_concurrent_requests,
         "python_path": portable_path(PROJECT_ROOT, output_dir),

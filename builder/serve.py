@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -217,6 +218,15 @@ class TritonServer:
             return self.log_path.read_text(errors="replace")[-num_chars:]
         except OSError:
             return ""
+
+    def stuck_at_exit(self) -> str:
+        """After `stop`: tritonserver's last word on inferences it gave up waiting for ("" when
+        it stopped with nothing in flight)."""
+        tail = self.log_tail(20000)
+        if "Exit timeout expired" not in tail:
+            return ""
+        stuck = re.findall(r"Model '[^']+' \(version \d+\) has \d+ in-flight inferences", tail)
+        return stuck[-1] if stuck else "Exit timeout expired"
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the server answers ready; raise with the log tail if it dies or times out."""

@@ -95,6 +95,52 @@ def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monke
         torch.testing.assert_close(linear(x), F.linear(x * pre, w_ref, b), atol=1e-4, rtol=1e-4)
 
 
+def test_int4_linear_meets_bf16_activations_in_the_planned_dtype(monkeypatch):
+    """A plan with upcast_dtype bfloat16: a bf16 prefill multiplies by the bf16-rounded weight
+    (torch's bf16 GEMM); fp32 activations still take the fp32 weight, exactly."""
+    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.quant import linear as quant_linear
+
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    monkeypatch.setattr(quant_linear, "_cpp_int4_choice",
+                        lambda *shape: Int4Choice("cpp", 4, "bfloat16"))
+    torch.manual_seed(2)
+    linear, w_ref, pre, b = _int4_linear(40, 64, 32, prequant=True, bias=True)
+    assert linear.upcast_dtype == torch.bfloat16
+    x = torch.randn(9, 64)
+    torch.testing.assert_close(linear(x), F.linear(x * pre, w_ref, b), atol=1e-4, rtol=1e-4)
+    xb = x.to(torch.bfloat16)
+    expected = F.linear(xb * pre.to(torch.bfloat16), w_ref.to(torch.bfloat16)) + b.to(xb.dtype)
+    assert torch.equal(linear(xb), expected)
+
+
+def test_with_torchs_int4_kernel_a_large_prefill_dequantizes_our_layout(monkeypatch):
+    """torch's int4pack wins decode-sized calls, dequantizing wins from 4 rows: our layout is kept
+    beside torch's for that, and both paths multiply by the same weight."""
+    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.quant import linear as quant_linear
+
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    monkeypatch.setattr(quant_linear, "_cpp_int4_choice",
+                        lambda *shape: Int4Choice("torch", 4, "bfloat16"))
+    torch.manual_seed(3)
+    linear, w_ref, pre, b = _int4_linear(96, 64, 32, prequant=True, bias=True)
+    assert linear.kernel == "cpu_int4pack" and linear.tiles is not None
+    torch.testing.assert_close(linear.dequantized_weight(), w_ref, atol=1e-6, rtol=1e-6)
+    x = torch.randn(3, 64)  # torch's int4pack (bf16 inside)
+    ref = F.linear(x * pre, w_ref, b)
+    assert (linear(x) - ref).abs().max() / ref.abs().max() < 0.05
+    x = torch.randn(9, 64)  # the dequantized weight, in fp32 for fp32 activations
+    torch.testing.assert_close(linear(x), F.linear(x * pre, w_ref, b), atol=1e-4, rtol=1e-4)
+    xb = torch.randn(9, 64).to(torch.bfloat16)
+    expected = F.linear(xb * pre.to(torch.bfloat16), w_ref.to(torch.bfloat16)) + b.to(xb.dtype)
+    assert torch.equal(linear(xb), expected)
+
+
 def test_int4_linear_rejects_a_mis_shaped_checkpoint():
     linear = Int4WeightOnlyLinear(64, 32, False, 32, "test")
     state = {"weight": torch.zeros(32, 64, dtype=torch.int8),

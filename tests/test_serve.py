@@ -158,3 +158,17 @@ def test_forge_query_reports_an_unreachable_server(protocol):
     url = f"127.0.0.1:{free_port()}"
     result = CliRunner().invoke(query_command, ["hi", "--url", url, "--protocol", protocol])
     assert result.exit_code == 1 and f"error: {url}" in result.output
+
+
+def test_a_stop_at_the_exit_timeout_is_reported_with_what_was_in_flight(tmp_path):
+    from builder.serve import TritonServer
+
+    log = tmp_path / "tritonserver.log"
+    server = TritonServer(None, 1, 2, 3, log_path=log, workdir=tmp_path)
+    log.write_text('server.cc:307] "Timeout 30: Found 0 model versions that have in-flight '
+                   'inferences"\n')
+    assert server.stuck_at_exit() == ""
+    log.write_text('"Model \'ensemble\' (version 1) has 1 in-flight inferences"\n' * 3
+                   + 'E1124 server.cc:353] "failed to stop server: Internal - Exit timeout '
+                     'expired. Exiting immediately."\n')
+    assert server.stuck_at_exit() == "Model 'ensemble' (version 1) has 1 in-flight inferences"

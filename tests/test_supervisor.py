@@ -4,20 +4,25 @@ Unit tests against a fake Triton (the probe's verdicts, reload, giving up), then
 tritonserver: a killed `tensorrt_llm` stub and an engine down for good make the server not ready
 and are reloaded without a manual step (the ensemble and the BLS answer again); past the reload
 limit the server stays not ready. Then `forge serve` itself as a subprocess: SIGTERM during 16
-streams drains them and exits 0; a killed tritonserver makes it exit 1.
+streams drains them and exits 0; a killed tritonserver makes it exit 1; streams on the ensemble
+that a client cancels (gRPC) or cuts (HTTP) stop in the engine, and the server then stops with
+nothing in flight.
 
 The measured times are printed (run with -s to see them), never asserted beyond the bounds the
 acceptance states. The engine runs with the pure-torch kernels here: supervision does not depend
 on them, and engine restarts stay quick on a busy machine.
 """
+import http.client
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -379,13 +384,13 @@ def test_past_the_reload_limit_the_server_stays_not_ready_and_says_why(supervise
 # -- forge serve as a subprocess ----------------------------------------------------------------
 class ForgeServe:
     def __init__(self, repository: Path, *args: str):
-        self.http_port, self.grpc_port = free_port(), free_port()
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.output = Path(os.environ.get("TMPDIR", "/tmp")) / f"forge-serve-{self.http_port}.out"
         self.sink = open(self.output, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "builder.cli", "serve", "--repository", str(repository),
              "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-             "--metrics-port", str(free_port()), *args],
+             "--metrics-port", str(self.metrics_port), *args],
             stdout=self.sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
@@ -414,11 +419,20 @@ class ForgeServe:
         self.output.unlink(missing_ok=True)
 
 
+@pytest.fixture(scope="module")
+def long_repository(tmp_path_factory):
+    """Room for 4000 new tokens: a stream the test cancels cannot end on its own first."""
+    engine_dir = build_tiny_engine(tmp_path_factory.mktemp("long"), max_seq_len=4096,
+                                   max_input_len=256, num_kv_blocks=320)
+    return emit_repository(engine_dir, engine_dir.parent.parent / "repo",
+                           RepositoryOptions(stats_period_ms=20))
+
+
 @pytest.fixture
 def forge_serve(repository, torch_kernels):
     started = []
 
-    def start(*args: str) -> ForgeServe:
+    def start(*args: str, repository: Path = repository) -> ForgeServe:
         serve = ForgeServe(repository, *args)
         started.append(serve)
         serve.wait_serving()
@@ -501,3 +515,71 @@ def test_forge_serve_exits_nonzero_when_tritonserver_dies(forge_serve):
     os.kill(tritonserver, signal.SIGKILL)
     assert serve.process.wait(30) == 1
     assert "error: tritonserver exited with code -9" in serve.text()
+
+
+def _executor_stats(serve: ForgeServe) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{serve.metrics_port}/metrics",
+                                timeout=10) as reply:
+        text = reply.read().decode()
+    pattern = r'llm_forge_executor_stats\{[^}]*stat="(\w+)"[^}]*\} ([0-9.e+-]+)'
+    return {name: float(value) for name, value in re.findall(pattern, text)}
+
+
+def _cut_http_stream(serve: ForgeServe, model: str, max_tokens: int) -> int:
+    """Start /generate_stream, read its first event, then drop the connection; returns the
+    bytes read (the client a user kills with Ctrl-C)."""
+    connection = http.client.HTTPConnection(serve.http_url, timeout=60)
+    body = json.dumps({"text_input": "The quick brown fox", "max_tokens": max_tokens,
+                       "stream": True})
+    connection.request("POST", f"/v2/models/{model}/generate_stream", body=body,
+                       headers={"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200, reply.read()
+    first = reply.fp.readline()
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    return len(first)
+
+
+@pytest.mark.slow
+def test_cancelled_ensemble_streams_stop_the_engine_and_the_server_stops_clean(forge_serve,
+                                                                               long_repository):
+    """Triton 2.51 never tells the running tensorrt_llm step of a cancelled ensemble request;
+    postprocessing, which it tells, stops the engine by the request's cancel key. Each stream
+    asks for 4000 tokens and is dropped after its first chunk: it must end CANCELLED in the
+    engine (counted cancelled, never completed, its blocks freed), and SIGTERM then finds
+    nothing in flight, with no exit timeout in tritonserver's log."""
+    serve = forge_serve("--drain-timeout", "4", repository=long_repository)
+    before = _executor_stats(serve)
+    chunks = stream_grpc(serve.grpc_url, "ensemble",
+                         text_inputs(text_input="The quick brown fox", max_tokens=4000,
+                                     stream=True))
+    next(chunks)
+    chunks.close()  # stop_stream(cancel_requests=True)
+    assert _cut_http_stream(serve, "ensemble", 4000) > 0
+
+    def settled():
+        stats = _executor_stats(serve)
+        return (stats["num_cancelled_requests"] - before["num_cancelled_requests"] == 2
+                and stats["num_active_requests"] == 0 and stats["num_used_blocks"] == 0)
+
+    waited = _poll(settled, 30)
+    stats = _executor_stats(serve)
+    assert waited is not None, stats
+    assert stats["num_completed_requests"] == before["num_completed_requests"], stats
+    assert streamed_ok(serve)  # and it keeps serving
+    serve.process.send_signal(signal.SIGTERM)
+    assert serve.process.wait(60) == 0, serve.text()
+    log = Path(re.search(r"tritonserver ready \(log: (.+)\)", serve.text()).group(1))
+    assert "drain: no requests were in flight" in serve.text(), serve.text()
+    assert "warning: tritonserver stopped at its exit timeout" not in serve.text()
+    text = log.read_text(errors="replace")
+    assert "Exit timeout expired" not in text
+    assert not re.search(r"has [1-9][0-9]* in-flight inferences", text), text[-3000:]
+    print(f"\nensemble cancel: both streams ended CANCELLED in the engine {waited:.2f} s after "
+          f"the clients left")
+
+
+def streamed_ok(serve: ForgeServe) -> bool:
+    kind, tokens, reason = _stream(serve.grpc_url, "ensemble", 8)
+    return (kind, tokens, reason) == ("done", 8, "length")

@@ -48,6 +48,7 @@ class StreamState:
     streamed_ids: list[int] = field(default_factory=list)
     input_sent: bool = False
     stop_words: list[list[int]] = field(default_factory=list)
+    cancel_key: str = ""  # the tensorrt_llm model's key for `stop` requests ("": none given out)
 
 
 def coalesce(responses: list[Response]) -> list[Response]:
@@ -132,6 +133,7 @@ def build_outputs(response: Response, state: StreamState, now_ns: int,
         "finish_reason": lambda: np.asarray([[reason.encode()]], dtype=object),
         "preceding_output_ids": lambda: _i32(preceding).reshape(1, len(preceding)),
         "stop_words_ids": lambda: to_word_list(state.stop_words)[None],
+        "cancel_key": lambda: np.asarray([[state.cancel_key.encode()]], dtype=object),
         "kv_cache_alloc_new_blocks": lambda: _one(response.num_new_blocks, np.int32),
         "kv_cache_reused_blocks": lambda: _one(response.num_reused_blocks, np.int32),
         "kv_cache_alloc_total_blocks": lambda: _one(

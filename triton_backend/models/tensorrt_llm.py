@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ CHECK_SECONDS = 0.1  # how often client cancellations are looked for
 # Request parameters that say who sent a request: headers `forge serve` has tritonserver forward.
 CLIENT_PARAMETERS = ("authorization", "x-llm-forge-client")
 DRAIN_GRACE_SECONDS = 2.0  # after the drain timeout, for the engine to end what it cancelled
+# The output holding a request's cancel key: an unguessable id a `stop` request may carry to end
+# it. The ensemble passes it to postprocessing, the one step Triton 2.51 tells of a cancelled
+# ensemble request (it never tells the running tensorrt_llm step).
+CANCEL_KEY_OUTPUT = "cancel_key"
 
 
 @dataclass
@@ -44,6 +49,7 @@ class ActiveRequest:
     wanted: frozenset[str] | None  # the outputs the caller asked for; None: all
     error_as_output: bool = False  # see send_failure
     cancel_sent: bool = False
+    cancel_key: str = ""  # see CANCEL_KEY_OUTPUT; "" when the caller did not ask for it
 
 
 def send_failure(sender, message: str, error_as_output: bool) -> None:
@@ -123,6 +129,7 @@ class TensorrtLlmModel:
         self.lock = threading.Lock()
         self.active: dict[int, ActiveRequest] = {}
         self.by_stop_key: dict[tuple[str, str], int] = {}
+        self.by_cancel_key: dict[str, int] = {}
         self.stopping = threading.Event()
         self.drain_deadline: float | None = None  # set by forge serve's drain request
         self.drain_cancelled = False
@@ -156,7 +163,7 @@ class TensorrtLlmModel:
         stop_key = (client_of(request), triton_id) if triton_id else None
         if parsed.stop:
             self._answer_control(triton_id)
-            self._cancel_by_stop_key(stop_key)
+            self._cancel_by_stop_key(stop_key, triton_id)
             sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
             return
         if self.drain_deadline is not None:
@@ -169,13 +176,18 @@ class TensorrtLlmModel:
                             arrival_time_ns=parsed.request.arrival_time_ns,
                             stop_words=parsed.request.stop_token_sequences)
         wanted = frozenset(request.requested_output_names()) or None
+        if wanted is None or CANCEL_KEY_OUTPUT in wanted:
+            state.cancel_key = f"cancel-{secrets.token_hex(16)}"
         # Registered under the lock the response thread takes, so no response can miss its sender.
         with self.lock:
             request_id = self.executor.enqueue_request(parsed.request)
             self.active[request_id] = ActiveRequest(sender, state, stop_key, wanted,
-                                                    _error_as_output(request))
+                                                    _error_as_output(request),
+                                                    cancel_key=state.cancel_key)
             if stop_key is not None:
                 self.by_stop_key[stop_key] = request_id
+            if state.cancel_key:
+                self.by_cancel_key[state.cancel_key] = request_id
 
     def _answer_control(self, triton_id: str) -> None:
         """forge serve's health probe and drain (serving_control.py): a stop request fails while
@@ -188,11 +200,14 @@ class TensorrtLlmModel:
     def _down_reason(self) -> str:
         return getattr(self.executor, "down_reason", "") or "stopped"
 
-    def _cancel_by_stop_key(self, stop_key: tuple[str, str] | None) -> None:
+    def _cancel_by_stop_key(self, stop_key: tuple[str, str] | None, triton_id: str) -> None:
         """NVIDIA's convention: `stop: true` with the same request id cancels the running one,
-        here only when it comes from the same client (`client_of`)."""
+        here only when it comes from the same client (`client_of`). An id that is a request's
+        cancel key (CANCEL_KEY_OUTPUT) cancels that request whoever sends it."""
         with self.lock:
             request_id = self.by_stop_key.get(stop_key) if stop_key is not None else None
+            if request_id is None and triton_id:
+                request_id = self.by_cancel_key.get(triton_id)
         if request_id is not None:
             self.executor.cancel_request(request_id)
 
@@ -221,7 +236,8 @@ class TensorrtLlmModel:
             if now >= next_stats:
                 with self.lock:  # the model's own per-request state, for leak checks
                     tracked = {"model_active_requests": len(self.active),
-                               "model_tracked_ids": len(self.by_stop_key)}
+                               "model_tracked_ids": len(self.by_stop_key)
+                               + len(self.by_cancel_key)}
                 stats = dict(self.executor.get_stats(), **tracked)
                 if stats != last_stats:
                     self.metrics.publish(stats)
@@ -235,6 +251,7 @@ class TensorrtLlmModel:
                 del self.active[response.request_id]
                 if self.by_stop_key.get(active.stop_key) == response.request_id:
                     del self.by_stop_key[active.stop_key]
+                self.by_cancel_key.pop(active.cancel_key, None)
         if active is None:
             return
         now_ns = time.time_ns()
@@ -269,6 +286,7 @@ class TensorrtLlmModel:
         with self.lock:
             leftovers, self.active = list(self.active.values()), {}
             self.by_stop_key.clear()
+            self.by_cancel_key.clear()
         for active in leftovers:
             try:
                 send_failure(active.sender, message, active.error_as_output)

@@ -25,7 +25,7 @@ from triton_backend.models.text_request import (PASSTHROUGH_INPUTS, check_max_to
                                                  encode_words, prompt_ids, tensorrt_llm_inputs,
                                                  text_list, text_value)
 from triton_backend.models.triton_io import (FINAL, limit_compute_threads, make_response,
-                                              read_inputs, send_error)
+                                              read_inputs, send_error, stop_request)
 
 INPUT_NAMES = ("text_input", "max_tokens", "bad_words", "stop_words", "stream",
                "apply_chat_template", *PASSTHROUGH_INPUTS)
@@ -155,13 +155,4 @@ class BlsModel:
             pass  # the client went away; the inner request is stopped on the next chunk
 
     def _stop_inner(self, inner_id: str) -> None:
-        tensors = {"input_ids": np.asarray([[0]], dtype=np.int32),
-                   "input_lengths": np.asarray([[1]], dtype=np.int32),
-                   "request_output_len": np.asarray([[1]], dtype=np.int32),
-                   "stop": np.asarray([[True]], dtype=np.bool_)}
-        stop = pb_utils.InferenceRequest(
-            model_name=self.inner_model, request_id=inner_id,
-            inputs=[pb_utils.Tensor(name, value) for name, value in tensors.items()],
-            requested_output_names=[])
-        for _ in stop.exec(decoupled=True):
-            pass
+        stop_request(self.inner_model, inner_id)

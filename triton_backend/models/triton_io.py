@@ -31,6 +31,23 @@ def send_error(sender, message: str) -> None:
     sender.send(error_response(message), flags=FINAL)
 
 
+def stop_request(model: str, request_id: str) -> None:
+    """Cancel the running request `request_id` of the decoupled `model` (tensorrt_llm), as NVIDIA's
+    clients do: a `stop: true` request under the same id. Returns when the model has answered."""
+    import numpy as np
+
+    tensors = {"input_ids": np.asarray([[0]], dtype=np.int32),
+               "input_lengths": np.asarray([[1]], dtype=np.int32),
+               "request_output_len": np.asarray([[1]], dtype=np.int32),
+               "stop": np.asarray([[True]], dtype=np.bool_)}
+    stop = pb_utils.InferenceRequest(
+        model_name=model, request_id=request_id,
+        inputs=[pb_utils.Tensor(name, value) for name, value in tensors.items()],
+        requested_output_names=[])
+    for _ in stop.exec(decoupled=True):
+        pass
+
+
 def limit_compute_threads() -> None:
     """Models that only move text and ids keep torch (if something imported it) to one thread,
     so no idle OpenMP team of theirs competes with the engine process for the cores."""

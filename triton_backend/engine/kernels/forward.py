@@ -17,7 +17,7 @@ from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.kernels.linear import PackedBf16Linear
 from triton_backend.engine.kv_cache import PagedKVCache
 
-PACKED_BF16, PACKED_INT4, DENSE = 0, 1, 2
+PACKED_BF16, PACKED_INT4, DENSE, TORCH_INT4 = 0, 1, 2, 3
 
 
 def _projection_slots(module: nn.Module, dtype: torch.dtype) -> tuple[int, list, int] | None:
@@ -30,6 +30,9 @@ def _projection_slots(module: nn.Module, dtype: torch.dtype) -> tuple[int, list,
         bias = None if module.bias is None else module.bias.float()
         return PACKED_INT4, [module.packed_weight, module.scales, module.prequant, bias], \
             module.group_size
+    if getattr(module, "kernel", None) == "cpu_int4pack":
+        return TORCH_INT4, [module.packed_weight, module.scales_and_zeros, module.prequant,
+                            module.bias], module.group_size
     return None
 
 

@@ -260,11 +260,15 @@ def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
 
 @dataclass(frozen=True)
 class Int4Choice:
-    """For one INT4 weight shape: which kernel ('cpp' ours, 'torch' torch's int4pack) and, for
-    ours, from how many rows on the weights are dequantized for torch's fp32 GEMM instead."""
+    """For one INT4 weight shape: which kernel runs decode-sized calls ('cpp' ours, 'torch'
+    torch's int4pack), from how many rows on the weights are dequantized for torch's dense GEMM
+    instead (large prefills), and in which dtype bf16 activations meet them there
+    (`upcast_dtype`: 'bfloat16' where torch's bf16 GEMM has the hardware for it and wins, else
+    'float32')."""
 
     kernel: str
     upcast_min_rows: int | None = None
+    upcast_dtype: str = "float32"
 
 
 def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int
@@ -272,7 +276,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     """Our kernel wins at 1 and 16 tokens (decode batch sizes) or torch's does; measured once
     per machine, kernel build and shape, then read from the cache. Only the winner's layout is
     kept in memory."""
-    path = cache_root() / "kernels" / key / "int4_choice.json"
+    path = cache_root() / "kernels" / key / "int4_plan.json"
     shape = f"{in_features}x{out_features}/g{group_size}"
     try:
         cached = json.loads(path.read_text())
@@ -287,23 +291,33 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     theirs = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     scale_t = scales.t().to(torch.bfloat16)
     zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
-    kernel = lambda x: torch.ops.llm_forge.linear_int4_packed(  # noqa: E731
-        x, ours[0], ours[1], None, None, group_size, out_features)
-    torch_over_ours, upcast_over_ours = [], {}
-    for m in (1, 16, *UPCAST_ROWS):
+    kernels = {
+        "cpp": lambda x: torch.ops.llm_forge.linear_int4_packed(
+            x, ours[0], ours[1], None, None, group_size, out_features),
+        "torch": lambda x: torch._weight_int4pack_mm_for_cpu(x, theirs, group_size, zeros)}
+    torch_over_ours = []
+    for m in (1, 16):
         x = torch.randn(m, in_features).to(torch.bfloat16)
-        if m <= 16:
-            t_ours, t_torch = _best_times([lambda: kernel(x), lambda: (
-                torch._weight_int4pack_mm_for_cpu(x, theirs, group_size, zeros))], 15)
-            torch_over_ours.append(t_torch / t_ours)
-        else:
-            t_ours, t_upcast = _best_times([lambda: kernel(x), lambda: F.linear(
-                x.float(), dequantize_int4(ours[0], ours[1], group_size, out_features))], 3)
-            upcast_over_ours[m] = t_upcast / t_ours
+        t_ours, t_torch = _best_times([lambda: kernels["cpp"](x), lambda: kernels["torch"](x)], 15)
+        torch_over_ours.append(t_torch / t_ours)
     wins = min(torch_over_ours) >= 1.0 or sum(torch_over_ours) >= 2.0
-    choice = Int4Choice("cpp", _upcast_threshold(upcast_over_ours)) if wins else Int4Choice("torch")
+    winner = "cpp" if wins else "torch"
+    # Large prefills: the winner against dequantizing (our layout) for torch's dense GEMM.
+    dense = lambda: dequantize_int4(ours[0], ours[1], group_size, out_features)  # noqa: E731
+    upcast_over_kernel: dict[str, dict[int, float]] = {"float32": {}, "bfloat16": {}}
+    for m in UPCAST_ROWS:
+        x = torch.randn(m, in_features).to(torch.bfloat16)
+        t_kernel, t_fp32, t_bf16 = _best_times([
+            lambda: kernels[winner](x), lambda: F.linear(x.float(), dense()),
+            lambda: F.linear(x, dense().to(torch.bfloat16))], 3)
+        upcast_over_kernel["float32"][m] = t_fp32 / t_kernel
+        upcast_over_kernel["bfloat16"][m] = t_bf16 / t_kernel
+    # The dtype whose dequantize-and-GEMM is faster at the largest measured row count.
+    largest = max(UPCAST_ROWS)
+    dtype = min(upcast_over_kernel, key=lambda name: upcast_over_kernel[name][largest])
+    choice = Int4Choice(winner, _upcast_threshold(upcast_over_kernel[dtype]), dtype)
     cached[shape] = {"choice": choice.__dict__, "torch_over_ours_time": torch_over_ours,
-                     "upcast_over_ours_time": upcast_over_ours}
+                     "upcast_over_kernel_time": upcast_over_kernel}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cached, indent=1) + "\n")
     log.info("INT4 %s: %s", shape, choice)

@@ -5,7 +5,9 @@
 repacks once for the faster of two packed-int4 kernels, chosen per weight shape by a measurement
 cached per machine: ours (`torch.ops.llm_forge.linear_int4_packed`, nibbles widened to fp32 in
 registers) or torch's (`_weight_int4pack_mm_for_cpu`, bf16 activations); elsewhere, or for shapes
-neither takes, it dequantizes per call (keeping 4-bit residency).
+neither takes, it dequantizes per call (keeping 4-bit residency). Large prefills (from the
+measured `upcast_min_rows`) dequantize our layout per call for torch's dense GEMM; with torch's
+kernel that layout is kept beside its own (4 bits per weight more).
 
 `Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
 per output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor
@@ -66,16 +68,15 @@ class _QuantizedLinear(nn.Module):
 
 
 def _cpp_int4_choice(in_features: int, out_features: int, group_size: int):
-    """Our INT4 kernel's `Int4Choice` for this shape when it is built and measured faster than
-    torch's int4pack; None otherwise."""
+    """The measured `Int4Choice` for this shape when our kernels are built (the decode kernel
+    may still be torch's int4pack); None otherwise (torch's int4pack for every call)."""
     from triton_backend.engine.kernels import build_key, kernels_wanted, load_cpu_kernels
 
     if not kernels_wanted() or not load_cpu_kernels():
         return None
     from triton_backend.engine.kernels.linear import int4_kernel_choice
 
-    choice = int4_kernel_choice(build_key(), in_features, out_features, group_size)
-    return choice if choice.kernel == "cpp" else None
+    return int4_kernel_choice(build_key(), in_features, out_features, group_size)
 
 
 class Int4WeightOnlyLinear(_QuantizedLinear):
@@ -92,8 +93,10 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         self.has_bias = bias
         self.kernel = "unloaded"
         self.upcast_min_rows: int | None = None  # rows from which a call dequantizes (cpp_int4)
+        self.upcast_dtype = torch.float32  # what bf16 activations meet the dequantized weight in
         # Runtime tensors are non-persistent buffers: they follow .to() but are never saved.
-        for buffer in ("packed_weight", "scales", "scales_and_zeros", "prequant", "bias"):
+        for buffer in ("packed_weight", "scales", "scales_and_zeros", "prequant", "bias",
+                       "tiles", "tile_scales"):
             self.register_buffer(buffer, None, persistent=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -128,11 +131,12 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         """Repack for the faster CPU kernel of this shape: ours (`llm_forge.linear_int4_packed`)
         or torch's int4pack; False when neither is available."""
         choice = _cpp_int4_choice(self.in_features, self.out_features, self.group_size)
-        if choice is not None:
+        if choice is not None and choice.kernel == "cpp":
             from triton_backend.engine.kernels.linear import pack_int4_tiles
 
             self.packed_weight, self.scales = pack_int4_tiles(q, scales)
             self.kernel, self.upcast_min_rows = "cpp_int4", choice.upcast_min_rows
+            self.upcast_dtype = getattr(torch, choice.upcast_dtype)
             return True
         # torch's kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero 0.
         if self.out_features % 16 or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
@@ -144,15 +148,22 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         scale_t = scales.t().to(torch.bfloat16)
         self.scales_and_zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
         self.packed_weight, self.kernel = packed, "cpu_int4pack"
+        if choice is not None and choice.upcast_min_rows is not None:
+            from triton_backend.engine.kernels.linear import pack_int4_tiles
+
+            self.tiles, self.tile_scales = pack_int4_tiles(q, scales)
+            self.upcast_min_rows = choice.upcast_min_rows
+            self.upcast_dtype = getattr(torch, choice.upcast_dtype)
         return True
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, as a dense [out, in] tensor (for tests and checks)."""
-        if self.kernel == "cpp_int4":
+        if self.kernel == "cpp_int4" or self.tiles is not None:
             from triton_backend.engine.kernels.linear import dequantize_int4
 
-            return dequantize_int4(self.packed_weight, self.scales, self.group_size,
-                                   self.out_features).to(dtype)
+            tiles, scales = ((self.packed_weight, self.scales) if self.kernel == "cpp_int4"
+                             else (self.tiles, self.tile_scales))
+            return dequantize_int4(tiles, scales, self.group_size, self.out_features).to(dtype)
         if self.kernel == "cpu_int4pack":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             dense = torch._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
@@ -161,12 +172,14 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype)
 
     def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.upcast_min_rows is not None and x2.shape[0] >= self.upcast_min_rows:
+            # A large prefill: torch's GEMM on the weight dequantized for this call, in bf16
+            # for bf16 activations where the plan measured that faster, else in fp32.
+            if self.prequant is not None:
+                x2 = x2 * self.prequant.to(x2.dtype)
+            gemm_dtype = self.upcast_dtype if x2.dtype == torch.bfloat16 else torch.float32
+            return F.linear(x2.to(gemm_dtype), self.dequantized_weight(gemm_dtype)).to(dtype)
         if self.kernel == "cpp_int4":
-            if self.upcast_min_rows is not None and x2.shape[0] >= self.upcast_min_rows:
-                # A large prefill: torch's fp32 GEMM on the weight dequantized for this call.
-                if self.prequant is not None:
-                    x2 = x2 * self.prequant.to(x2.dtype)
-                return F.linear(x2.float(), self.dequantized_weight()).to(dtype)
             # The AWQ scale is applied inside, rounded as torch would round it.
             return torch.ops.llm_forge.linear_int4_packed(x2, self.packed_weight, self.scales,
                                                           self.prequant, None, self.group_size,

@@ -1,8 +1,9 @@
 // All decoder layers of a decode step in one call: the same kernels the Python model calls one by
 // one (norms, projections, rotary + KV write, paged attention, SiLU * up), without a Python
 // round trip per op. It covers steps whose every row is attended by the paged kernel (decodes
-// and short chunks) over a cache in the activation dtype, with projections of three kinds:
-// packed bf16, packed INT4, or a dense weight in the activation dtype. Everything else takes the
+// and short chunks) over a cache in the activation dtype, with projections of four kinds:
+// packed bf16, packed INT4 (ours, or torch's int4pack where the plan measured it faster), or a
+// dense weight in the activation dtype. Everything else takes the
 // Python model (`model.py`), which stays the reference: tests hold the two to each other.
 #include "ops.h"
 
@@ -10,7 +11,7 @@ namespace llm_forge {
 
 namespace {
 
-enum LinearKind : int64_t { kPackedBf16 = 0, kPackedInt4 = 1, kDense = 2 };
+enum LinearKind : int64_t { kPackedBf16 = 0, kPackedInt4 = 1, kDense = 2, kTorchInt4 = 3 };
 // weights: per layer [input norm, post norm, then per projection (qkv, dense, gate_up, proj):
 // weight, scales, prequant, bias], then the final norm.
 constexpr int64_t kSlotsPerLinear = 4;
@@ -36,6 +37,16 @@ at::Tensor project(const at::Tensor& x, const Weights& weights, int64_t slot, in
                                 bias, group_size, out_features);
     case kDense:
       return at::linear(x, weight, bias);
+    case kTorchInt4: {
+      // As Int4WeightOnlyLinear does it: AWQ scale in the activation dtype, torch's kernel in
+      // bf16, the bias added in the activation dtype.
+      const c10::optional<at::Tensor> prequant = weights.get(slot + 2);
+      at::Tensor in = prequant.has_value() ? x * prequant->to(x.scalar_type()) : x;
+      at::Tensor y = at::_weight_int4pack_mm_for_cpu(in.to(at::kBFloat16).contiguous(), weight,
+                                                     group_size, required(weights, slot + 1))
+                         .to(x.scalar_type());
+      return bias.has_value() ? y + bias->to(y.scalar_type()) : y;
+    }
     default:
       TORCH_CHECK(false, "decode_forward: unknown projection kind ", kind);
   }
