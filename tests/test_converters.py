@@ -206,7 +206,7 @@ def test_build_outputs_makes_only_the_requested_outputs_and_still_advances_the_s
                            state, 20, frozenset({"preceding_output_ids", "finish_reason"}))
     assert second["preceding_output_ids"].tolist() == [[5]]
     assert second["finish_reason"].reshape(-1)[0] == b"length"
-    assert len(build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)) == 22
+    assert len(build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)) == 23
 
 
 def test_perf_metric_outputs_carry_cache_reuse_and_draft_acceptance():
