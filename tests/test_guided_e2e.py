@@ -28,7 +28,8 @@ from triton_backend.engine.guided import MAX_GUIDE_CHARS
 pytestmark = pytest.mark.slow
 NAME = "smollm2-guided"
 # Bounded, so every document ends within max_tokens: strings have a maxLength, numbers a
-# multipleOf (JSON Schema puts no bound on a number's digits, and a model may write them forever).
+# multipleOf (JSON Schema puts no bound on a number's digits, and a model may write them forever;
+# a power of two, which jsonschema's float division checks exactly: 40.12 / 0.01 is not whole).
 S = {"type": "string", "maxLength": 24}
 SCHEMAS = [
     {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0,
@@ -40,7 +41,7 @@ SCHEMAS = [
      "required": ["answer"]},
     {"type": "object", "properties": {"colors": {"type": "array", "items": S, "minItems": 1,
                                                  "maxItems": 3}}, "required": ["colors"]},
-    {"type": "object", "properties": {"score": {"type": "number", "multipleOf": 0.01, "minimum": 0, "maximum": 10}},
+    {"type": "object", "properties": {"score": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 10}},
      "required": ["score"]},
     {"type": "object", "properties": {"user": {
         "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
@@ -60,8 +61,8 @@ SCHEMAS = [
                                       "genres": {"type": "array", "items": {
                                           "enum": ["drama", "comedy", "sci-fi"]}, "maxItems": 2}},
      "required": ["title", "year", "genres"]},
-    {"type": "object", "properties": {"lat": {"type": "number", "multipleOf": 0.01, "minimum": -90, "maximum": 90},
-                                      "lon": {"type": "number", "multipleOf": 0.01, "minimum": -180, "maximum": 180}},
+    {"type": "object", "properties": {"lat": {"type": "number", "multipleOf": 0.25, "minimum": -90, "maximum": 90},
+                                      "lon": {"type": "number", "multipleOf": 0.25, "minimum": -180, "maximum": 180}},
      "required": ["lat", "lon"], "additionalProperties": False},
     {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 24}},
      "required": ["note"]},
@@ -75,7 +76,7 @@ SCHEMAS = [
     {"type": "object", "properties": {"first": S, "last": S, "middle": S},
      "required": ["first", "last"], "additionalProperties": False},
     {"type": "object", "properties": {"temps": {"type": "array", "items": {
-        "type": "number", "multipleOf": 0.01, "minimum": -50, "maximum": 50}, "minItems": 1, "maxItems": 3}},
+        "type": "number", "multipleOf": 0.25, "minimum": -50, "maximum": 50}, "minItems": 1, "maxItems": 3}},
      "required": ["temps"]},
     {"type": "object", "properties": {"choice": {"anyOf": [
         {"type": "integer", "minimum": 0, "maximum": 9}, {"enum": ["none"]}]}},
