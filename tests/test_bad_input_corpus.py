@@ -93,6 +93,24 @@ TEXT_CASES = [
          r"priority must be an integer in \[-100, 100\], got -1000"),
     case("priority-float-dtype", {}, "priority", http=False,
          raw={"priority": np.array([[1.5]], np.float32)}),
+    case("guide-type-unknown", {"guided_decoding_guide_type": "yaml",
+                                "guided_decoding_guide": "a: 1"},
+         "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, "
+         "got 'yaml'"),
+    case("guide-without-type", {"guided_decoding_guide": "a+"},
+         "guided_decoding_guide needs guided_decoding_guide_type"),
+    case("guide-regex-does-not-compile", {"guided_decoding_guide_type": "regex",
+                                          "guided_decoding_guide": "(a"},
+         "guided_decoding_guide: invalid regex: at 1"),
+    case("guide-schema-not-json", {"guided_decoding_guide_type": "json_schema",
+                                   "guided_decoding_guide": "{not json"},
+         "guided_decoding_guide: the json_schema is not valid JSON"),
+    case("guide-schema-invalid", {"guided_decoding_guide_type": "json_schema",
+                                  "guided_decoding_guide": '{"type": "foo"}'},
+         "guided_decoding_guide: invalid json_schema: Invalid type: foo"),
+    case("guide-over-the-size-limit", {"guided_decoding_guide_type": "ebnf_grammar",
+                                       "guided_decoding_guide": 'root ::= "' + "a" * 70_000 + '"'},
+         "guided_decoding_guide has 70011 characters, over the limit of 65536"),
 ]
 
 
@@ -142,6 +160,12 @@ LLM_CASES = [
          r"timeout_ms must be an integer in \[0, 86400000\]"),
     case("priority-over", {"priority": ids(101)},
          r"priority must be an integer in \[-100, 100\], got 101"),
+    case("top_log_probs-21", {"top_log_probs": ids(21)},
+         r"top_log_probs must be an integer in \[0, 20\], got 21"),
+    case("guide-ebnf-undefined-rule", {
+        "guided_decoding_guide_type": np.array([[b"ebnf_grammar"]], np.object_),
+        "guided_decoding_guide": np.array([[b"root ::= nowhere"]], np.object_)},
+         "guided_decoding_guide: invalid ebnf_grammar"),
 ]
 
 

@@ -207,7 +207,7 @@ def test_build_outputs_makes_only_the_requested_outputs_and_still_advances_the_s
     assert second["preceding_output_ids"].tolist() == [[5]]
     assert second["finish_reason"].reshape(-1)[0] == b"length"
     every = build_outputs(Response(1, [], True, FinishReason.LENGTH), state, 30)
-    assert len(every) == 21 and "cancel_key" in every  # without a wish list: every output
+    assert len(every) == 23 and "cancel_key" in every  # without a wish list: every output
 
 
 def test_perf_metric_outputs_carry_cache_reuse_and_draft_acceptance():
@@ -243,3 +243,53 @@ def test_responses_of_one_request_waiting_together_go_out_as_one():
     assert np.concatenate([o["output_ids"].reshape(-1) for o in separate]).tolist() == \
         whole["output_ids"].reshape(-1).tolist() == [10, 11, 12]
     assert coalesce([]) == []
+
+
+# -- guided decoding inputs ----------------------------------------------------------------------
+def _guided(**values):
+    return {**trt_inputs(), **{k: np.array([[v.encode()]], dtype=object) for k, v in values.items()}}
+
+
+def test_guided_decoding_inputs_become_the_requests_guide():
+    from triton_backend.engine.guided import GuidedDecodingParams
+
+    request = parse_request(_guided(guided_decoding_guide_type="regex",
+                                    guided_decoding_guide="[0-9]+"), LIMITS, 100).request
+    assert request.guided_decoding == GuidedDecodingParams("regex", "[0-9]+")
+    request = parse_request(_guided(guided_decoding_guide_type="json"), LIMITS, 100).request
+    assert request.guided_decoding == GuidedDecodingParams("json", "")
+    assert parse_request(trt_inputs(), LIMITS, 100).request.guided_decoding is None
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"guided_decoding_guide": "[0-9]+"}, "guided_decoding_guide needs guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": "yaml", "guided_decoding_guide": "a: 1"},
+     "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, got 'yaml'"),
+    ({"guided_decoding_guide_type": "ebnf_grammar"},
+     "guided_decoding_guide is required for guided_decoding_guide_type ebnf_grammar"),
+])
+def test_bad_guided_decoding_inputs_name_the_field(values, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(_guided(**values), LIMITS, 100)
+    # the BLS and the OpenAI direct path pass both inputs through to tensorrt_llm as strings
+    tensors = tensorrt_llm_inputs(_guided(**values), [5, 6], 4, [], [], False)
+    assert {k: tensors[k][0, 0].decode() for k in values} == values
+
+
+def test_top_log_probs_input_and_outputs():
+    assert parse_request(trt_inputs(top_log_probs=3), LIMITS, 100).request.top_log_probs == 3
+    with pytest.raises(RequestError, match=r"top_log_probs must be an integer in \[0, 20\], got 21"):
+        parse_request(trt_inputs(top_log_probs=21), LIMITS, 100)
+    state = StreamState(input_ids=[1, 2], exclude_input_in_output=False)
+    response = Response(1, [5, 6], False, top_ids=[[5, 9], [6, 3]],
+                        top_log_probs=[[-0.1, -2.5], [-0.2, -1.9]])
+    out = build_outputs(response, state, 0)
+    # prompt tokens lead output_ids here, so their alternatives are placeholders
+    assert out["output_top_ids"].tolist() == [[[-1, -1], [-1, -1], [5, 9], [6, 3]]]
+    assert out["output_top_log_probs"].shape == (1, 4, 2)
+    merged = coalesce([response, Response(1, [7], True, FinishReason.LENGTH, top_ids=[[7, 1]],
+                                          top_log_probs=[[-0.3, -1.0]])])
+    assert merged[0].top_ids == [[5, 9], [6, 3], [7, 1]]
+    # none asked for: empty
+    assert build_outputs(Response(1, [5], True), StreamState([1]), 0)["output_top_ids"].shape \
+        == (1, 0, 0)

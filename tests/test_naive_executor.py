@@ -11,6 +11,7 @@ import tiny
 from builder.naive import build_naive_engine
 from builder.spec import spec_from_dict
 from triton_backend.engine import FinishReason, Request, SamplingParams
+from triton_backend.engine.guided import GuidedDecodingParams
 from triton_backend.naive import NaiveExecutor
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -124,6 +125,10 @@ def test_seeded_sampling_is_reproducible(executor):
     (dict(input_token_ids=[1, 2], max_tokens=0), "max_tokens"),
     (dict(input_token_ids=[1] * 60, max_tokens=100), "max_seq_len"),
     (dict(input_token_ids=[1, 2], max_tokens=4, stop_token_sequences=[[]]), "stop_words"),
+    (dict(input_token_ids=[1, 2], max_tokens=4,
+          guided_decoding=GuidedDecodingParams("regex", "a+")), "guided_decoding_guide_type: "
+                                                                 "guided decoding is not supported"),
+    (dict(input_token_ids=[1, 2], max_tokens=4, top_log_probs=2), "top_log_probs"),
 ])
 def test_bad_requests_name_the_field(executor, request_kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -77,8 +77,13 @@ def refused(body: dict, kind=CompletionRequest) -> OpenAIError:
     ({"echo": True}, "echo", "echo: not supported by this server"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "min_tokens (9) must not exceed"),
     # Refused by name on completions as on chat, never answered 200 and ignored.
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "response_format: only type 'text' is supported, got 'json_object'"),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     "response_format.type must be one of text, json_object, json_schema, got 'xml'"),
+    ({"response_format": {"type": "json_schema"}}, "response_format",
+     "response_format.json_schema.schema is required for type json_schema"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice",
+     "guided_choice: only one structured output constraint per request, got guided_regex, "
+     "guided_choice"),
     ({"tools": [{"type": "function"}]}, "tools",
      "tools: tool calling is not supported by this server"),
 ])

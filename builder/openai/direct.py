@@ -24,6 +24,7 @@ from triton_backend.models.text_request import (check_max_tokens, encode_words, 
 # What the endpoint reads of each `tensorrt_llm` response (log probs only when asked for).
 DIRECT_OUTPUTS = ("output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
 DIRECT_LOG_PROB_OUTPUTS = ("output_log_probs",)
+DIRECT_TOP_OUTPUTS = ("output_top_ids", "output_top_log_probs")
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,15 @@ def direct_request(codec: TextCodec, values: dict[str, object]) -> DirectRequest
     max_tokens = check_max_tokens(values.get("max_tokens"), len(ids), codec.limits)
     stop = encode_words(tokenizer, list(values.get("stop_words") or []), "stop_words")
     inputs = text_inputs(**{name: value for name, value in values.items()
-                            if name not in ("text_input", "stop_words", "stream")})
+                            if name not in ("text_input", "stop_words", "stream", "top_log_probs")})
     # Always streamed inside: chunks are where a client that went away is noticed.
     tensors = tensorrt_llm_inputs(inputs, ids, max_tokens, stop, [], streaming=True)
+    if values.get("top_log_probs"):  # the tensorrt_llm model's own input (not the ensemble's)
+        tensors["top_log_probs"] = np.asarray([[values["top_log_probs"]]], dtype=np.int32)
     stop_strings = stop_strings_of(tokenizer, stop, codec.skip_special_tokens)
     return DirectRequest(tensors, IncrementalDetokenizer(tokenizer, stop_strings,
                                                          codec.skip_special_tokens))
 
 
-__all__ = ["DIRECT_LOG_PROB_OUTPUTS", "DIRECT_OUTPUTS", "DirectRequest", "RequestError",
+__all__ = ["DIRECT_LOG_PROB_OUTPUTS", "DIRECT_OUTPUTS", "DIRECT_TOP_OUTPUTS", "DirectRequest", "RequestError",
            "TextCodec", "direct_request"]

@@ -19,6 +19,9 @@ TRITON_FIELDS = {
     "top_k": "top_k", "temperature": "temperature", "stop_words": "stop", "seed": "seed",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+    # renamed again to the field the guide came from (`structured.rename_guide_error`)
+    "guided_decoding_guide_type": "guided_decoding_guide_type",
+    "guided_decoding_guide": "guided_decoding_guide",
 }
 # Triton's full queue, and the tensorrt_llm model's admission limits ("server busy: ...").
 BUSY_MARKERS = ("Exceeds maximum queue size", "max_queue_size", "server busy")

@@ -8,6 +8,7 @@
 | `stop` (string or list) | `stop_words` (matched on tokens, trimmed from the text) |
 | `logprobs` | `return_log_probs` (+ `output_ids` for the tokens) |
 | `top_k`, `min_tokens`, `repetition_penalty` (vLLM extensions) | same names |
+| `response_format`, `guided_*`, `structured_outputs` | `guided_decoding_guide_type`, `guided_decoding_guide` (`structured.py`) |
 
 `exclude_input_in_output` is always sent true: the repository may default it to false, but an
 OpenAI answer never repeats the prompt.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from builder.openai.errors import internal
 from builder.openai.protocol import SamplingRequest
+from builder.openai.structured import Guide
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 FINISH_REASONS = {"end_id": "stop", "stop_words": "stop", "length": "length"}
@@ -24,7 +26,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty",
 
 
 def ensemble_values(request: SamplingRequest, prompt: str, max_tokens: int,
-                    log_probs: bool) -> dict[str, object]:
+                    log_probs: bool, guide: Guide | None = None) -> dict[str, object]:
     """The ensemble inputs of one OpenAI request, by name (None: left out)."""
     values: dict[str, object] = {
         "text_input": prompt, "max_tokens": max_tokens, "stream": request.stream,
@@ -33,6 +35,9 @@ def ensemble_values(request: SamplingRequest, prompt: str, max_tokens: int,
     }
     for name in SAMPLING_FIELDS:
         values[name] = getattr(request, name)
+    if guide is not None:
+        values["guided_decoding_guide_type"] = guide.guide_type
+        values["guided_decoding_guide"] = guide.guide
     return values
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from builder.openai.errors import OpenAIError, bad_request
+from builder.openai.structured import request_guide
 
 FiniteFloat = dict(allow_inf_nan=False)
 UINT64_LIMIT = 2 ** 64
@@ -43,10 +44,11 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0, **FiniteFloat)
+    # Structured output (`structured.py`); vLLM's guided_* / structured_outputs arrive as extras.
+    response_format: dict[str, Any] | None = None
     # Declared so that they are refused by name on both endpoints, never silently ignored.
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -58,7 +60,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -98,9 +100,7 @@ def _check_shared(request: SamplingRequest) -> None:
     for name in ("tools", "functions"):
         if getattr(request, name):
             raise bad_request(name, f"{name}: tool calling is not supported by this server")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("response_format", "response_format: only type 'text' is supported, "
-                                             f"got {request.response_format.get('type')!r}")
+    request_guide(request)  # a 400 naming the field for a malformed constraint
 
 
 def check_completion(request: CompletionRequest) -> str:

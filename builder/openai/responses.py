@@ -1,10 +1,12 @@
 """OpenAI response objects as plain dicts: completions, chat completions, their stream chunks,
 `usage` and `logprobs`.
 
-Log probabilities: the engine returns the log probability of each token it generated (not the
-alternatives), so `logprobs` carries the sampled tokens only; `top_logprobs` above 0 is refused
-at the request (see `service`). With a stop string, the stop tokens are generated, so they have
-entries although the text is trimmed before them.
+Log probabilities: the log probability of each generated token and, when asked for
+(`top_logprobs` on chat, `logprobs: N` on completions, up to 20), the N most likely tokens at
+each position with theirs, from the model's raw distribution (before penalties, temperature and
+guided decoding's masks, as vLLM reports them by default); then the token's own log prob is the
+raw one too. With a stop string, the stop tokens are generated, so they have entries although
+the text is trimmed before them.
 """
 from __future__ import annotations
 
@@ -18,26 +20,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _entry(token_id: int, log_prob: float, token_text: TokenText) -> dict:
+    text = token_text(token_id)
+    return {"token": text, "logprob": float(log_prob), "bytes": list(text.encode("utf-8"))}
+
+
 def chat_logprobs(token_ids: Sequence[int], log_probs: Sequence[float],
-                  token_text: TokenText) -> dict:
+                  token_text: TokenText, top: Sequence | None = None) -> dict:
+    """`top`: per token, [(token id, log prob), ...] most likely first (empty: none asked)."""
     content = []
-    for token_id, log_prob in zip(token_ids, log_probs):
-        text = token_text(token_id)
-        content.append({"token": text, "logprob": float(log_prob),
-                        "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+    for i, (token_id, log_prob) in enumerate(zip(token_ids, log_probs)):
+        alternatives = top[i] if top and i < len(top) else []
+        content.append({**_entry(token_id, log_prob, token_text), "top_logprobs": [
+            _entry(t, lp, token_text) for t, lp in alternatives]})
     return {"content": content, "refusal": None}
 
 
 def completion_logprobs(token_ids: Sequence[int], log_probs: Sequence[float],
-                        token_text: TokenText, text_offset: int) -> dict:
-    """The legacy completions form; `text_offset` is where the first token starts."""
+                        token_text: TokenText, text_offset: int,
+                        top: Sequence | None = None) -> dict:
+    """The legacy completions form; `text_offset` is where the first token starts. Its
+    `top_logprobs` maps each alternative's text to its log prob (tokens with the same text
+    keep the likeliest)."""
     tokens, offsets = [], []
     for token_id in token_ids:
         tokens.append(token_text(token_id))
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
+    alternatives = None
+    if top:
+        alternatives = []
+        for row in top[:len(tokens)]:
+            texts: dict[str, float] = {}
+            for t, lp in row:
+                texts.setdefault(token_text(t), float(lp))
+            alternatives.append(texts)
     return {"tokens": tokens, "token_logprobs": [float(v) for v in log_probs][:len(tokens)],
-            "top_logprobs": None, "text_offset": offsets}
+            "top_logprobs": alternatives, "text_offset": offsets}
 
 
 class ResponseBuilder:

@@ -15,11 +15,12 @@ from typing import AsyncIterator
 from builder.openai import mapping
 from builder.openai.chat import ChatRenderer
 from builder.openai.config import OpenAIServerConfig
-from builder.openai.errors import bad_request, busy, model_not_found
+from builder.openai.errors import OpenAIError, bad_request, busy, model_not_found
 from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                      check_chat, check_completion)
 from builder.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
                                       usage)
+from builder.openai.structured import Guide, rename_guide_error, request_guide
 from builder.openai.triton import Chunk, TritonBackend
 
 
@@ -32,6 +33,8 @@ class Generation:
     prompt_field: str  # the OpenAI field `text_input` errors are about
     log_probs: bool
     builder: ResponseBuilder
+    guide: Guide | None = None
+    top_logprobs: int = 0  # alternatives per token (chat top_logprobs, completions logprobs)
 
     @property
     def stream(self) -> bool:
@@ -60,28 +63,35 @@ class OpenAIService:
     def completion(self, request: CompletionRequest) -> Generation:
         self._check_model(request)
         prompt = check_completion(request)
-        if request.logprobs:
-            raise bad_request("logprobs", "logprobs: the engine returns the sampled tokens' log "
-                                          f"probabilities only: use logprobs 0, got "
-                                          f"{request.logprobs}")
         max_tokens = request.max_tokens or mapping.COMPLETIONS_DEFAULT_MAX_TOKENS
         log_probs = request.logprobs is not None
-        return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
-                                                           log_probs),
-                          "prompt", log_probs, self._builder("completion"))
+        guide = request_guide(request)
+        values = mapping.ensemble_values(request, prompt, max_tokens, log_probs, guide)
+        self._top(values, request.logprobs or 0, "logprobs")
+        return Generation(request, values, "prompt", log_probs, self._builder("completion"),
+                          guide, request.logprobs or 0)
 
     def chat(self, request: ChatCompletionRequest) -> Generation:
         self._check_model(request)
         check_chat(request)
-        if request.top_logprobs:
-            raise bad_request("top_logprobs", "top_logprobs: the engine returns the sampled "
-                                              "tokens' log probabilities only: use 0, got "
-                                              f"{request.top_logprobs}")
+        guide = request_guide(request)
         prompt = self.renderer.render(request.messages)
         max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
-        return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
-                                                           request.logprobs),
-                          "messages", request.logprobs, self._builder("chat"))
+        values = mapping.ensemble_values(request, prompt, max_tokens, request.logprobs, guide)
+        top = request.top_logprobs or 0
+        self._top(values, top, "top_logprobs")
+        return Generation(request, values, "messages", request.logprobs, self._builder("chat"),
+                          guide, top)
+
+    def _top(self, values: dict, top: int, field: str) -> None:
+        """Alternatives come from the tensorrt_llm model's own outputs: the direct path only."""
+        if not top:
+            return
+        if self.config.triton_model != "tensorrt_llm":
+            raise bad_request(field, f"{field}: alternatives are returned on the direct path only "
+                                     f"(--openai-triton-model tensorrt_llm); this server sends "
+                                     f"requests to {self.config.triton_model}")
+        values["top_log_probs"] = top
 
     def _remaining_context(self, prompt: str) -> int:
         """Chat without max_tokens may use the whole context the prompt leaves (as OpenAI)."""
@@ -105,6 +115,11 @@ class OpenAIService:
                                                      generation.prompt_field,
                                                      generation.log_probs):
                 yield chunk
+        except OpenAIError as exc:
+            if exc.param in ("guided_decoding_guide", "guided_decoding_guide_type"):
+                raise bad_request(generation.guide.field if generation.guide else exc.param,
+                                  rename_guide_error(exc.message, generation.guide)) from None
+            raise
         finally:
             self.in_flight -= 1
 
@@ -118,21 +133,22 @@ class OpenAIService:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def logprobs(self, generation: Generation, chunk_ids: list[int], chunk_log_probs: list[float],
-                 text_offset: int) -> dict | None:
+                 text_offset: int, top: list | None = None) -> dict | None:
         if not generation.log_probs:
             return None
         if generation.builder.kind == "chat":
-            return chat_logprobs(chunk_ids, chunk_log_probs, self.token_text)
-        return completion_logprobs(chunk_ids, chunk_log_probs, self.token_text, text_offset)
+            return chat_logprobs(chunk_ids, chunk_log_probs, self.token_text, top)
+        return completion_logprobs(chunk_ids, chunk_log_probs, self.token_text, text_offset, top)
 
     async def respond(self, generation: Generation, chunks: AsyncIterator[Chunk]) -> dict:
         """Gather every chunk into the non-streamed response."""
-        texts, ids, log_probs, last = [], [], [], None
+        texts, ids, log_probs, top, last = [], [], [], [], None
         async for chunk in chunks:
             texts.append(chunk.text)
             ids.extend(chunk.token_ids)
             log_probs.extend(chunk.log_probs)
+            top.extend(chunk.top)
             last = chunk
         counts = usage(last.num_input_tokens, last.num_output_tokens)
         return generation.builder.full("".join(texts), mapping.finish_reason(last.finish_reason),
-                                       counts, self.logprobs(generation, ids, log_probs, 0))
+                                       counts, self.logprobs(generation, ids, log_probs, 0, top))

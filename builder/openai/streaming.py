@@ -43,7 +43,8 @@ async def sse_events(service: OpenAIService, generation: Generation, first: Chun
             reason = mapping.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
             if not (chunk.text or reason or (generation.log_probs and chunk.token_ids)):
                 continue  # nothing new (e.g. bytes of a character not complete yet)
-            logprobs = service.logprobs(generation, chunk.token_ids, chunk.log_probs, offset)
+            logprobs = service.logprobs(generation, chunk.token_ids, chunk.log_probs, offset,
+                                        chunk.top)
             offset += len(chunk.text)
             text = chunk.text if (chunk.text or builder.kind != "chat") else None
             yield event(builder.chunk(text, reason, logprobs, include_usage))

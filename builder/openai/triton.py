@@ -22,7 +22,7 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from builder.client import text_inputs
-from builder.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS, RequestError,
+from builder.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS, DIRECT_TOP_OUTPUTS, RequestError,
                                    TextCodec, direct_request)
 from builder.openai.errors import OpenAIError, from_triton, internal, not_ready
 
@@ -41,6 +41,8 @@ class Chunk:
     num_output_tokens: int
     log_probs: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # per token, when top log probs were asked for: [(token id, log prob), ...] most likely first
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def _first(array: np.ndarray | None, default=0):
@@ -73,7 +75,15 @@ def _direct_chunk(result, detokenizer) -> Chunk:
                  num_input_tokens=int(_first(result.as_numpy("num_input_tokens"))),
                  num_output_tokens=int(_first(result.as_numpy("num_output_tokens"))),
                  log_probs=[] if log_probs is None else log_probs.reshape(-1).tolist(),
-                 token_ids=token_ids)
+                 token_ids=token_ids, top=_top(result))
+
+
+def _top(result) -> list[list[tuple[int, float]]]:
+    ids, values = result.as_numpy("output_top_ids"), result.as_numpy("output_top_log_probs")
+    if ids is None or values is None or ids.size == 0:
+        return []
+    ids, values = ids.reshape(ids.shape[-2], ids.shape[-1]), values.reshape(ids.shape[-2], -1)
+    return [list(zip(map(int, row), map(float, vals))) for row, vals in zip(ids, values)]
 
 
 def _tensors(values: dict[str, object]) -> list[InferInput]:
@@ -161,6 +171,8 @@ class TritonBackend:
             except RequestError as exc:
                 raise from_triton(str(exc), prompt_field) from None
             names = DIRECT_OUTPUTS + (DIRECT_LOG_PROB_OUTPUTS if log_probs else ())
+            if values.get("top_log_probs"):
+                names += DIRECT_TOP_OUTPUTS
             inputs = _infer_inputs(direct.tensors)
             to_chunk = lambda result: _direct_chunk(result, direct.detokenizer)  # noqa: E731
         request = {"model_name": self.model, "inputs": inputs, "request_id": request_id,

@@ -21,6 +21,8 @@ import torch
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.faults import FaultInjector
+from triton_backend.engine.guided.compiler import GrammarCompiler
+from triton_backend.engine.guided.state import GrammarState
 from triton_backend.engine.model_runner import ModelRunner, kv_bytes_per_token
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.sampler import SamplingError
@@ -92,6 +94,8 @@ class LLMEngine:
 
             self.speculator = make_speculator(self.engine_dir, self.config, device)
         self.eos_ids = frozenset(self.config.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer_dir, self.config.model.vocab_size,
+                                        sorted(self.eos_ids))
         self.sequences: dict[int, Sequence] = {}
         self.last_logits: torch.Tensor | None = None  # of the last step, when it was asked for
         self._ids = itertools.count(1)
@@ -110,20 +114,30 @@ class LLMEngine:
                          long_prefill_tokens=limits.long_prefill_tokens)
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming the field and the limit when `request` cannot be served."""
+        """Raise ValueError naming the field and the limit when `request` cannot be served.
+        A guided request's grammar is compiled here (once per distinct guide), so that the step
+        loop, which calls `add_request`, finds it compiled."""
+        self._check(request)
+        if request.guided_decoding is not None:
+            self.grammars.compile(request.guided_decoding)
+
+    def _check(self, request: Request) -> None:
         validate_request(request, self.config.limits, self.config.model.vocab_size)
         check_kv_capacity(request, self.block_manager.num_blocks,
                           self.block_manager.tokens_per_block)
 
     def add_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and queue `request` under `request_id` (a fresh id when None)."""
-        self.validate(request)
+        self._check(request)
         seq_id = next(self._ids) if request_id is None else request_id
         if seq_id in self.sequences:
             raise ValueError(f"request id {seq_id} is already in flight")
         eos = frozenset() if request.ignore_eos else (
             self.eos_ids if request.end_ids is None else frozenset(request.end_ids))
         seq = Sequence.from_request(seq_id, request, eos)
+        if request.guided_decoding is not None:
+            seq.grammar = GrammarState(self.grammars.new_matcher(request.guided_decoding),
+                                       self.eos_ids, self.grammars.tokenizer.vocab_size)
         self.sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -172,7 +186,7 @@ class LLMEngine:
             started = time.perf_counter()
             result = self.runner.run(output, eos, return_logits=return_logits)
             self._observe_step_time(output, time.perf_counter() - started)
-            finished = self.scheduler.update(output, result.sampled, result.accepted)
+            finished = self.scheduler.update(output, result.sampled, result.accepted, result.top)
         except SamplingError as exc:
             return self._fail_step(exc.failures)
         except Exception as exc:  # the batch fails, the engine goes on
@@ -254,6 +268,7 @@ class LLMEngine:
             request_id=seq.seq_id, output_token_ids=generated[start:], is_final=final,
             finish_reason=seq.finish_reason if final else None,
             log_probs=seq.log_probs[start:] if seq.request.return_log_probs else [],
+            top_ids=seq.top_ids[start:], top_log_probs=seq.top_log_probs[start:],
             cum_log_prob=sum(seq.log_probs), num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(generated), num_reused_blocks=seq.num_reused_blocks,
             num_new_blocks=seq.num_new_blocks, num_draft_tokens=seq.num_draft_tokens,
@@ -272,6 +287,7 @@ class LLMEngine:
                     num_waiting_tokens=sched.waiting.load()[1],
                     tokens_per_block=bm.tokens_per_block,
                     cpp_kernels=int(self.runner.ops.name == "cpp"),
+                    **self.grammars.get_stats(),
                     **prefix_cache_stats(bm, sched), **self._spec_stats())
 
     def _spec_stats(self) -> dict:

@@ -13,6 +13,7 @@ import torch
 
 from triton_backend.engine.attention import AttentionMetadata, PrefillChunk
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.guided.masks import apply_grammar_masks
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.sampler import Sampler
@@ -35,6 +36,9 @@ class RunnerOutput:
     logits: torch.Tensor | None = None      # [T, V] for every packed token, when asked for
     # seq_id -> the draft tokens (id, log prob) verification kept; they precede `sampled`.
     accepted: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    # seq_id -> per kept token (accepted drafts, then the sampled one): the top_log_probs most
+    # likely (ids, raw log probs), for requests that asked for them.
+    top: dict[int, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
 
 
 def make_kv_cache(config: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -52,6 +56,37 @@ def kv_bytes_per_token(config: EngineConfig, dtype: torch.dtype) -> int:
 
         return quantized_kv_bytes_per_token(config)
     return PagedKVCache.bytes_per_token(config.model, dtype)
+
+
+def raw_log_probs(logits: torch.Tensor, chunks: list[ScheduledChunk]
+                  ) -> dict[int, tuple[int, torch.Tensor]]:
+    """seq_id -> (top_log_probs, the log-softmax of its rows) for chunks that ask for
+    alternatives; rows in chunk order, 1 + num_draft_tokens each."""
+    raw, row = {}, 0
+    for chunk in chunks:
+        num_rows = 1 + chunk.num_draft_tokens
+        if chunk.request.top_log_probs:
+            raw[chunk.seq_id] = (chunk.request.top_log_probs,
+                                 torch.log_softmax(logits[row:row + num_rows].float(), dim=-1))
+        row += num_rows
+    return raw
+
+
+def top_alternatives(raw: dict[int, tuple[int, torch.Tensor]], sampled: dict, accepted: dict
+                     ) -> dict[int, list[tuple[list[int], list[float]]]]:
+    """The alternatives of every kept token; the kept tokens' own log probs become the raw ones
+    (in place), so each token's log prob is the one its alternatives list shows for it."""
+    top = {}
+    for seq_id, (k, rows) in raw.items():
+        kept = accepted.get(seq_id, [])
+        tokens = [t for t, _ in kept] + [sampled[seq_id][0]]
+        values, ids = rows[:len(tokens)].topk(k, dim=-1)
+        top[seq_id] = list(zip(ids.tolist(), values.tolist()))
+        own = [float(rows[i, t]) for i, t in enumerate(tokens)]
+        if kept:
+            accepted[seq_id] = [(t, lp) for t, lp in zip(tokens[:-1], own[:-1])]
+        sampled[seq_id] = (tokens[-1], own[-1])
+    return top
 
 
 class ModelRunner:
@@ -98,11 +133,17 @@ class ModelRunner:
             return RunnerOutput({}, all_logits)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
+        logits = logits.cpu().float().contiguous()  # no copy when it is so already
+        raw = raw_log_probs(logits, sampling_chunks)  # before any mask or penalty
+        if any(c.grammar is not None for c in sampling_chunks):
+            apply_grammar_masks(logits, sampling_chunks, eos_ids)
         if any(c.num_draft_tokens for c in sampling_chunks):
-            sampled, accepted = verify(self.sampler, logits.cpu(), sampling_chunks, eos_ids)
-            return RunnerOutput(sampled, all_logits, accepted)
-        picks = self.sampler(logits.cpu(), sampling_chunks, eos_ids)
-        return RunnerOutput({c.seq_id: p for c, p in zip(sampling_chunks, picks)}, all_logits)
+            sampled, accepted = verify(self.sampler, logits, sampling_chunks, eos_ids)
+        else:
+            picks = self.sampler(logits, sampling_chunks, eos_ids)
+            sampled, accepted = {c.seq_id: p for c, p in zip(sampling_chunks, picks)}, {}
+        top = top_alternatives(raw, sampled, accepted)
+        return RunnerOutput(sampled, all_logits, accepted, top)
 
     def _for_kernel(self, chunk: ScheduledChunk) -> bool:
         return self.kernel_attention and len(chunk.new_token_ids) <= KERNEL_MAX_QUERY

@@ -8,10 +8,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from triton_backend.engine.guided.params import GuidedDecodingParams
 from triton_backend.engine.sampling_params import SamplingParams
 
 
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
+MAX_TOP_LOG_PROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 MAX_TIMEOUT_MS = 24 * 3600 * 1000  # a deadline further away than a day is a mistake
 
 
@@ -36,6 +38,13 @@ class Request:
     reached the server; None: when the engine receives it. With `timeout_ms` the request ends
     with an error naming `timeout_field` once `timeout_ms` have passed since its arrival,
     waiting or running.
+
+    `top_log_probs`: how many alternatives (the most likely tokens and their log probs) to
+    return per generated token, from the model's raw distribution (before penalties,
+    temperature, masks); with it, the tokens' own log probs are the raw ones too.
+
+    `guided_decoding`: a grammar the output must follow (JSON, a JSON schema, a regex, an EBNF
+    grammar); the sequence ends when the grammar allows nothing more.
     """
 
     input_token_ids: list[int]
@@ -51,6 +60,8 @@ class Request:
     arrival_time_ns: int | None = None
     timeout_ms: int | None = None
     timeout_field: str = "timeout_ms"  # the input that set the deadline, for its error
+    guided_decoding: GuidedDecodingParams | None = None
+    top_log_probs: int = 0
 
 
 @dataclass
@@ -77,6 +88,10 @@ class Response:
     num_draft_tokens: int = 0           # speculative draft tokens verified
     num_accepted_draft_tokens: int = 0  # of which the target accepted
     queue_time_ns: int | None = None    # arrival -> first scheduled (final response; None: never)
+    # Per output token, when the request asked for top_log_probs: the most likely token ids and
+    # their log probs, most likely first.
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
 
     @property
     def has_error(self) -> bool:

@@ -1,6 +1,8 @@
 """Choosing each sequence's next token from its logits.
 
-Order of operations (as TensorRT-LLM and transformers apply them): bad words and min_tokens masks,
+Order of operations (as TensorRT-LLM and transformers apply them): the guided decoding grammar's
+mask (applied to the logits before they reach the sampler, `guided/masks.py`), bad words and
+min_tokens masks,
 repetition / presence / frequency penalties, temperature, top-k, top-p, then greedy argmax or a
 draw from the request's own generator (seeded per request, so a request samples the same tokens
 whatever else shares its batch).
@@ -131,8 +133,8 @@ def _finite(row: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf (never chosen), +inf -> the largest float; -inf (masked) stays."""
     row = torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
     if not bool(torch.isfinite(row).any()):
-        raise _NoToken("no token can be chosen: every logit is masked (bad_words, min_tokens) "
-                       "or not a number")
+        raise _NoToken("no token can be chosen: every logit is masked (bad_words, min_tokens, "
+                       "the guided decoding grammar) or not a number")
     return row
 
 

@@ -53,6 +53,7 @@ class ScheduledChunk:
     token_ids: list[int]      # the whole sequence so far (for penalties and bad words)
     num_prompt_tokens: int
     num_draft_tokens: int = 0  # the last new_token_ids are drafts to verify (after the real ones)
+    grammar: object | None = None  # the sequence's GrammarState (guided decoding), else None
 
 
 @dataclass
@@ -211,7 +212,7 @@ class Scheduler:
             num_computed_tokens=start, block_table=list(seq.block_table),
             needs_sample=start + num_new == seq.num_tokens, request=seq.request,
             token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            num_draft_tokens=num_drafts)
+            num_draft_tokens=num_drafts, grammar=seq.grammar)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.block_manager.free(seq)
@@ -224,9 +225,12 @@ class Scheduler:
         output.preempted_seq_ids.append(seq.seq_id)
 
     def update(self, output: SchedulerOutput, sampled: dict[int, tuple[int, float]],
-               accepted: dict[int, list[tuple[int, float]]] | None = None) -> list[Sequence]:
+               accepted: dict[int, list[tuple[int, float]]] | None = None,
+               top: dict[int, list[tuple[list[int], list[float]]]] | None = None
+               ) -> list[Sequence]:
         """Advance the scheduled sequences; `sampled` maps seq_id -> (token id, log prob) of the
-        next token, `accepted` seq_id -> the draft tokens verification kept, which come before it.
+        next token, `accepted` seq_id -> the draft tokens verification kept, which come before it,
+        `top` seq_id -> the alternatives of each of those tokens (accepted ones first).
 
         Returns the sequences that finished this step (their blocks are already free)."""
         by_id = {seq.seq_id: seq for seq in self.running}
@@ -240,8 +244,9 @@ class Scheduler:
             seq.num_draft_tokens += chunk.num_draft_tokens
             seq.num_accepted_tokens += len(kept)
             if chunk.needs_sample:
-                for token_id, log_prob in kept + [sampled[chunk.seq_id]]:
-                    seq.append_token(token_id, log_prob)
+                alternatives = top.get(chunk.seq_id) if top else None
+                for i, (token_id, log_prob) in enumerate(kept + [sampled[chunk.seq_id]]):
+                    seq.append_token(token_id, log_prob, alternatives[i] if alternatives else None)
                     if seq.finish_reason is not None:  # a stop inside the accepted run ends it
                         break
                 if seq.finish_reason is not None:

@@ -44,6 +44,12 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Guided decoding: the grammar state (`guided.state.GrammarState`), advanced with every
+    # kept token.
+    grammar: object | None = None
+    # top_log_probs: per generated token, the most likely ids and their raw log probs.
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, seq_id: int, request: Request, eos_ids: frozenset[int]) -> "Sequence":
@@ -67,9 +73,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, log_prob: float) -> None:
+    def append_token(self, token_id: int, log_prob: float,
+                     top: tuple[list[int], list[float]] | None = None) -> None:
         self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
+        if top is not None:
+            self.top_ids.append(top[0])
+            self.top_log_probs.append(top[1])
+        if self.grammar is not None and token_id not in self.eos_ids:
+            self.grammar.accept(token_id)
         self.finish_reason = self._check_stop(token_id)
 
     def _check_stop(self, token_id: int) -> FinishReason | None:
@@ -82,6 +94,8 @@ class Sequence:
             for stop in request.stop_token_sequences:
                 if stop and generated >= len(stop) and self.token_ids[-len(stop):] == stop:
                     return FinishReason.STOP_WORDS
+        if self.grammar is not None and self.grammar.is_complete():
+            return FinishReason.END_ID  # the grammar allows nothing but its end
         if generated >= request.max_tokens:
             return FinishReason.LENGTH
         return None

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from triton_backend.engine.config import Limits
-from triton_backend.engine.request import MAX_TIMEOUT_MS, PRIORITY_MAX, PRIORITY_MIN, Request
+from triton_backend.engine.request import (MAX_TIMEOUT_MS, MAX_TOP_LOG_PROBS, PRIORITY_MAX,
+                                           PRIORITY_MIN, Request)
 
 # Stop and bad words are matched against every sequence at every step, in Python: their number
 # and total length are bounded so one request cannot slow every stream of the server.
@@ -34,6 +35,10 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
         if isinstance(end_id, bool) or not isinstance(end_id, int) or not 0 <= end_id < vocab_size:
             raise ValueError(f"end_id must be a token id in [0, {vocab_size}), got {end_id!r}")
     _check_scheduling(request)
+    top = request.top_log_probs
+    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOG_PROBS:
+        raise ValueError(f"top_log_probs must be an integer in [0, {MAX_TOP_LOG_PROBS}], "
+                         f"got {top!r}")
     for name, words in (("stop_words", request.stop_token_sequences),
                         ("bad_words", request.bad_token_sequences)):
         check_word_limits(name, words)

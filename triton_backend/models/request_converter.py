@@ -13,7 +13,9 @@ from typing import Mapping
 import numpy as np
 
 from triton_backend.engine.config import Limits
-from triton_backend.engine.request import MAX_TIMEOUT_MS, PRIORITY_MAX, PRIORITY_MIN, Request
+from triton_backend.engine.guided import GuidedDecodingParams
+from triton_backend.engine.request import (MAX_TIMEOUT_MS, MAX_TOP_LOG_PROBS, PRIORITY_MAX,
+                                           PRIORITY_MIN, Request)
 from triton_backend.engine.sampling_params import SamplingParams
 from triton_backend.engine.validation import check_word_limits
 from triton_backend.models.word_list import from_word_list
@@ -26,7 +28,8 @@ INPUT_NAMES = (
     "runtime_top_p", "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty",
     "frequency_penalty", "seed", "return_log_probs", "return_perf_metrics",
     "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output", "stop",
-    "streaming", "timeout_ms", "priority")
+    "streaming", "timeout_ms", "priority", "guided_decoding_guide_type", "guided_decoding_guide",
+    "top_log_probs")
 SAMPLING_INPUTS = {
     "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
@@ -190,6 +193,32 @@ def _deadline(inputs: Mapping[str, np.ndarray], request_timeout_us: int) -> tupl
     return min(candidates) if candidates else (None, "timeout_ms")
 
 
+def _string(inputs: Mapping[str, np.ndarray], name: str) -> str | None:
+    value = scalar(inputs, name)
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except (TypeError, UnicodeDecodeError):
+        raise RequestError(f"{name} must be UTF-8 text") from None
+
+
+def _guided_decoding(inputs: Mapping[str, np.ndarray]) -> GuidedDecodingParams | None:
+    """NVIDIA's guided decoding inputs; a guide without its type is refused (it would be
+    ignored), a type without a guide is `json` (any JSON) or refused naming the guide."""
+    guide_type = _string(inputs, "guided_decoding_guide_type")
+    guide = _string(inputs, "guided_decoding_guide")
+    if guide_type is None or guide_type == "":
+        if guide:
+            raise RequestError("guided_decoding_guide needs guided_decoding_guide_type (json, "
+                               "json_schema, regex or ebnf_grammar)")
+        return None
+    try:
+        return GuidedDecodingParams(guide_type, guide or "")
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
 def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: int,
                   defaults: RequestDefaults = RequestDefaults(), *,
                   arrival_time_ns: int | None = None,
@@ -217,6 +246,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
                                f"[0, {vocab_size})")
     timeout_ms, timeout_field = _deadline(inputs, request_timeout_us)
     priority = _bounded_integer(inputs, "priority", PRIORITY_MIN, PRIORITY_MAX)
+    top_log_probs = _bounded_integer(inputs, "top_log_probs", 0, MAX_TOP_LOG_PROBS)
     request = Request(
         input_token_ids=ids, max_tokens=max_tokens, sampling=_sampling(inputs, defaults),
         streaming=_flag(inputs, "streaming", False),
@@ -224,7 +254,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
         stop_token_sequences=words["stop_words_list"], bad_token_sequences=words["bad_words_list"],
         return_log_probs=_flag(inputs, "return_log_probs", False),
         priority=priority or 0, arrival_time_ns=arrival_time_ns, timeout_ms=timeout_ms,
-        timeout_field=timeout_field)
+        timeout_field=timeout_field, guided_decoding=_guided_decoding(inputs),
+        top_log_probs=top_log_probs or 0)
     return ParsedRequest(
         request=request,
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output",

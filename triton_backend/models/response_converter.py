@@ -64,7 +64,9 @@ def coalesce(responses: list[Response]) -> list[Response]:
             before = merged[index]
             merged[index] = dataclasses.replace(
                 response, output_token_ids=before.output_token_ids + response.output_token_ids,
-                log_probs=before.log_probs + response.log_probs)
+                log_probs=before.log_probs + response.log_probs,
+                top_ids=before.top_ids + response.top_ids,
+                top_log_probs=before.top_log_probs + response.top_log_probs)
         else:
             merged.append(response)
             index = len(merged) - 1
@@ -97,9 +99,14 @@ def build_outputs(response: Response, state: StreamState, now_ns: int,
         state.first_token_time_ns = state.first_token_time_ns or now_ns
         state.last_token_time_ns = now_ns
     log_probs = list(response.log_probs) if response.log_probs else [0.0] * len(tokens)
+    top_ids, top_log_probs = list(response.top_ids), list(response.top_log_probs)
     if not state.exclude_input_in_output and not state.input_sent:
         tokens = list(state.input_ids) + tokens
         log_probs = [0.0] * len(state.input_ids) + log_probs
+        if top_ids:  # prompt tokens have no alternatives: ids -1, log probs 0
+            k = len(top_ids[0])
+            top_ids = [[-1] * k] * len(state.input_ids) + top_ids
+            top_log_probs = [[0.0] * k] * len(state.input_ids) + top_log_probs
     state.input_sent = True
     preceding = state.streamed_ids[-PRECEDING_WINDOW:]
     state.streamed_ids.extend(tokens)
@@ -112,6 +119,9 @@ def build_outputs(response: Response, state: StreamState, now_ns: int,
         "cum_log_probs": lambda: np.asarray([[response.cum_log_prob]], dtype=np.float32),
         "output_log_probs": lambda: np.asarray(log_probs, dtype=np.float32).reshape(
             1, 1, len(tokens)),
+        "output_top_ids": lambda: _i32(top_ids).reshape(1, len(top_ids), -1 if top_ids else 0),
+        "output_top_log_probs": lambda: np.asarray(top_log_probs, dtype=np.float32).reshape(
+            1, len(top_log_probs), -1 if top_log_probs else 0),
         "batch_index": lambda: _one(0, np.int32),
         "sequence_index": lambda: _one(0, np.int32),
         "num_input_tokens": lambda: _one(response.num_input_tokens or len(state.input_ids),

@@ -36,6 +36,8 @@ PASSTHROUGH_INPUTS = {
     "beam_width": ("beam_width", np.int32),
     "num_return_sequences": ("num_return_sequences", np.int32),
     "timeout_ms": ("timeout_ms", np.uint64), "priority": ("priority", np.int32),
+    "guided_decoding_guide_type": ("guided_decoding_guide_type", np.object_),
+    "guided_decoding_guide": ("guided_decoding_guide", np.object_),
 }
 
 

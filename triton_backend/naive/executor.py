@@ -67,6 +67,12 @@ class NaiveExecutor:
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served."""
         validate_request(request, self.config.limits, self.config.model.vocab_size)
+        if request.guided_decoding is not None:  # refused, never silently ignored
+            raise ValueError("guided_decoding_guide_type: guided decoding is not supported by "
+                             "the naive baseline target")
+        if request.top_log_probs:
+            raise ValueError("top_log_probs: alternatives are not returned by the naive "
+                             "baseline target")
 
     def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and queue `request`; returns its id (or takes the caller's `request_id`).

