@@ -44,6 +44,10 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # LoRA: the adapter's task id (None: the base model) and what names its weights; the prefix
+    # cache's hash chain starts from it, so a block computed with one adapter never serves another.
+    lora_task_id: int | None = None
+    lora_salt: str = ""
 
     @classmethod
     def from_request(cls, seq_id: int, request: Request, eos_ids: frozenset[int]) -> "Sequence":
