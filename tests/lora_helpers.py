@@ -53,10 +53,12 @@ def make_adapters(tmp: Path, shape: str = "llama_gqa") -> tuple[Path, dict[str, 
 
 
 def build_lora_engine(tmp: Path, adapters: dict[str, Path], dtype: str = "float32",
-                      repository: bool = False, **lora) -> Path:
-    """An engine of the llama_gqa tiny checkpoint with `adapters` built in."""
-    section = {"adapters": {name: str(path) for name, path in adapters.items()}, **lora}
-    return tiny.build_engine(tmp, "llama_gqa", dtype=dtype, repository=repository, lora=section)
+                      repository: bool = False, lora: dict | None = None, **spec) -> Path:
+    """An engine of the llama_gqa tiny checkpoint with `adapters` built in (`lora`: more keys
+    of the lora section, `spec`: other spec sections)."""
+    section = {"adapters": {name: str(path) for name, path in adapters.items()}, **(lora or {})}
+    return tiny.build_engine(tmp, "llama_gqa", dtype=dtype, repository=repository, lora=section,
+                             **spec)
 
 
 def merged_model(hf_dir: Path, adapter_dir: Path):

@@ -15,14 +15,6 @@ PROMPTS = [list(range(3, 40)), [5, 9, 13], list(range(100, 180, 3))]
 
 
 @pytest.fixture(scope="module")
-def lora_build(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora")
-    hf_dir, adapters = lora_helpers.make_adapters(tmp)
-    engine_dir = lora_helpers.build_lora_engine(tmp, adapters)
-    return hf_dir, adapters, engine_dir
-
-
-@pytest.fixture(scope="module")
 def references(lora_build):
     """Greedy continuations of PROMPTS by transformers: the base, and peft's merged models."""
     from transformers import AutoModelForCausalLM
