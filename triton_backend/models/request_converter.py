@@ -26,7 +26,7 @@ INPUT_NAMES = (
     "runtime_top_p", "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty",
     "frequency_penalty", "seed", "return_log_probs", "return_perf_metrics",
     "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output", "stop",
-    "streaming", "timeout_ms", "priority")
+    "streaming", "timeout_ms", "priority", "lora_task_id", "lora_weights", "lora_config")
 SAMPLING_INPUTS = {
     "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
@@ -190,6 +190,26 @@ def _deadline(inputs: Mapping[str, np.ndarray], request_timeout_us: int) -> tupl
     return min(candidates) if candidates else (None, "timeout_ms")
 
 
+def _lora(inputs: Mapping[str, np.ndarray]) -> dict:
+    """NVIDIA's LoRA inputs: `lora_task_id` names an adapter; `lora_weights` + `lora_config` (with
+    it) load one under that id. Whether the engine knows the id is the engine's check."""
+    task_id = scalar(inputs, "lora_task_id")
+    weights, config = inputs.get("lora_weights"), inputs.get("lora_config")
+    if task_id is None:
+        if weights is not None or config is not None:
+            raise RequestError("lora_weights/lora_config need a lora_task_id to cache them under")
+        return {}
+    if (weights is None) != (config is None):
+        raise RequestError(f"lora_task_id {int(task_id)}: lora_weights and lora_config come "
+                           f"together ({'lora_config' if config is None else 'lora_weights'} "
+                           f"is missing)")
+    if weights is not None:
+        # fp16 on the wire (NVIDIA's TYPE_FP16); computed in float32/bf16 on a CPU
+        weights = np.asarray(weights, dtype=np.float32)
+        config = np.asarray(config, dtype=np.int64)
+    return {"lora_task_id": int(task_id), "lora_weights": weights, "lora_config": config}
+
+
 def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: int,
                   defaults: RequestDefaults = RequestDefaults(), *,
                   arrival_time_ns: int | None = None,
@@ -224,7 +244,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
         stop_token_sequences=words["stop_words_list"], bad_token_sequences=words["bad_words_list"],
         return_log_probs=_flag(inputs, "return_log_probs", False),
         priority=priority or 0, arrival_time_ns=arrival_time_ns, timeout_ms=timeout_ms,
-        timeout_field=timeout_field)
+        timeout_field=timeout_field, **_lora(inputs))
     return ParsedRequest(
         request=request,
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output",
