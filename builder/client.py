@@ -25,6 +25,7 @@ INPUT_DTYPES = {
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
     "beam_width": np.int32, "stream": np.bool_, "num_return_sequences": np.int32,
     "apply_chat_template": np.bool_, "timeout_ms": np.uint64, "priority": np.int32,
+    "lora_task_id": np.uint64,
 }
 LIST_INPUTS = ("bad_words", "stop_words")
 

@@ -18,10 +18,14 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(lora_build, tmp_path_factory):
+def repo(lora_build, tmp_path_factory):
     _, _, engine_dir = lora_build
-    repo = emit_repository(engine_dir, tmp_path_factory.mktemp("lora-repo") / "repo",
+    return emit_repository(engine_dir, tmp_path_factory.mktemp("lora-repo") / "repo",
                            RepositoryOptions())
+
+
+@pytest.fixture(scope="module")
+def server(repo):
     with running_tritonserver(repo) as running:
         yield running
 
@@ -115,3 +119,61 @@ def test_text_models_pass_the_lora_inputs_on(server, nvidia_b, model):
     assert text(task_id) == builtin_b
     with pytest.raises(Exception, match="lora_task_id 4243"):
         text(4243)
+
+
+@pytest.fixture(scope="module")
+def openai_server(server, repo):
+    from builder.openai.config import OpenAIServerConfig
+    from builder.openai.server import start_openai_server
+
+    config = OpenAIServerConfig.from_repository(repo, server.grpc_url)
+    with start_openai_server(config) as running:
+        yield running
+
+
+def _client(openai_server):
+    import openai
+
+    return openai.OpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def test_openai_lists_adapters_as_models_and_serves_them_by_name(openai_server, server, lora_build):
+    import openai
+
+    _, _, engine_dir = lora_build
+    client = _client(openai_server)
+    base = "tiny-llama-gqa"
+    models = {m.id: m for m in client.models.list()}
+    assert list(models) == [base, "adapter-a", "adapter-b"]
+    assert models["adapter-a"].parent == base and models["adapter-b"].parent == base
+    assert client.models.retrieve("adapter-b").parent == base
+
+    def complete(model):
+        reply = client.completions.create(model=model, prompt="The quick brown fox",
+                                          max_tokens=10, temperature=0,
+                                          extra_body={"min_tokens": 10})
+        assert reply.model == model
+        return reply.choices[0].text
+
+    def ensemble(task_id=None):
+        inputs = {"text_input": np.array([["The quick brown fox"]], np.object_),
+                  "max_tokens": np.array([[10]], np.int32),
+                  "min_tokens": np.array([[10]], np.int32)}
+        if task_id is not None:
+            inputs["lora_task_id"] = np.array([[task_id]], np.uint64)
+        return "".join(c["text_output"].reshape(-1)[0].decode()
+                       for c in stream_grpc(server.grpc_url, "ensemble", inputs))
+
+    answers = {m: complete(m) for m in (base, "adapter-a", "adapter-b")}
+    assert answers == {base: ensemble(), "adapter-a": ensemble(1), "adapter-b": ensemble(2)}
+    assert len(set(answers.values())) == 3
+    stream = client.completions.create(model="adapter-b", prompt="The quick brown fox",
+                                       max_tokens=10, temperature=0, stream=True,
+                                       extra_body={"min_tokens": 10})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == answers["adapter-b"]
+    with pytest.raises(openai.NotFoundError, match="the model 'adapter-z' does not exist; this "
+                                                   "server serves 'tiny-llama-gqa', 'adapter-a', "
+                                                   "'adapter-b'"):
+        complete("adapter-z")
+    assert complete("adapter-a") == answers["adapter-a"]  # still serving

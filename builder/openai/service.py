@@ -48,17 +48,19 @@ class OpenAIService:
         self.in_flight = 0
 
     # -- requests -> generations --------------------------------------------------------------
-    def _check_model(self, request: SamplingRequest) -> None:
-        if request.model != self.config.model_name:
-            raise model_not_found(request.model, self.config.model_name)
+    def _check_model(self, request: SamplingRequest) -> int | None:
+        """The request's LoRA task id (None: the base model); an unknown name is a 404."""
+        try:
+            return self.config.lora_task_id(request.model)
+        except KeyError:
+            raise model_not_found(request.model, self.config.served_names) from None
 
-    def _builder(self, kind: str) -> ResponseBuilder:
+    def _builder(self, kind: str, model: str) -> ResponseBuilder:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return ResponseBuilder(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
-                               self.config.model_name)
+        return ResponseBuilder(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
 
     def completion(self, request: CompletionRequest) -> Generation:
-        self._check_model(request)
+        task_id = self._check_model(request)
         prompt = check_completion(request)
         if request.logprobs:
             raise bad_request("logprobs", "logprobs: the engine returns the sampled tokens' log "
@@ -67,11 +69,11 @@ class OpenAIService:
         max_tokens = request.max_tokens or mapping.COMPLETIONS_DEFAULT_MAX_TOKENS
         log_probs = request.logprobs is not None
         return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
-                                                           log_probs),
-                          "prompt", log_probs, self._builder("completion"))
+                                                           log_probs, task_id),
+                          "prompt", log_probs, self._builder("completion", request.model))
 
     def chat(self, request: ChatCompletionRequest) -> Generation:
-        self._check_model(request)
+        task_id = self._check_model(request)
         check_chat(request)
         if request.top_logprobs:
             raise bad_request("top_logprobs", "top_logprobs: the engine returns the sampled "
@@ -80,8 +82,8 @@ class OpenAIService:
         prompt = self.renderer.render(request.messages)
         max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
         return Generation(request, mapping.ensemble_values(request, prompt, max_tokens,
-                                                           request.logprobs),
-                          "messages", request.logprobs, self._builder("chat"))
+                                                           request.logprobs, task_id),
+                          "messages", request.logprobs, self._builder("chat", request.model))
 
     def _remaining_context(self, prompt: str) -> int:
         """Chat without max_tokens may use the whole context the prompt leaves (as OpenAI)."""
