@@ -169,3 +169,32 @@ def test_block_hashes_are_salted_by_adapter():
     assert bm.find_cached_prefix(seq(1, "adapter-a-sha")) == first.block_table[:2]
     assert bm.find_cached_prefix(seq(2, "adapter-b-sha")) == []
     assert bm.find_cached_prefix(seq(3, "")) == []
+
+
+def test_lora_metrics_per_adapter_and_state(lora_build):
+    from test_observability import FakeFamily, FakePbUtils
+    from triton_backend.models.metrics import LORA_REQUEST_METRIC, ExecutorMetrics
+
+    _, _, engine_dir = lora_build
+    engine = LLMEngine(engine_dir, num_kv_blocks=8)  # room for one sequence: the others wait
+    for task_id in (1, 2, 2):
+        engine.add_request(Request(list(range(3, 40)), 20, lora_task_id=task_id))
+    engine.step()
+    stats = engine.get_stats()
+    assert stats["lora_running"] == {"adapter-a": 1}
+    assert stats["lora_waiting"] == {"adapter-b": 2}
+    assert stats["lora_num_resident"] == 1 and stats["lora_num_loads"] == 1
+    metrics = ExecutorMetrics(FakePbUtils, "tensorrt_llm", "1")
+    metrics.publish(stats)
+
+    def gauge(adapter, state):
+        labels = {"model": "tensorrt_llm", "version": "1", "lora_adapter": adapter,
+                  "request_type": state}
+        return FakeFamily.created[(LORA_REQUEST_METRIC, tuple(sorted(labels.items())))].values
+
+    assert gauge("adapter-a", "running") == [1.0] and gauge("adapter-b", "waiting") == [2.0]
+    metrics.publish(dict(stats, lora_running={}, lora_waiting={}))
+    assert gauge("adapter-a", "running") == [0.0]  # listed at 0 once its requests are done
+    stat = ("llm_forge_executor_stats", tuple(sorted(
+        {"model": "tensorrt_llm", "version": "1", "stat": "lora_num_loads"}.items())))
+    assert FakeFamily.created[stat].values == [1.0]

@@ -28,12 +28,20 @@ class LoRABatch:
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Add each run's adapter delta of projection `module` of `layer` to `out` in place
         (`x` is the projection's input); returns `out`."""
+        x32 = None
         for run in self.runs:
             pair = run.adapter.pairs.get((layer, module))
-            if pair is not None:
-                a_t, b_t = pair
-                rows = slice(run.start, run.end)
-                out[rows].addmm_(x[rows] @ a_t, b_t)
+            if pair is None:
+                continue
+            if x32 is None:  # float32 GEMMs (see cache.py), added into the activations' dtype
+                x32 = x if x.dtype == torch.float32 else x.float()
+            a_t, b_t = pair
+            rows = run.end - run.start
+            if rows == out.shape[0]:  # one adapter for the whole step: no slicing
+                out.add_(torch.mm(torch.mm(x32, a_t), b_t))
+            else:
+                out.narrow(0, run.start, rows).add_(
+                    torch.mm(torch.mm(x32.narrow(0, run.start, rows), a_t), b_t))
         return out
 
 
