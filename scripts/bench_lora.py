@@ -81,14 +81,17 @@ def build(out: Path, rank: int) -> Path:
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], task_ids: list[int | None],
-        max_tokens: int) -> float:
-    """Generated tokens per second of `prompts` run together."""
+        max_tokens: int) -> tuple[float, float]:
+    """Generated tokens per second of `prompts` run together: over the wall time, and over the
+    CPU time of this process (less sensitive to other jobs taking a core away; with more than
+    one thread it counts OpenMP's spinning too)."""
     requests = [Request(p, max_tokens, ignore_eos=True, lora_task_id=t)
                 for p, t in zip(prompts, task_ids)]
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     results = generate(engine, requests)
-    seconds = time.perf_counter() - started
-    return sum(len(r.output_ids) for r in results) / seconds
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    tokens = sum(len(r.output_ids) for r in results)
+    return tokens / seconds, tokens / cpu_seconds
 
 
 def load_times(engine_dir: Path) -> dict[str, float]:
@@ -110,7 +113,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine_dir = build(out, args.rank)
@@ -124,25 +130,36 @@ def main() -> None:
              "c1_base": (prompts[:1], [None]), "c1_adapter": (prompts[:1], [1])}
     run(engine, prompts[:2], [None, 1], 4)  # warm-up: kernels, adapter 1 resident
     runs: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_runs: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
         for name, (case_prompts, task_ids) in cases.items():
-            runs[name].append(run(engine, case_prompts, task_ids, args.max_tokens))
+            wall, cpu = run(engine, case_prompts, task_ids, args.max_tokens)
+            runs[name].append(wall)
+            cpu_runs[name].append(cpu)
     medians = {name: statistics.median(values) for name, values in runs.items()}
+    cpu_medians = {name: statistics.median(values) for name, values in cpu_runs.items()}
     report = {
         "engine": str(engine_dir), "rank": args.rank, "targets": TARGETS,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
-        "torch_threads": torch.get_num_threads(), "runs_tok_s": runs, "median_tok_s": medians,
+        "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+        "runs_tok_s": runs, "median_tok_s": medians,
+        "runs_tok_per_cpu_s": cpu_runs, "median_tok_per_cpu_s": cpu_medians,
         "ratio_c16": medians["c16_4_adapters"] / medians["c16_base"],
         "ratio_c1": medians["c1_adapter"] / medians["c1_base"],
+        "cpu_ratio_c16": cpu_medians["c16_4_adapters"] / cpu_medians["c16_base"],
+        "cpu_ratio_c1": cpu_medians["c1_adapter"] / cpu_medians["c1_base"],
         **load_times(engine_dir)}
     (out / "bench_lora.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"| case | tok/s (median of {args.repeats}) | vs base |")
-    print("| --- | ---: | ---: |")
-    print(f"| c=16, base only | {medians['c16_base']:.1f} | 1.00 |")
-    print(f"| c=16, 4 adapters (4 requests each) | {medians['c16_4_adapters']:.1f} | "
-          f"{report['ratio_c16']:.2f} |")
-    print(f"| c=1, base | {medians['c1_base']:.1f} | 1.00 |")
-    print(f"| c=1, adapter | {medians['c1_adapter']:.1f} | {report['ratio_c1']:.2f} |")
+    print(f"torch threads {torch.get_num_threads()}, load average at the end "
+          f"{report['load_average'][0]:.1f}; medians of {args.repeats} interleaved runs")
+    print("| case | tok/s | vs base | tok per CPU-second | vs base |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    rows = (("c=16, base only", "c16_base", "c16_base"),
+            ("c=16, 4 adapters (4 requests each)", "c16_4_adapters", "c16_base"),
+            ("c=1, base", "c1_base", "c1_base"), ("c=1, adapter", "c1_adapter", "c1_base"))
+    for label, name, base in rows:
+        print(f"| {label} | {medians[name]:.1f} | {medians[name] / medians[base]:.2f} | "
+              f"{cpu_medians[name]:.1f} | {cpu_medians[name] / cpu_medians[base]:.2f} |")
     print(f"adapter load: {report['load_from_engine_dir_ms']:.1f} ms from the engine directory, "
           f"{report['host_to_resident_ms']:.1f} ms host -> resident (rank {args.rank}, "
           f"{len(TARGETS)} projections x {engine.config.model.num_hidden_layers} layers)")

@@ -79,6 +79,8 @@ class ModelRunner:
             plan = bf16_gemm_plan(build_key())
             if plan.packed:
                 pack_linears(self.model, plan)
+                if lora is not None:  # adapters take the same kernel
+                    lora.packed_plan = plan
         self.decode_forward = None
         if self.kernel_attention:
             from triton_backend.engine.kernels.forward import DecodeForward

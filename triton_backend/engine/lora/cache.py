@@ -8,10 +8,12 @@ Two tiers, both least recently used first out:
   sent with a request (NVIDIA's `lora_weights` + `lora_config`) live only here: once evicted,
   a request naming their task id alone is refused until the weights are sent again (NVIDIA's
   semantics).
-- resident (`max_loras`): the host copy transposed for `x @ A^T @ B^T`, in float32, made when
-  a step first needs the adapter. float32 even for bf16 engines: the adapter GEMMs are tiny
-  (rank-wide), and torch's CPU GEMM for such shapes is several times faster in float32 than in
-  bfloat16 (measured here: 8 us vs 70-100 us for one 576 x 48 x 960 pair at one row).
+- resident (`max_loras`): the host copy made ready for `x @ A^T @ B^T` when a step first needs
+  the adapter. A bf16 engine whose projections use the packed bf16 kernel (`kernels/linear.py`)
+  also packs A and B for that kernel (from 4 rows on about twice as fast as torch's fp32 GEMM
+  here); A^T and B^T are always kept in float32, for fewer rows and for other engines: torch's
+  CPU GEMM for rank-wide shapes is several times faster in float32 than in bfloat16 (one
+  576 x 48 x 960 pair at one row: 8 us vs 70-100 us).
 
 An adapter held by a request in flight (waiting or running) is never evicted from the host tier;
 the scheduler never runs more than `max_loras` distinct adapters in one step, so `activate` can
@@ -22,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,8 @@ class ResidentAdapter:
     task_id: int
     # (layer, runtime projection) -> (A^T [in, R], B^T [R, out]) in float32
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # the same (A, B) as PackedBf16Linear modules, when the engine uses that kernel
+    packed: dict[tuple[int, str], tuple] = field(default_factory=dict)
 
 
 class AdapterCache:
@@ -64,6 +68,7 @@ class AdapterCache:
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
         self.resident: OrderedDict[int, ResidentAdapter] = OrderedDict()
         self.holds: Counter[int] = Counter()
+        self.packed_plan = None  # a Bf16GemmPlan: pack resident adapters for its kernel
         self.stats = {"lora_num_loads": 0, "lora_num_evictions": 0,
                       "lora_num_host_loads": 0, "lora_num_host_evictions": 0,
                       "lora_load_seconds": 0.0}
@@ -170,14 +175,19 @@ class AdapterCache:
             self.stats["lora_num_evictions"] += 1
         started = time.perf_counter()
         state = self.host[task_id].state
-        pairs = {}
+        pairs, packed = {}, {}
         for key in state:
             if key.endswith(".lora_a"):
-                prefix = key[:-len(".lora_a")]
-                a_t = state[key].float().t().contiguous()
-                b_t = state[f"{prefix}.lora_b"].float().t().contiguous()
-                pairs[parse_key(key)] = (a_t, b_t)
-        self.resident[task_id] = ResidentAdapter(task_id, pairs)
+                a, b = state[key], state[f"{key[:-len('.lora_a')]}.lora_b"]
+                pairs[parse_key(key)] = (a.float().t().contiguous(), b.float().t().contiguous())
+                if self.packed_plan is not None:
+                    from triton_backend.engine.kernels.linear import PackedBf16Linear
+
+                    plan = self.packed_plan
+                    packed[parse_key(key)] = tuple(
+                        PackedBf16Linear(w.to(torch.bfloat16), None, plan.upcast_min_rows,
+                                         plan.layout) for w in (a, b))
+        self.resident[task_id] = ResidentAdapter(task_id, pairs, packed)
         self.stats["lora_num_loads"] += 1
         self.stats["lora_load_seconds"] += time.perf_counter() - started
 
