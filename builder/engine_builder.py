@@ -81,7 +81,7 @@ def copy_tokenizer(hf_dir: Path, engine_dir: Path) -> None:
 def _step_count(spec: BuildSpec) -> int:
     quantized = spec.quantization.weights != "none" or spec.quantization.kv_cache != "none"
     return {"torch": 5 + (spec.lora is not None), "naive": 2,
-            "trtllm": 4 + quantized}[spec.target]
+            "trtllm": 4 + quantized + (spec.lora is not None)}[spec.target]
 
 
 def _resolve(spec: BuildSpec, steps: BuildSteps) -> tuple[Path, EngineConfig]:

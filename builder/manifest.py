@@ -56,7 +56,9 @@ def _lora_entries(spec: BuildSpec, engine_dir: Path) -> dict:
     sources = adapter_source_files(dataclasses.asdict(spec.lora))
     adapters = {}
     for task_id, name in enumerate(spec.lora.adapters, start=1):
-        engine_file = engine_dir / "lora" / f"{name}.safetensors"
+        engine_file = engine_dir / "lora" / f"{name}.safetensors"  # torch target
+        if not engine_file.is_file():  # trtllm target: NVIDIA's request tensors
+            engine_file = engine_dir / "lora" / name / "model.lora_weights.npy"
         adapters[name] = {
             "task_id": task_id,
             "sha256": sha256_file(engine_file) if engine_file.is_file() else None,

@@ -91,3 +91,67 @@ def test_speculative_decoding_with_adapters_keeps_greedy_output(lora_build, tmp_
     assert engine.speculator is not None
     assert [r.output_ids for r in generate(engine, requests)] == expected
     assert engine.stats["spec_num_draft_tokens"] > 0
+
+
+def _flag_values(command: str) -> dict[str, list[str]]:
+    """--flag -> its values (LoRA flags take several)."""
+    import shlex
+
+    parts = shlex.split(command)
+    assert parts[0] == "trtllm-build"
+    flags: dict[str, list[str]] = {}
+    for part in parts[1:]:
+        if part.startswith("--"):
+            assert part not in flags, part
+            flags[part] = []
+            current = part
+        else:
+            flags[current].append(part)
+    return flags
+
+
+def test_trtllm_target_lora_flags_and_nvidia_layout(lora_build, tmp_path):
+    """Dry run: the LoRA plugin flags against the pinned flag table; a build (stopped after the
+    checkpoint here) writes the PEFT dirs --lora_dir reads and NVIDIA's request tensors, which
+    this runtime reads back as the same adapter."""
+    from pathlib import Path
+
+    import numpy as np
+    from rich.console import Console
+
+    from builder.engine_builder import build_engine, trtllm_command
+    from builder.spec import spec_from_dict
+
+    hf_dir, adapters, torch_engine = lora_build
+    table = json.loads((Path(__file__).parent / "data" / "trtllm_build_flags.json").read_text())
+    spec = spec_from_dict({
+        "name": "t", "checkpoint": str(hf_dir), "target": "trtllm", "hardware": "l4",
+        "dtype": "bfloat16", "output": str(tmp_path / "engine"),
+        "limits": {"max_batch_size": 8, "max_num_tokens": 128, "max_input_len": 64,
+                   "max_seq_len": 128},
+        "lora": {"adapters": {n: str(p) for n, p in adapters.items()}, "max_rank": 16}})
+    flags = _flag_values(trtllm_command(spec))
+    for name, values in flags.items():
+        allowed = table["flags"][name]
+        assert len(values) == 1 or allowed.get("nargs") == "+", name
+        for value in values:
+            assert "choices" not in allowed or value in allowed["choices"], (name, value)
+    assert flags["--lora_plugin"] == ["bfloat16"] and flags["--max_lora_rank"] == ["16"]
+    assert flags["--lora_dir"] == ["lora/adapter-a", "lora/adapter-b"]
+    assert flags["--lora_target_modules"] == ["attn_q", "attn_k", "attn_v", "attn_dense",
+                                              "mlp_h_to_4h", "mlp_gate", "mlp_4h_to_h"]
+    engine = build_engine(spec, console=Console(quiet=True), emit_repository=False)
+    script = (engine / "build.sh").read_text()
+    assert "--lora_dir lora/adapter-a lora/adapter-b" in script
+    b = engine / "lora" / "adapter-b"
+    assert {p.name for p in b.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                             "model.lora_weights.npy", "model.lora_config.npy"}
+    weights, config = np.load(b / "model.lora_weights.npy"), np.load(b / "model.lora_config.npy")
+    assert weights.dtype == np.float16 and weights.shape[0] == 1 and config.shape[2] == 3
+    assert sorted({int(m) for m in config[0, :, 0]}) == [1, 3, 6]  # attn_q, attn_v, mlp_4h_to_h
+    # sent to this runtime, they are adapter-b
+    requests = [Request(PROMPT, 12, ignore_eos=True, lora_task_id=5, lora_weights=weights,
+                        lora_config=config)]
+    expected = generate(LLMEngine(torch_engine), [Request(PROMPT, 12, ignore_eos=True,
+                                                          lora_task_id=2)])
+    assert generate(LLMEngine(torch_engine), requests)[0].output_ids == expected[0].output_ids
