@@ -198,3 +198,29 @@ def test_lora_metrics_per_adapter_and_state(lora_build):
     stat = ("llm_forge_executor_stats", tuple(sorted(
         {"model": "tensorrt_llm", "version": "1", "stat": "lora_num_loads"}.items())))
     assert FakeFamily.created[stat].values == [1.0]
+
+
+def test_request_converter_reads_nvidia_lora_inputs_and_names_bad_ones():
+    import numpy as np
+
+    from triton_backend.engine.config import Limits
+    from triton_backend.models.request_converter import RequestError, parse_request
+
+    limits = Limits(max_batch_size=4, max_num_tokens=64, max_input_len=32, max_seq_len=64)
+    base = {"input_ids": np.array([[5, 6, 7]], np.int32),
+            "request_output_len": np.array([[4]], np.int32)}
+    weights, config = np.zeros((1, 2, 8), np.float16), np.array([[[1, 0, 1], [3, 1, 1]]], np.int32)
+    parsed = parse_request(dict(base, lora_task_id=np.array([[7]], np.uint64),
+                                lora_weights=weights, lora_config=config), limits, 100).request
+    assert parsed.lora_task_id == 7 and parsed.lora_weights.dtype == np.float32
+    assert parsed.lora_config.tolist() == config.tolist()
+    assert parse_request(base, limits, 100).request.lora_task_id is None
+    for extra, message in [
+        ({"lora_weights": weights, "lora_config": config}, "need a lora_task_id"),
+        ({"lora_task_id": np.array([[7]], np.uint64), "lora_weights": weights},
+         "lora_task_id 7: lora_weights and lora_config come together"),
+        ({"lora_task_id": np.array([[2.5]], np.float32)}, "lora_task_id must be an integer"),
+        ({"lora_task_id": np.array([[7]], np.uint64), "lora_weights": weights,
+          "lora_config": config[..., :2]}, r"lora_config must be an \[N, 3\] integer array")]:
+        with pytest.raises(RequestError, match=message):
+            parse_request(dict(base, **extra), limits, 100)

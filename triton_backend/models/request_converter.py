@@ -193,21 +193,29 @@ def _deadline(inputs: Mapping[str, np.ndarray], request_timeout_us: int) -> tupl
 def _lora(inputs: Mapping[str, np.ndarray]) -> dict:
     """NVIDIA's LoRA inputs: `lora_task_id` names an adapter; `lora_weights` + `lora_config` (with
     it) load one under that id. Whether the engine knows the id is the engine's check."""
-    task_id = scalar(inputs, "lora_task_id")
+    task_id = integer(inputs, "lora_task_id")
     weights, config = inputs.get("lora_weights"), inputs.get("lora_config")
     if task_id is None:
         if weights is not None or config is not None:
             raise RequestError("lora_weights/lora_config need a lora_task_id to cache them under")
         return {}
+    if isinstance(task_id, bool) or not 0 <= task_id < 2**64:
+        raise RequestError(f"lora_task_id must be an integer in [0, 2^64), got {task_id!r}")
     if (weights is None) != (config is None):
-        raise RequestError(f"lora_task_id {int(task_id)}: lora_weights and lora_config come "
+        raise RequestError(f"lora_task_id {task_id}: lora_weights and lora_config come "
                            f"together ({'lora_config' if config is None else 'lora_weights'} "
                            f"is missing)")
     if weights is not None:
+        weights, config = np.asarray(weights), np.asarray(config)
+        if weights.dtype.kind not in "fiu" or weights.ndim not in (2, 3):
+            raise RequestError(f"lora_weights must be a [N, D*Hi + Ho*D] array of numbers, got "
+                               f"{weights.dtype} of shape {list(weights.shape)}")
+        if config.dtype.kind not in "iu" or config.ndim not in (2, 3) or config.shape[-1] != 3:
+            raise RequestError(f"lora_config must be an [N, 3] integer array, got "
+                               f"{config.dtype} of shape {list(config.shape)}")
         # fp16 on the wire (NVIDIA's TYPE_FP16); computed in float32/bf16 on a CPU
-        weights = np.asarray(weights, dtype=np.float32)
-        config = np.asarray(config, dtype=np.int64)
-    return {"lora_task_id": int(task_id), "lora_weights": weights, "lora_config": config}
+        weights, config = weights.astype(np.float32), config.astype(np.int64)
+    return {"lora_task_id": task_id, "lora_weights": weights, "lora_config": config}
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: int,
