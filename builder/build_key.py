@@ -82,12 +82,19 @@ def components(spec: dict, hasher: FileHasher) -> dict:
     data = {role: hasher(path) if path.is_file() else f"missing: {path}"
             for role, path in _data_files(spec).items()}
     target = spec.get("target", "torch")
-    return {"spec": spec,
-            "checkpoint": {names[p]: hasher(p) for p in files},
-            "data": data,
-            "toolchain": {name: package_version(name)
-                          for name in TOOLCHAIN_PACKAGES.get(target, ())},
-            "llm_forge": builder.__version__}
+    from builder.lora import adapter_source_files
+
+    lora = {key: hasher(path) if path.is_file() else f"missing: {path}"
+            for key, path in adapter_source_files(spec.get("lora")).items()}
+    parts = {"spec": spec,
+             "checkpoint": {names[p]: hasher(p) for p in files},
+             "data": data,
+             "toolchain": {name: package_version(name)
+                           for name in TOOLCHAIN_PACKAGES.get(target, ())},
+             "llm_forge": builder.__version__}
+    if lora:  # only engines with adapters carry the part (the others' keys stay as they were)
+        parts["lora"] = lora
+    return parts
 
 
 def digest(parts: dict) -> str:
@@ -150,6 +157,7 @@ def _flatten(data, prefix: str = "") -> dict:
 def explain(old: dict, new: dict) -> str:
     """The first differences between two component sets, named in the user's terms."""
     labels = {"spec": "spec", "checkpoint": "checkpoint file", "data": "quantization data",
+              "lora": "LoRA adapter file",
               "toolchain": "toolchain", "llm_forge": "llm-forge version"}
     changes = []
     for part, label in labels.items():
@@ -157,7 +165,7 @@ def explain(old: dict, new: dict) -> str:
         for name in sorted(set(before) | set(after)):
             if before.get(name, "<absent>") != after.get(name, "<absent>"):
                 what = f"{label} {name}".rstrip() if name else label
-                if part in ("checkpoint", "data"):
+                if part in ("checkpoint", "data", "lora"):
                     changes.append(f"{what} changed")
                 else:
                     changes.append(f"{what}: {before.get(name, '<absent>')} -> "

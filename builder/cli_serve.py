@@ -49,6 +49,22 @@ def repository_command(engine_dir, output_dir, settings) -> None:
     except (ValueError, FileNotFoundError) as exc:  # SpecError is a ValueError
         _fail(str(exc))
     click.echo(f"repository: {path}")
+    for line in adapter_lines(Path(engine_dir)):
+        click.echo(line)
+
+
+def adapter_lines(engine_dir: Path) -> list[str]:
+    """The LoRA adapters an engine serves: the model name and lora_task_id of each."""
+    from triton_backend.engine.config import EngineConfig
+
+    lora = EngineConfig.load(engine_dir).lora
+    if lora is None:
+        return []
+    lines = [f"LoRA adapters (max_rank {lora.max_rank}, {lora.max_loras} resident, "
+             f"{lora.max_cpu_loras} cached; more can be sent as lora_weights + lora_config):"]
+    lines += [f"  {a.name}: lora_task_id {a.task_id}, rank {a.rank}, "
+              f"{', '.join(a.target_modules)}" for a in lora.adapters]
+    return lines
 
 
 @click.command("serve")

@@ -26,6 +26,7 @@ INPUT_DTYPES = {
     "beam_width": np.int32, "stream": np.bool_, "num_return_sequences": np.int32,
     "apply_chat_template": np.bool_, "timeout_ms": np.uint64, "priority": np.int32,
     "guided_decoding_guide_type": np.object_, "guided_decoding_guide": np.object_,
+    "lora_task_id": np.uint64,
 }
 LIST_INPUTS = ("bad_words", "stop_words")
 

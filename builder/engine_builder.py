@@ -80,7 +80,8 @@ def copy_tokenizer(hf_dir: Path, engine_dir: Path) -> None:
 
 def _step_count(spec: BuildSpec) -> int:
     quantized = spec.quantization.weights != "none" or spec.quantization.kv_cache != "none"
-    return {"torch": 5, "naive": 2, "trtllm": 4 + quantized}[spec.target]
+    return {"torch": 5 + (spec.lora is not None), "naive": 2,
+            "trtllm": 4 + quantized + (spec.lora is not None)}[spec.target]
 
 
 def _resolve(spec: BuildSpec, steps: BuildSteps) -> tuple[Path, EngineConfig]:
@@ -170,6 +171,12 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
             save_file(state, str(tmp_dir / WEIGHTS_FILE), metadata={"format": "pt"})
             log(f"{sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters, "
                 f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB")
+    if spec.lora is not None:
+        from builder.lora import adapter_dtype, write_adapters
+
+        with steps.step(f"LoRA adapters: {len(spec.lora.adapters)} checked against the base, "
+                        f"{adapter_dtype(spec.dtype)}, fused QKV and gate/up") as log:
+            config.lora = write_adapters(spec.lora, None, config.model, spec.dtype, tmp_dir, log)
     with steps.step("tokenizer, config.json, manifest.json") as log:
         copy_tokenizer(hf_dir, tmp_dir)
         if config.speculative.mode == "draft_model":

@@ -38,11 +38,33 @@ def write_manifest(engine_dir: Path, spec: BuildSpec, hf_dir: Path, extra: dict 
         # The spec's serving sections: `forge repository` starts from them, not from defaults.
         "repository": dict(spec.repository),
         "serving": dataclasses.asdict(spec.serving),
+        **_lora_entries(spec, engine_dir),
         **(extra or {}),
     }
     path = engine_dir / MANIFEST_FILE
     path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
+
+
+def _lora_entries(spec: BuildSpec, engine_dir: Path) -> dict:
+    """The adapters built in: task id, the sha256 of the runtime-layout file and of the PEFT
+    files it came from."""
+    if spec.lora is None:
+        return {}
+    from builder.lora import adapter_source_files
+
+    sources = adapter_source_files(dataclasses.asdict(spec.lora))
+    adapters = {}
+    for task_id, name in enumerate(spec.lora.adapters, start=1):
+        engine_file = engine_dir / "lora" / f"{name}.safetensors"  # torch target
+        if not engine_file.is_file():  # trtllm target: NVIDIA's request tensors
+            engine_file = engine_dir / "lora" / name / "model.lora_weights.npy"
+        adapters[name] = {
+            "task_id": task_id,
+            "sha256": sha256_file(engine_file) if engine_file.is_file() else None,
+            "source_files": {key.split("/", 1)[1]: sha256_file(path)
+                             for key, path in sources.items() if key.split("/", 1)[0] == name}}
+    return {"lora_adapters": adapters}
 
 
 def spec_serving_sections(engine_dir: Path) -> tuple[dict, dict]:

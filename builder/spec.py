@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from builder.hardware import FP8_PROFILES, GPU_PROFILES, PROFILES
+from builder.lora import LoraSpec
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
 
 TARGETS_BUILT = ("torch", "naive", "trtllm")
@@ -129,6 +130,7 @@ class BuildSpec:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     repository: dict = field(default_factory=dict)
     serving: ServingSpec = field(default_factory=ServingSpec)
+    lora: LoraSpec | None = None  # None: no adapters (see builder/lora.py)
     source: Path | None = None  # the YAML file this spec came from
 
     def __post_init__(self) -> None:
@@ -140,6 +142,9 @@ class BuildSpec:
             raise SpecError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.hardware not in HARDWARE_PROFILES:
             raise SpecError(f"hardware: must be one of {list(HARDWARE_PROFILES)}, got {self.hardware!r}")
+        if self.lora is not None and self.target == "naive":
+            raise SpecError("lora: the naive target (transformers generate) serves no adapters; "
+                            "use target torch")
         if self.target == "trtllm":
             self._check_trtllm()
         else:
@@ -184,7 +189,7 @@ def default_limits(max_position_embeddings: int) -> Limits:
 
 _SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": QuantizationSpec,
              "parallelism": ParallelismSpec, "speculative": SpeculativeConfig,
-             "serving": ServingSpec}
+             "serving": ServingSpec, "lora": LoraSpec}
 
 
 def _build_section(key: str, klass: type, raw: Any) -> Any:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from builder.hardware import HardwareProfile
+from builder.trtllm_lora import TrtllmLora
 from triton_backend.engine.config import Limits
 
 CHECKPOINT_SUBDIR = "trtllm_checkpoint"
@@ -46,6 +47,7 @@ class TrtllmBuildPlan:
     weights: str
     kv_cache: str
     profile: HardwareProfile
+    lora: TrtllmLora | None = None  # the LoRA plugin and adapters (builder/trtllm_lora.py)
 
     @property
     def fp8_context_fmha(self) -> bool:
@@ -86,6 +88,8 @@ class TrtllmBuildPlan:
                 "--log_level", "info"]
         for name, value in self.plugins().items():
             args += [f"--{name}", value]
+        if self.lora is not None:
+            args += self.lora.arguments()
         return args
 
     def command(self) -> list[str]:
@@ -109,11 +113,13 @@ def write_build_script(engine_dir: Path, plan: TrtllmBuildPlan, header: str) -> 
 
 
 def _argument_lines(plan: TrtllmBuildPlan) -> list[str]:
-    command = plan.command()
-    lines, i = [command[0]], 1
-    while i < len(command):  # one "--flag value" per line
-        lines.append(f"{command[i]} {shlex.quote(command[i + 1])}")
-        i += 2
+    """One "--flag value..." per line (--lora_dir and --lora_target_modules take several)."""
+    lines = [plan.command()[0]]
+    for part in plan.command()[1:]:
+        if part.startswith("--"):
+            lines.append(part)
+        else:
+            lines[-1] += f" {shlex.quote(part)}"
     return lines
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from builder.hardware import PROFILES, memory_plan, sized_limits
 from builder.manifest import write_manifest
 from builder.spec import BuildSpec
+from builder.trtllm_lora import trtllm_lora, write_trtllm_adapters
 from builder.trtllm_build import (BUILD_SCRIPT, CHECKPOINT_SUBDIR, PINNED_TRTLLM, TrtllmBuildPlan,
                                   run_build, trtllm_available, write_build_script)
 from triton_backend.engine.config import EngineConfig, ModelShape
@@ -55,7 +56,7 @@ def plan_engine(spec: BuildSpec, config: EngineConfig) -> TrtllmBuildPlan:
     plan = TrtllmBuildPlan(dtype=spec.dtype, limits=config.limits,
                            tokens_per_block=spec.kv_cache.tokens_per_block,
                            weights=spec.quantization.weights, kv_cache=spec.quantization.kv_cache,
-                           profile=profile)
+                           profile=profile, lora=trtllm_lora(spec, spec.dtype))
     plugins = plan.plugins()
     config.features.gpt_attention_plugin = plugins["gpt_attention_plugin"]
     config.features.gemm_plugin = plugins["gemm_plugin"]
@@ -144,6 +145,14 @@ def build_trtllm_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
     check_replaceable(engine_dir)
     tmp_dir = staging_dir(engine_dir)
     quantized = _write_checkpoint(spec, config, hf_dir, tmp_dir, steps)
+    if spec.lora is not None:
+        with steps.step(f"LoRA adapters: {len(spec.lora.adapters)} checked, PEFT files for "
+                        f"--lora_dir, NVIDIA's lora_weights/lora_config") as log:
+            try:
+                config.lora = write_trtllm_adapters(spec.lora, config.model, tmp_dir, log)
+            except BaseException:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                raise
     with steps.step("tokenizer, config.json, manifest.json, build.sh") as log:
         copy_tokenizer(hf_dir, tmp_dir)
         config.save(tmp_dir)

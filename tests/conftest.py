@@ -25,6 +25,16 @@ def tiny_engines(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def lora_build(tmp_path_factory):
+    """(tiny checkpoint, {name: PEFT adapter dir}, fp32 engine with both adapters built in)."""
+    import lora_helpers
+
+    tmp = tmp_path_factory.mktemp("lora")
+    hf_dir, adapters = lora_helpers.make_adapters(tmp)
+    return hf_dir, adapters, lora_helpers.build_lora_engine(tmp, adapters)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels():
     """Compile the runtime's C++ kernels once, before any test (or engine process) needs them,

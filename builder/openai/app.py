@@ -136,8 +136,13 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
     _install_error_handlers(app)
     if config.api_key is not None:
         _require_api_key(app, config.api_key)
-    model_card = {"id": config.model_name, "object": "model", "created": int(time.time()),
-                  "owned_by": "llm-forge"}
+    created = int(time.time())
+    cards = {config.model_name: {"id": config.model_name, "object": "model", "created": created,
+                                 "owned_by": "llm-forge", "root": config.model_name,
+                                 "parent": None}}
+    for name, _ in config.adapters:  # LoRA adapters, as vLLM lists them
+        cards[name] = {"id": name, "object": "model", "created": created,
+                       "owned_by": "llm-forge", "root": name, "parent": config.model_name}
 
     @app.get("/health")
     async def health():
@@ -148,13 +153,13 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str):
-        if model_id != config.model_name:
-            raise model_not_found(model_id, config.model_name)
-        return model_card
+        if model_id not in cards:
+            raise model_not_found(model_id, config.served_names)
+        return cards[model_id]
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

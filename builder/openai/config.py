@@ -33,6 +33,9 @@ class OpenAIServerConfig:
     max_concurrent_requests: int = 256
     request_timeout_s: float = 3600.0
     api_key: str | None = None  # clients of /v1/* must send it as a bearer token
+    # The engine's LoRA adapters as (model name, lora_task_id): each is a model of its own in
+    # /v1/models (parent: model_name), chosen by the request's `model`, as vLLM serves them.
+    adapters: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.triton_model not in TRITON_MODELS:
@@ -52,8 +55,22 @@ class OpenAIServerConfig:
             raise ValueError("api_key must not be empty (leave it out to serve without one)")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
+        names = [name for name, _ in self.adapters]
+        if self.model_name in names or len(set(names)) != len(names):
+            raise ValueError(f"adapters: names must be unique and differ from the model's "
+                             f"{self.model_name!r}, got {names}")
         if not Path(self.tokenizer_dir).is_dir():
             raise ValueError(f"tokenizer_dir {self.tokenizer_dir}: no such directory")
+
+    @property
+    def served_names(self) -> list[str]:
+        return [self.model_name] + [name for name, _ in self.adapters]
+
+    def lora_task_id(self, model: str) -> int | None:
+        """The task id of adapter `model`; None for the base model. KeyError: not served."""
+        if model == self.model_name:
+            return None
+        return dict(self.adapters)[model]
 
     @classmethod
     def from_repository(cls, repository_dir: str | Path, triton_grpc_url: str,
@@ -69,6 +86,8 @@ class OpenAIServerConfig:
         add_special_tokens = params.get("add_special_tokens", "true").lower() in ("true", "1")
         post = repository_parameters(repository_dir, "postprocessing")
         skip_special_tokens = post.get("skip_special_tokens", "true").lower() in ("true", "1")
+        adapters = tuple((a.name, a.task_id) for a in config.lora.adapters) if config.lora else ()
+        options.setdefault("adapters", adapters)
         return cls(triton_grpc_url=triton_grpc_url, model_name=config.name,
                    tokenizer_dir=path("tokenizer_dir"), limits=config.limits,
                    add_special_tokens=add_special_tokens,

@@ -60,9 +60,10 @@ def unauthorized(given: bool) -> OpenAIError:
     return OpenAIError(401, message, type="invalid_request_error", code="invalid_api_key")
 
 
-def model_not_found(name: str, served: str) -> OpenAIError:
+def model_not_found(name: str, served: str | list[str]) -> OpenAIError:
+    served = ", ".join(repr(s) for s in served) if isinstance(served, list) else repr(served)
     return OpenAIError(404, f"model: the model {name!r} does not exist; this server serves "
-                            f"{served!r}", "model", code="model_not_found")
+                            f"{served}", "model", code="model_not_found")
 
 
 def busy(message: str) -> OpenAIError:

@@ -9,6 +9,7 @@
 | `logprobs` | `return_log_probs` (+ `output_ids` for the tokens) |
 | `top_k`, `min_tokens`, `repetition_penalty` (vLLM extensions) | same names |
 | `response_format`, `guided_*`, `structured_outputs` | `guided_decoding_guide_type`, `guided_decoding_guide` (`structured.py`) |
+| `model` naming a LoRA adapter (as vLLM) | `lora_task_id` of that adapter |
 
 `exclude_input_in_output` is always sent true: the repository may default it to false, but an
 OpenAI answer never repeats the prompt.
@@ -26,12 +27,13 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty",
 
 
 def ensemble_values(request: SamplingRequest, prompt: str, max_tokens: int,
-                    log_probs: bool, guide: Guide | None = None) -> dict[str, object]:
+                    log_probs: bool, guide: Guide | None = None,
+                    lora_task_id: int | None = None) -> dict[str, object]:
     """The ensemble inputs of one OpenAI request, by name (None: left out)."""
     values: dict[str, object] = {
         "text_input": prompt, "max_tokens": max_tokens, "stream": request.stream,
         "stop_words": request.stop_strings() or None, "exclude_input_in_output": True,
-        "return_log_probs": True if log_probs else None,
+        "return_log_probs": True if log_probs else None, "lora_task_id": lora_task_id,
     }
     for name in SAMPLING_FIELDS:
         values[name] = getattr(request, name)

@@ -51,37 +51,40 @@ class OpenAIService:
         self.in_flight = 0
 
     # -- requests -> generations --------------------------------------------------------------
-    def _check_model(self, request: SamplingRequest) -> None:
-        if request.model != self.config.model_name:
-            raise model_not_found(request.model, self.config.model_name)
+    def _check_model(self, request: SamplingRequest) -> int | None:
+        """The request's LoRA task id (None: the base model); an unknown name is a 404."""
+        try:
+            return self.config.lora_task_id(request.model)
+        except KeyError:
+            raise model_not_found(request.model, self.config.served_names) from None
 
-    def _builder(self, kind: str) -> ResponseBuilder:
+    def _builder(self, kind: str, model: str) -> ResponseBuilder:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return ResponseBuilder(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
-                               self.config.model_name)
+        return ResponseBuilder(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
 
     def completion(self, request: CompletionRequest) -> Generation:
-        self._check_model(request)
+        task_id = self._check_model(request)
         prompt = check_completion(request)
         max_tokens = request.max_tokens or mapping.COMPLETIONS_DEFAULT_MAX_TOKENS
         log_probs = request.logprobs is not None
         guide = request_guide(request)
-        values = mapping.ensemble_values(request, prompt, max_tokens, log_probs, guide)
+        values = mapping.ensemble_values(request, prompt, max_tokens, log_probs, guide, task_id)
         self._top(values, request.logprobs or 0, "logprobs")
-        return Generation(request, values, "prompt", log_probs, self._builder("completion"),
-                          guide, request.logprobs or 0)
+        return Generation(request, values, "prompt", log_probs,
+                          self._builder("completion", request.model), guide, request.logprobs or 0)
 
     def chat(self, request: ChatCompletionRequest) -> Generation:
-        self._check_model(request)
+        task_id = self._check_model(request)
         check_chat(request)
         guide = request_guide(request)
         prompt = self.renderer.render(request.messages)
         max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
-        values = mapping.ensemble_values(request, prompt, max_tokens, request.logprobs, guide)
+        values = mapping.ensemble_values(request, prompt, max_tokens, request.logprobs, guide,
+                                         task_id)
         top = request.top_logprobs or 0
         self._top(values, top, "top_logprobs")
-        return Generation(request, values, "messages", request.logprobs, self._builder("chat"),
-                          guide, top)
+        return Generation(request, values, "messages", request.logprobs,
+                          self._builder("chat", request.model), guide, top)
 
     def _top(self, values: dict, top: int, field: str) -> None:
         """Alternatives come from the tensorrt_llm model's own outputs: the direct path only."""

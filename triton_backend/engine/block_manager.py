@@ -6,7 +6,8 @@ a check/act pair) and give them all back the moment they finish, are cancelled o
 
 Prefix caching: a full block is identified by a hash chained over the previous block's hash and
 its own token ids (the chain starts from a salt naming the engine and the KV cache format, so
-blocks of a differently computed KV can never match). Full blocks are registered in the cache
+blocks of a differently computed KV can never match; a sequence with a LoRA adapter starts from
+that salt chained with its adapter's, since the adapter changes every layer's keys and values). Full blocks are registered in the cache
 when they are allocated for the step that computes them: every layer writes the step's keys
 before it attends, so even a sequence admitted later in the same step may reuse them. A new
 sequence reuses the longest run of cached blocks whose tokens match its own (hashes are confirmed
@@ -93,9 +94,15 @@ class BlockManager:
         tpb, hashes = self.tokens_per_block, seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else self.root_hash
+            parent = hashes[-1] if hashes else self._root(seq)
             hashes.append(block_hash(parent, seq.token_ids[i * tpb:(i + 1) * tpb]))
         return hashes[:num_blocks]
+
+    def _root(self, seq: Sequence) -> bytes:
+        """Where `seq`'s hash chain starts: the engine's salt, chained with its adapter's."""
+        if not seq.lora_salt:
+            return self.root_hash
+        return hashlib.sha256(self.root_hash + b"lora:" + seq.lora_salt.encode()).digest()
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Enter `seq`'s blocks that the first `num_tokens` tokens fill into the cache. A block

@@ -206,6 +206,54 @@ class TokenizerInfo:
     has_chat_template: bool = False
 
 
+LORA_ADAPTERS_DIR = "lora"
+LORA_MODULES = ("qkv", "dense", "gate_up", "proj")  # the runtime projections an adapter may touch
+
+
+@dataclass
+class LoraAdapterInfo:
+    """One adapter built into the engine: `file` (relative to the engine directory) holds its
+    weights in the runtime layout (see `triton_backend/engine/lora/layout.py`)."""
+
+    name: str
+    task_id: int
+    file: str
+    rank: int
+    sha256: str
+    target_modules: list[str] = field(default_factory=list)
+    source: str = ""
+
+
+@dataclass
+class LoraConfig:
+    """Multi-LoRA serving. `max_rank`: the largest rank an adapter may have (built in or sent
+    with a request); `max_loras`: adapters resident for compute, and the most distinct adapters
+    one step may run; `max_cpu_loras`: adapters kept in host memory (built-in ones come back from
+    the engine directory, adapters sent with a request must be sent again once evicted)."""
+
+    max_rank: int = 64
+    max_loras: int = 8
+    max_cpu_loras: int = 32
+    adapters: list[LoraAdapterInfo] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("max_rank", "max_loras", "max_cpu_loras"):
+            _positive(f"lora.{name}", getattr(self, name))
+        _require(self.max_rank <= 1024, f"lora.max_rank must be <= 1024, got {self.max_rank}")
+        _require(self.max_cpu_loras >= self.max_loras,
+                 f"lora.max_cpu_loras ({self.max_cpu_loras}) must be >= lora.max_loras "
+                 f"({self.max_loras})")
+        self.adapters = [a if isinstance(a, LoraAdapterInfo) else LoraAdapterInfo(**a)
+                         for a in self.adapters]
+        names = [a.name for a in self.adapters]
+        _require(len(set(names)) == len(names), f"lora.adapters: duplicate names in {names}")
+        ids = [a.task_id for a in self.adapters]
+        _require(len(set(ids)) == len(ids), f"lora.adapters: duplicate task ids in {ids}")
+
+    def adapter(self, name: str) -> LoraAdapterInfo | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
+
 @dataclass
 class EngineConfig:
     name: str
@@ -219,6 +267,7 @@ class EngineConfig:
     tokenizer: TokenizerInfo = field(default_factory=TokenizerInfo)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     hardware: str = "cpu"
+    lora: LoraConfig | None = None  # None: the engine serves no adapters
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # sections owned by later stages (repository, quality)
 
@@ -249,6 +298,8 @@ class EngineConfig:
                     "features": Features, "quantization": QuantConfig, "tokenizer": TokenizerInfo,
                     "speculative": SpeculativeConfig}
         kwargs = dict(data)
+        if kwargs.get("lora") is not None:
+            kwargs["lora"] = LoraConfig(**kwargs["lora"])
         for key, klass in sections.items():
             if key in kwargs:
                 kwargs[key] = klass(**kwargs[key])

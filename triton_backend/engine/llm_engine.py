@@ -10,6 +10,7 @@ that were not ended simply run that step again).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,6 +24,7 @@ from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.faults import FaultInjector
 from triton_backend.engine.guided.compiler import GrammarCompiler
 from triton_backend.engine.guided.state import GrammarState
+from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.model_runner import ModelRunner, kv_bytes_per_token
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.sampler import SamplingError
@@ -87,7 +89,8 @@ class LLMEngine:
             cache_salt=cache_salt(self.config))
         self.priority_aging_rate, self.clock = priority_aging_rate, clock
         self.scheduler = self._new_scheduler()
-        self.runner = ModelRunner(engine_dir, self.config, num_blocks, device)
+        self.lora = AdapterCache(engine_dir, self.config, dtype) if self.config.lora else None
+        self.runner = ModelRunner(engine_dir, self.config, num_blocks, device, lora=self.lora)
         self.speculator = None
         if self.config.speculative.enabled and enable_speculative_decoding is not False:
             from triton_backend.engine.spec_decode import make_speculator
@@ -111,7 +114,8 @@ class LLMEngine:
         return Scheduler(self.block_manager, limits.max_num_tokens, limits.max_batch_size,
                          self.priority_aging_rate, self.clock,
                          max_decode_slowdown=limits.max_decode_slowdown,
-                         long_prefill_tokens=limits.long_prefill_tokens)
+                         long_prefill_tokens=limits.long_prefill_tokens,
+                         max_loras=self.config.lora.max_loras if self.config.lora else None)
 
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served.
@@ -134,13 +138,27 @@ class LLMEngine:
             raise ValueError(f"request id {seq_id} is already in flight")
         eos = frozenset() if request.ignore_eos else (
             self.eos_ids if request.end_ids is None else frozenset(request.end_ids))
+        if request.lora_task_id is not None:
+            request = self._acquire_adapter(request)
         seq = Sequence.from_request(seq_id, request, eos)
         if request.guided_decoding is not None:
             seq.grammar = GrammarState(self.grammars.new_matcher(request.guided_decoding),
                                        self.eos_ids, self.grammars.tokenizer.vocab_size)
+        if request.lora_task_id is not None:
+            seq.lora_task_id = request.lora_task_id
+            seq.lora_salt = self.lora.host[request.lora_task_id].fingerprint
         self.sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
+
+    def _acquire_adapter(self, request: Request) -> Request:
+        """Hold the request's adapter (loading the weights it carries); the request goes on
+        without them. Raises ValueError naming the task id."""
+        if self.lora is None:
+            raise ValueError(f"lora_task_id {request.lora_task_id}: this engine serves no LoRA "
+                             f"adapters (built without a lora section)")
+        self.lora.acquire(request.lora_task_id, request.lora_weights, request.lora_config)
+        return dataclasses.replace(request, lora_weights=None, lora_config=None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -154,7 +172,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.abort(seq, FinishReason.ERROR if error else FinishReason.CANCELLED)
-        self._release(seq_id)
+        self._release(seq)
         self.stats[counter or ("num_failed_requests" if error else "num_cancelled_requests")] += 1
         response = self._response(seq, final=True)
         response.error = error
@@ -206,10 +224,12 @@ class LLMEngine:
         if any(len(c.new_token_ids) - c.num_draft_tokens == 1 for c in output.chunks):
             self.scheduler.step_cost.observe(output.num_tokens, seconds)
 
-    def _release(self, seq_id: int) -> None:
-        self.runner.sampler.release(seq_id)
+    def _release(self, seq: Sequence) -> None:
+        self.runner.sampler.release(seq.seq_id)
         if self.speculator is not None:
-            self.speculator.release(seq_id)
+            self.speculator.release(seq.seq_id)
+        if seq.lora_task_id is not None:
+            self.lora.release(seq.lora_task_id)
 
     def _fail_step(self, failures: dict[int, str]) -> list[Response]:
         self.stats["num_failed_steps"] += 1
@@ -227,6 +247,8 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.release(seq_id)
         self.sequences.clear()
+        if self.lora is not None:
+            self.lora.release_all()
         old = self.block_manager
         self.block_manager = BlockManager(old.num_blocks, old.tokens_per_block,
                                           enable_prefix_caching=old.enable_prefix_caching,
@@ -254,7 +276,7 @@ class LLMEngine:
             if chunk.seq_id in done:
                 responses.append(self._response(seq, final=True))
                 del self.sequences[chunk.seq_id]
-                self._release(chunk.seq_id)
+                self._release(seq)
                 self.stats["num_completed_requests"] += 1
             elif chunk.needs_sample and seq.request.streaming:
                 responses.append(self._response(seq, final=False))
@@ -288,7 +310,22 @@ class LLMEngine:
                     tokens_per_block=bm.tokens_per_block,
                     cpp_kernels=int(self.runner.ops.name == "cpp"),
                     **self.grammars.get_stats(),
-                    **prefix_cache_stats(bm, sched), **self._spec_stats())
+                    **prefix_cache_stats(bm, sched), **self._spec_stats(), **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        """Adapter cache counters, and per adapter name how many requests run and wait."""
+        if self.lora is None:
+            return {}
+        running, waiting = {}, {}
+        for seq in self.scheduler.running:
+            if seq.lora_task_id is not None:
+                name = self.lora.name_of(seq.lora_task_id)
+                running[name] = running.get(name, 0) + 1
+        for seq in self.sequences.values():
+            if seq.lora_task_id is not None and seq.status.value == "waiting":
+                name = self.lora.name_of(seq.lora_task_id)
+                waiting[name] = waiting.get(name, 0) + 1
+        return dict(self.lora.get_stats(), lora_running=running, lora_waiting=waiting)
 
     def _spec_stats(self) -> dict:
         steps, drafts = self.stats["spec_num_verify_steps"], self.stats["spec_num_draft_tokens"]

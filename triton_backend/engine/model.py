@@ -16,6 +16,7 @@ from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.layers import RMSNorm, RotaryEmbedding, make_linear
+from triton_backend.engine.lora.batch import LoRABatch
 from triton_backend.engine.ops import TorchOps
 
 
@@ -34,10 +35,15 @@ class Attention(nn.Module):
         self.dense = make_linear(self.q_size, shape.hidden_size, False, quant, f"{prefix}.dense")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                cache: PagedKVCache, meta: AttentionMetadata, ops: TorchOps) -> torch.Tensor:
-        o = ops.attention(self.layer, self.qkv(x), positions, rotary, cache, meta, self.num_heads,
+                cache: PagedKVCache, meta: AttentionMetadata, ops: TorchOps,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)
+        if lora is not None:
+            lora.apply(self.layer, "qkv", x, qkv)
+        o = ops.attention(self.layer, qkv, positions, rotary, cache, meta, self.num_heads,
                           self.num_kv_heads, self.head_dim, self.scale)
-        return self.dense(o)
+        out = self.dense(o)
+        return out if lora is None else lora.apply(self.layer, "dense", o, out)
 
 
 class GatedMLP(nn.Module):
@@ -45,13 +51,18 @@ class GatedMLP(nn.Module):
         super().__init__()
         shape, quant = config.model, config.quantization
         prefix = f"transformer.layers.{layer}.mlp"
+        self.layer = layer
         self.gate_up = make_linear(shape.hidden_size, 2 * shape.intermediate_size, shape.mlp_bias,
                                    quant, f"{prefix}.gate_up")
         self.proj = make_linear(shape.intermediate_size, shape.hidden_size, shape.mlp_bias, quant,
                                 f"{prefix}.proj")
 
-    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.proj(ops.silu_mul(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, ops: TorchOps, lora: LoRABatch | None = None
+                ) -> torch.Tensor:
+        if lora is None:
+            return self.proj(ops.silu_mul(self.gate_up(x)))
+        h = ops.silu_mul(lora.apply(self.layer, "gate_up", x, self.gate_up(x)))
+        return lora.apply(self.layer, "proj", h, self.proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -68,15 +79,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, cache: PagedKVCache, meta: AttentionMetadata,
-                ops: TorchOps) -> tuple[torch.Tensor, torch.Tensor]:
+                ops: TorchOps, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream without it); the next norm adds them."""
         if residual is None:
             residual, h = x, self.input_layernorm(x, ops)
         else:
             h, residual = self.input_layernorm(x, ops, residual)
-        h = self.attention(h, positions, rotary, cache, meta, ops)
+        h = self.attention(h, positions, rotary, cache, meta, ops, lora)
         h, residual = self.post_layernorm(h, ops, residual)
-        return self.mlp(h, ops), residual
+        return self.mlp(h, ops, lora), residual
 
 
 class Transformer(nn.Module):
@@ -107,11 +118,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, ops: TorchOps) -> torch.Tensor:
+                meta: AttentionMetadata, ops: TorchOps, lora: LoRABatch | None = None
+                ) -> torch.Tensor:
+        """`lora`: the step's adapters and the rows each applies to (None: base model only)."""
         x = self.transformer.vocab_embedding(input_ids)
         residual = None
         for layer in self.transformer.layers:
-            x, residual = layer(x, residual, positions, self.rotary, cache, meta, ops)
+            x, residual = layer(x, residual, positions, self.rotary, cache, meta, ops, lora)
         if residual is None:  # a model without layers
             return self.transformer.ln_f(x, ops)
         return self.transformer.ln_f(x, ops, residual)[0]

@@ -15,6 +15,8 @@ from triton_backend.engine.attention import AttentionMetadata, PrefillChunk
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.guided.masks import apply_grammar_masks
 from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
+from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -91,8 +93,10 @@ def top_alternatives(raw: dict[int, tuple[int, torch.Tensor]], sampled: dict, ac
 
 class ModelRunner:
     def __init__(self, engine_dir: str | Path, config: EngineConfig, num_blocks: int,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", lora: AdapterCache | None = None) -> None:
+        """`lora`: the engine's adapter cache (None: an engine without adapters)."""
         self.config = config
+        self.lora = lora
         self.device = torch.device(device)
         self.dtype = runtime_dtype(config, self.device)
         self.tokens_per_block = config.kv_cache.tokens_per_block
@@ -110,6 +114,8 @@ class ModelRunner:
             plan = bf16_gemm_plan(build_key())
             if plan.packed:
                 pack_linears(self.model, plan)
+                if lora is not None:  # adapters take the same kernel
+                    lora.packed_plan = plan
         self.decode_forward = None
         if self.kernel_attention:
             from triton_backend.engine.kernels.forward import DecodeForward
@@ -123,10 +129,13 @@ class ModelRunner:
         the kernel attends come first)."""
         chunks = self._packing_order(output.chunks)
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
-        if self.decode_forward is not None and self.decode_forward.covers(meta, len(input_ids)):
+        lora = self._lora_batch(chunks)
+        # The one-call decode path knows no adapters: a step with any takes the Python model.
+        if lora is None and self.decode_forward is not None \
+                and self.decode_forward.covers(meta, len(input_ids)):
             hidden = self.decode_forward(input_ids, positions, meta)  # all layers in one call
         else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops, lora)
         all_logits = self.model.logits(hidden) if return_logits else None
         sampling_chunks = [c for c in chunks if c.needs_sample]
         if not sampling_chunks:
@@ -149,10 +158,21 @@ class ModelRunner:
         return self.kernel_attention and len(chunk.new_token_ids) <= KERNEL_MAX_QUERY
 
     def _packing_order(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Kernel-attended chunks first; within each group, the chunks of one adapter side by
+        side, so each adapter's rows are one run."""
+        if any(c.lora_task_id is not None for c in chunks):
+            chunks = sorted(chunks, key=lambda c: -1 if c.lora_task_id is None else c.lora_task_id)
         if not self.kernel_attention:
             return chunks
         return ([c for c in chunks if self._for_kernel(c)]
                 + [c for c in chunks if not self._for_kernel(c)])
+
+    def _lora_batch(self, chunks: list[ScheduledChunk]) -> LoRABatch | None:
+        task_ids = [c.lora_task_id for c in chunks]
+        if self.lora is None or all(t is None for t in task_ids):
+            return None
+        adapters = self.lora.activate({t for t in task_ids if t is not None})
+        return LoRABatch(adapter_runs([len(c.new_token_ids) for c in chunks], task_ids, adapters))
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         tpb = self.tokens_per_block

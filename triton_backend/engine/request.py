@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from triton_backend.engine.guided.params import GuidedDecodingParams
 from triton_backend.engine.sampling_params import SamplingParams
@@ -62,6 +63,12 @@ class Request:
     timeout_field: str = "timeout_ms"  # the input that set the deadline, for its error
     guided_decoding: GuidedDecodingParams | None = None
     top_log_probs: int = 0
+    # LoRA, with NVIDIA's semantics: `lora_task_id` names an adapter (built in, or loaded by an
+    # earlier request); `lora_weights` [N, D*Hi + Ho*D] with `lora_config` [N, 3] load one under
+    # that id (see lora/nvidia.py). None: the base model.
+    lora_task_id: int | None = None
+    lora_weights: Any = None
+    lora_config: Any = None
 
 
 @dataclass

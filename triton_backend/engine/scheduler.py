@@ -54,6 +54,7 @@ class ScheduledChunk:
     num_prompt_tokens: int
     num_draft_tokens: int = 0  # the last new_token_ids are drafts to verify (after the real ones)
     grammar: object | None = None  # the sequence's GrammarState (guided decoding), else None
+    lora_task_id: int | None = None  # the adapter of its rows (None: the base model)
 
 
 @dataclass
@@ -78,8 +79,11 @@ class Scheduler:
                  priority_aging_rate: float = DEFAULT_AGING_RATE,
                  clock: Callable[[], int] = time.time_ns,
                  max_decode_slowdown: float = 0.0,
-                 long_prefill_tokens: int | None = None) -> None:
+                 long_prefill_tokens: int | None = None,
+                 max_loras: int | None = None) -> None:
+        """`max_loras`: the most distinct LoRA adapters one step may run (None: no adapters)."""
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.clock = clock
@@ -140,6 +144,8 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting.peek()
+            if not self._adapter_fits(seq):  # it waits until an adapter of the batch is done
+                break
             num_new = self._allocate_from_cached_prefix(seq, budget)
             if num_new is None:
                 break
@@ -150,6 +156,13 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self.waiting.key)
             output.chunks.append(self._chunk(seq, num_new))
             budget -= num_new
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Admitting `seq` keeps the running batch within `max_loras` distinct adapters."""
+        if seq.lora_task_id is None or self.max_loras is None:
+            return True
+        running = {s.lora_task_id for s in self.running if s.lora_task_id is not None}
+        return seq.lora_task_id in running or len(running) < self.max_loras
 
     def _room_beside_decodes(self) -> int | None:
         """Prefill rows this step may carry, or None (no cap: nothing decodes, or it is off)."""
@@ -212,7 +225,7 @@ class Scheduler:
             num_computed_tokens=start, block_table=list(seq.block_table),
             needs_sample=start + num_new == seq.num_tokens, request=seq.request,
             token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            num_draft_tokens=num_drafts, grammar=seq.grammar)
+            num_draft_tokens=num_drafts, grammar=seq.grammar, lora_task_id=seq.lora_task_id)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.block_manager.free(seq)

@@ -50,6 +50,10 @@ class Sequence:
     # top_log_probs: per generated token, the most likely ids and their raw log probs.
     top_ids: list[list[int]] = field(default_factory=list)
     top_log_probs: list[list[float]] = field(default_factory=list)
+    # LoRA: the adapter's task id (None: the base model) and what names its weights; the prefix
+    # cache's hash chain starts from it, so a block computed with one adapter never serves another.
+    lora_task_id: int | None = None
+    lora_salt: str = ""
 
     @classmethod
     def from_request(cls, seq_id: int, request: Request, eos_ids: frozenset[int]) -> "Sequence":

@@ -39,6 +39,7 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
     if not _is_int(top) or not 0 <= top <= MAX_TOP_LOG_PROBS:
         raise ValueError(f"top_log_probs must be an integer in [0, {MAX_TOP_LOG_PROBS}], "
                          f"got {top!r}")
+    _check_lora_fields(request)
     for name, words in (("stop_words", request.stop_token_sequences),
                         ("bad_words", request.bad_token_sequences)):
         check_word_limits(name, words)
@@ -59,6 +60,21 @@ def _check_scheduling(request: Request) -> None:
     if timeout is not None and (not _is_int(timeout) or not 1 <= timeout <= MAX_TIMEOUT_MS):
         raise ValueError(f"{request.timeout_field} must be an integer in [1, {MAX_TIMEOUT_MS}] "
                          f"ms, got {timeout!r}")
+
+
+def _check_lora_fields(request: Request) -> None:
+    """The LoRA inputs' types; whether the engine knows the adapter is the engine's check."""
+    task_id = request.lora_task_id
+    if task_id is None:
+        if request.lora_weights is not None or request.lora_config is not None:
+            raise ValueError("lora_weights/lora_config need a lora_task_id to cache them under")
+        return
+    if not _is_int(task_id) or not 0 <= task_id < 2**64:
+        raise ValueError(f"lora_task_id must be an integer in [0, 2^64), got {task_id!r}")
+    if (request.lora_weights is None) != (request.lora_config is None):
+        missing = "lora_config" if request.lora_config is None else "lora_weights"
+        raise ValueError(f"lora_task_id {task_id}: lora_weights and lora_config come together "
+                         f"({missing} is missing)")
 
 
 def check_word_limits(name: str, words: list[list[int]]) -> None:

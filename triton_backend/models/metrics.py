@@ -12,6 +12,12 @@ A counter `llm_forge_requests_total{outcome=...}` counts how every request ended
 cancelled, error, rejected: refused as busy by the admission limits, timeout: ended at its
 deadline, invalid: refused by the request checks). Names are in `METRIC_NAMES`; the
 Grafana dashboard in docs/ reads exactly these.
+
+Engines with LoRA adapters add `nv_trt_llm_lora_request_metrics{lora_adapter=NAME,
+request_type=running|waiting}` (requests per adapter, for gateways that route by adapter, as
+vLLM's `vllm:lora_requests_info`), and the adapter cache's counters among the executor stats
+(`lora_num_resident`, `lora_num_loads`, `lora_num_evictions`, `lora_num_host_adapters`,
+`lora_num_host_loads`, `lora_num_host_evictions`, `lora_load_seconds`).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ HISTOGRAMS = {
 OUTCOMES = ("completed", "cancelled", "error", "rejected", "timeout", "invalid")
 BUSY_MARKER = "server busy"                 # admission.ServerBusy's messages start with it
 DEADLINE_MARKER = "exceeded its deadline"   # llm_engine.deadline_error
+LORA_REQUEST_METRIC = "nv_trt_llm_lora_request_metrics"  # registered by LoRA engines only
 METRIC_NAMES = (tuple(HISTOGRAMS) + ("nv_trt_llm_kv_cache_block_metrics",
                                      "nv_trt_llm_request_metrics", "llm_forge_executor_stats",
                                      "llm_forge_requests_total"))
@@ -70,6 +77,8 @@ class ExecutorMetrics:
                             kind=family.GAUGE),
         }
         self._metrics: dict[tuple[str, str], object] = {}
+        self._family = family
+        self._lora_metrics: dict[tuple[str, str], object] = {}
         # A family is unregistered when its Python object dies: every one is kept here.
         for name, (description, _) in HISTOGRAMS.items():
             self._families[name] = family(name=name, description=description,
@@ -101,6 +110,24 @@ class ExecutorMetrics:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._metric("stats", "stat", key).set(float(value))
+        if "lora_running" in stats:
+            self._publish_lora(stats)
+
+    def _publish_lora(self, stats: dict) -> None:
+        """Requests per adapter and state; an adapter seen once stays listed (at 0)."""
+        if "lora" not in self._families:
+            self._families["lora"] = self._family(
+                name=LORA_REQUEST_METRIC, description="Requests per LoRA adapter",
+                kind=self._family.GAUGE)
+        for state in ("running", "waiting"):
+            counts = stats.get(f"lora_{state}") or {}
+            seen = {name for name, s in self._lora_metrics if s == state}
+            for name in set(counts) | seen:
+                key = (name, state)
+                if key not in self._lora_metrics:
+                    self._lora_metrics[key] = self._families["lora"].Metric(
+                        labels=dict(self._labels, lora_adapter=name, request_type=state))
+                self._lora_metrics[key].set(float(counts.get(name, 0)))
 
     def count(self, outcome: str) -> None:
         self._outcomes[outcome].increment(1.0)

@@ -29,7 +29,7 @@ INPUT_NAMES = (
     "frequency_penalty", "seed", "return_log_probs", "return_perf_metrics",
     "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output", "stop",
     "streaming", "timeout_ms", "priority", "guided_decoding_guide_type", "guided_decoding_guide",
-    "top_log_probs")
+    "top_log_probs", "lora_task_id", "lora_weights", "lora_config")
 SAMPLING_INPUTS = {
     "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
@@ -219,6 +219,34 @@ def _guided_decoding(inputs: Mapping[str, np.ndarray]) -> GuidedDecodingParams |
         raise RequestError(str(exc)) from None
 
 
+def _lora(inputs: Mapping[str, np.ndarray]) -> dict:
+    """NVIDIA's LoRA inputs: `lora_task_id` names an adapter; `lora_weights` + `lora_config` (with
+    it) load one under that id. Whether the engine knows the id is the engine's check."""
+    task_id = integer(inputs, "lora_task_id")
+    weights, config = inputs.get("lora_weights"), inputs.get("lora_config")
+    if task_id is None:
+        if weights is not None or config is not None:
+            raise RequestError("lora_weights/lora_config need a lora_task_id to cache them under")
+        return {}
+    if isinstance(task_id, bool) or not 0 <= task_id < 2**64:
+        raise RequestError(f"lora_task_id must be an integer in [0, 2^64), got {task_id!r}")
+    if (weights is None) != (config is None):
+        raise RequestError(f"lora_task_id {task_id}: lora_weights and lora_config come "
+                           f"together ({'lora_config' if config is None else 'lora_weights'} "
+                           f"is missing)")
+    if weights is not None:
+        weights, config = np.asarray(weights), np.asarray(config)
+        if weights.dtype.kind not in "fiu" or weights.ndim not in (2, 3):
+            raise RequestError(f"lora_weights must be a [N, D*Hi + Ho*D] array of numbers, got "
+                               f"{weights.dtype} of shape {list(weights.shape)}")
+        if config.dtype.kind not in "iu" or config.ndim not in (2, 3) or config.shape[-1] != 3:
+            raise RequestError(f"lora_config must be an [N, 3] integer array, got "
+                               f"{config.dtype} of shape {list(config.shape)}")
+        # fp16 on the wire (NVIDIA's TYPE_FP16); computed in float32/bf16 on a CPU
+        weights, config = weights.astype(np.float32), config.astype(np.int64)
+    return {"lora_task_id": task_id, "lora_weights": weights, "lora_config": config}
+
+
 def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: int,
                   defaults: RequestDefaults = RequestDefaults(), *,
                   arrival_time_ns: int | None = None,
@@ -255,7 +283,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
         return_log_probs=_flag(inputs, "return_log_probs", False),
         priority=priority or 0, arrival_time_ns=arrival_time_ns, timeout_ms=timeout_ms,
         timeout_field=timeout_field, guided_decoding=_guided_decoding(inputs),
-        top_log_probs=top_log_probs or 0)
+        top_log_probs=top_log_probs or 0, **_lora(inputs))
     return ParsedRequest(
         request=request,
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output",

@@ -21,14 +21,14 @@ from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import RequestError, scalar
 from triton_backend.models.response_converter import (ERROR_AS_OUTPUT, ERROR_OUTPUT,
                                                       PERF_METRIC_OUTPUTS)
-from triton_backend.models.text_request import (PASSTHROUGH_INPUTS, check_max_tokens,
-                                                 encode_words, prompt_ids, tensorrt_llm_inputs,
-                                                 text_list, text_value)
+from triton_backend.models.text_request import (LORA_ARRAY_INPUTS, PASSTHROUGH_INPUTS,
+                                                 check_max_tokens, encode_words, prompt_ids,
+                                                 tensorrt_llm_inputs, text_list, text_value)
 from triton_backend.models.triton_io import (FINAL, limit_compute_threads, make_response,
                                               read_inputs, send_error, stop_request)
 
 INPUT_NAMES = ("text_input", "max_tokens", "bad_words", "stop_words", "stream",
-               "apply_chat_template", *PASSTHROUGH_INPUTS)
+               "apply_chat_template", *PASSTHROUGH_INPUTS, *LORA_ARRAY_INPUTS)
 PASSED_OUTPUTS = ("cum_log_probs", "batch_index", "sequence_index", "num_input_tokens",
                   "num_output_tokens", "arrival_time_ns", "first_token_time_ns",
                   "last_token_time_ns", "finish_reason", *PERF_METRIC_OUTPUTS)

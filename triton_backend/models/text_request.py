@@ -38,7 +38,10 @@ PASSTHROUGH_INPUTS = {
     "timeout_ms": ("timeout_ms", np.uint64), "priority": ("priority", np.int32),
     "guided_decoding_guide_type": ("guided_decoding_guide_type", np.object_),
     "guided_decoding_guide": ("guided_decoding_guide", np.object_),
+    "lora_task_id": ("lora_task_id", np.uint64),
 }
+# NVIDIA's LoRA tensors, passed on as they came (one request: [N, W] and [N, 3]).
+LORA_ARRAY_INPUTS = {"lora_weights": np.float16, "lora_config": np.int32}
 
 
 class TextTokenizer(Protocol):
@@ -159,4 +162,8 @@ def tensorrt_llm_inputs(inputs: Mapping[str, np.ndarray], ids: list[int], max_to
         value = scalar(inputs, name)
         if value is not None:
             tensors[target] = np.asarray([[value]], dtype=dtype)
+    for name, dtype in LORA_ARRAY_INPUTS.items():
+        if inputs.get(name) is not None:
+            array = np.asarray(inputs[name], dtype=dtype)
+            tensors[name] = array if array.ndim == 3 else array[None]
     return tensors

@@ -29,6 +29,12 @@ def from_word_list(array: np.ndarray, field: str) -> list[list[int]]:
     if array.ndim != 2 or array.shape[0] != 2:
         raise ValueError(f"{field} must have shape [2, L] (ids row, offsets row), "
                          f"got {list(array.shape)}")
+    if array.dtype.kind not in "iu":  # whole-number floats pass; anything else is refused
+        if array.dtype.kind != "f" or not np.isfinite(array).all() \
+                or not (array == np.round(array)).all():
+            raise ValueError(f"{field} must hold integer token ids and offsets, got "
+                             f"{array.dtype} values")
+        array = array.astype(np.int64)
     ids, offsets = array[0].tolist(), array[1].tolist()
     words, start = [], 0
     for end in offsets:
