@@ -179,11 +179,13 @@ def test_stop_request_with_the_same_id_cancels_the_running_one(server):
     assert reasons[-1] == b"cancelled"
 
 
-def _end(chunks) -> tuple[bytes, int]:
-    """(finish reason, output tokens) of a stream whose first chunk the caller took."""
-    chunks = list(chunks)
+def _end(stream) -> tuple[bytes, int]:
+    """(finish reason, output tokens) of a stream: (first chunk, the rest), as `start` gives it.
+    The first chunk may carry several tokens (responses that wait together are merged)."""
+    first, rest = stream
+    chunks = [first, *rest]
     return (chunks[-1]["finish_reason"].reshape(-1)[0],
-            1 + sum(c["output_ids"].size for c in chunks))
+            sum(c["output_ids"].size for c in chunks))
 
 
 def test_stop_by_id_cancels_only_a_request_of_the_same_client(server):
@@ -201,8 +203,7 @@ def test_stop_by_id_cancels_only_a_request_of_the_same_client(server):
     def start(headers):
         chunks = stream_grpc(server.grpc_url, "tensorrt_llm", inputs, request_id="shared-id",
                              headers=headers)
-        next(chunks)
-        return chunks
+        return next(chunks), chunks
 
     def send_stop(headers):
         list(stream_grpc(server.grpc_url, "tensorrt_llm", stop, request_id="shared-id",
