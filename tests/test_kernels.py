@@ -39,6 +39,27 @@ def test_rms_norm_and_the_fused_residual_add_match_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_add_rows_is_the_torch_expression_it_replaces(dtype):
+    """out += (x @ A^T @ B^T) rounded to out's dtype, on rows of a wider batch (a view), with
+    widths that are not multiples of the vector length; the other rows untouched."""
+    torch.manual_seed(0)
+    x, out = torch.randn(5, 70).to(dtype), torch.randn(5, 37).to(dtype)
+    a, b = torch.randn(70, 12), torch.randn(12, 37)
+    expected = out.clone()
+    expected[1:4] += (x[1:4].float() @ a @ b).to(dtype)
+    torch.ops.llm_forge.lora_add_rows(out.narrow(0, 1, 3), x.narrow(0, 1, 3), a, b)
+    assert torch.equal(out[[0, 4]], expected[[0, 4]])
+    _close(out, expected, dtype)
+    bf16_weights = out.clone()  # weights in bf16 are widened exactly: the same sums
+    torch.ops.llm_forge.lora_add_rows(bf16_weights, x, a.bfloat16(), b.bfloat16())
+    widened = out.clone()
+    torch.ops.llm_forge.lora_add_rows(widened, x, a.bfloat16().float(), b.bfloat16().float())
+    assert torch.equal(bf16_weights, widened)
+    with pytest.raises(RuntimeError, match="lora_add_rows: shapes do not chain"):
+        torch.ops.llm_forge.lora_add_rows(out, x, b, a)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(dtype):
     gate_up = (torch.randn(5, 2 * 67) * 4).to(dtype)  # odd width: the scalar tail runs too
     _close(CppOps().silu_mul(gate_up), TorchOps().silu_mul(gate_up), dtype, exact_bf16=True)

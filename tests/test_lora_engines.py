@@ -52,6 +52,33 @@ def test_bf16_engine_stores_bf16_adapters_and_follows_peft(lora_build, bf16_engi
     assert agree >= 0.9 and agree > agree_base + 0.2, (agree, agree_base)
 
 
+@pytest.mark.parametrize("engine", ["fp32", "bf16"])
+def test_the_decode_fast_path_adds_the_adapters_as_the_python_model(lora_build, bf16_engine,
+                                                                      engine):
+    """Steps with adapters take the one-call C++ decode path: a mixed batch (a run of four rows
+    of adapter A, which takes the packed kernel on a bf16 engine whose plan packs, one of B, a
+    base row) gives the Python model's tokens, and its decode steps ran there (short prefills
+    too)."""
+    engine_dir = lora_build[2] if engine == "fp32" else bf16_engine
+    task_ids = [1, None, 1, 2, 1, 1]
+    requests = lambda: [Request(PROMPT[:10 + 3 * i], 14, ignore_eos=True,  # noqa: E731
+                                lora_task_id=t) for i, t in enumerate(task_ids)]
+    llm = LLMEngine(engine_dir, enable_prefix_caching=False)
+    fast = llm.runner.decode_forward
+    assert fast is not None and fast.supported
+    calls = []
+    forward = fast.__call__
+    llm.runner.decode_forward = lambda *args: calls.append(args[3]) or forward(*args)
+    llm.runner.decode_forward.covers = fast.covers
+    with_fast = [r.output_ids for r in generate(llm, requests())]
+    llm.runner.decode_forward = None
+    assert [r.output_ids for r in generate(llm, requests())] == with_fast
+    with_adapters = [lora for lora in calls if lora is not None]
+    assert len(with_adapters) >= 10
+    decodes = [sorted(run.end - run.start for run in lora.runs) for lora in with_adapters]
+    assert decodes.count([1, 4]) >= 10  # A's four rows, B's one (the base row has no run)
+
+
 def test_int4_engine_serves_bf16_adapters_on_quantized_weights(lora_build, bf16_engine, tmp_path):
     pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is the quant extra")
     from builder.quantize import CalibrationOptions, QuantizeOptions, quantize_engine

@@ -130,10 +130,8 @@ class ModelRunner:
         chunks = self._packing_order(output.chunks)
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
         lora = self._lora_batch(chunks)
-        # The one-call decode path knows no adapters: a step with any takes the Python model.
-        if lora is None and self.decode_forward is not None \
-                and self.decode_forward.covers(meta, len(input_ids)):
-            hidden = self.decode_forward(input_ids, positions, meta)  # all layers in one call
+        if self.decode_forward is not None and self.decode_forward.covers(meta, len(input_ids)):
+            hidden = self.decode_forward(input_ids, positions, meta, lora)  # all layers, one call
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops, lora)
         all_logits = self.model.logits(hidden) if return_logits else None
@@ -172,7 +170,8 @@ class ModelRunner:
         if self.lora is None or all(t is None for t in task_ids):
             return None
         adapters = self.lora.activate({t for t in task_ids if t is not None})
-        return LoRABatch(adapter_runs([len(c.new_token_ids) for c in chunks], task_ids, adapters))
+        return LoRABatch(adapter_runs([len(c.new_token_ids) for c in chunks], task_ids, adapters),
+                         few_rows_kernel=isinstance(self.ops, CppOps))
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         tpb = self.tokens_per_block

@@ -6,7 +6,9 @@ the loaded model's weights once, in the order the C++ side reads them, and runs 
 the step is one it covers: every row attended by the paged kernel (no long prefill chunk), a cache
 in the activation dtype, and projections that are packed bf16, packed INT4 (our kernel) or dense
 in the activation dtype (below the row count where bf16 projections switch to torch's GEMM).
-Anything else, and every other device, takes the Python model, which stays the reference.
+Rows with LoRA adapters run there too: each projection adds its runs' deltas as the Python
+model does (`lora/batch.py`). Anything else, and every other device, takes the Python model,
+which stays the reference.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.kernels.linear import PackedBf16Linear
 from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.lora.batch import LoRABatch
 
 PACKED_BF16, PACKED_INT4, DENSE, TORCH_INT4 = 0, 1, 2, 3
 
@@ -77,12 +80,14 @@ class DecodeForward:
                 and (self.upcast_min_rows is None or num_rows < self.upcast_min_rows))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the step's rows (the KV cache is written)."""
         hidden = self.model.transformer.vocab_embedding(input_ids)
         rotary = self.model.rotary
+        lora_slots, lora_runs = ([], []) if lora is None else lora.kernel_arguments(
+            len(self.model.transformer.layers))
         return torch.ops.llm_forge.decode_forward(
             hidden, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.query_start, rotary.cos, rotary.sin, self.cache.k, self.cache.v, self.weights,
             self.kinds, self.out_features, self.group_sizes, *self.dims,
-            self.cache.tokens_per_block, self.eps, self.scale)
+            self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs)

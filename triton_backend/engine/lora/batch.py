@@ -13,8 +13,11 @@ import torch
 
 from triton_backend.engine.lora.cache import ResidentAdapter
 
+# The projections of a layer in the order the C++ decode path runs them (`kernels/forward.py`).
+PROJECTIONS = ("qkv", "dense", "gate_up", "proj")
 # From this many rows on, a run takes the packed bf16 kernel when the adapter has it; below, the
-# float32 GEMMs are faster (one row: 8 us vs 12 us per pair here).
+# float32 product is faster (one row: 8 us vs 12 us per pair of torch GEMMs here, and less in one
+# pass of the C++ kernels' `lora_add_rows`). kernels/csrc/forward.cpp's kLoraFewRows is this.
 PACKED_MIN_ROWS = 4
 
 
@@ -26,8 +29,34 @@ class LoRARun:
 
 
 class LoRABatch:
-    def __init__(self, runs: list[LoRARun]) -> None:
+    def __init__(self, runs: list[LoRARun], few_rows_kernel: bool = False) -> None:
+        """`few_rows_kernel`: runs of fewer than PACKED_MIN_ROWS rows take the C++ kernels'
+        `lora_add_rows` (one pass per row instead of two GEMM calls, a cast and an add), as the
+        C++ decode path does."""
         self.runs = runs
+        self.few_rows_kernel = few_rows_kernel
+
+    def kernel_arguments(self, num_layers: int) -> tuple[list[torch.Tensor | None], list[int]]:
+        """The runs' weights as the C++ decode path reads them (per layer, projection and run:
+        A^T and B^T (float32; as stored for a run of fewer than PACKED_MIN_ROWS rows), then A and
+        B packed where `apply` would take the packed kernel, else None; four Nones where the
+        adapter leaves the projection alone) and the runs' row bounds. The same choice of
+        kernel per run as `apply`: the two paths compute alike."""
+        slots: list[torch.Tensor | None] = []
+        for layer in range(num_layers):
+            for module in PROJECTIONS:
+                for run in self.runs:
+                    pair = run.adapter.pairs.get((layer, module))
+                    if pair is None:
+                        slots += [None] * 4
+                        continue
+                    if run.end - run.start < PACKED_MIN_ROWS:
+                        slots += [*run.adapter.few_rows_pair((layer, module)), None, None]
+                        continue
+                    packed = run.adapter.packed.get((layer, module))
+                    slots += [*pair, *((None, None) if packed is None
+                                       else (packed[0].packed, packed[1].packed))]
+        return slots, [bound for run in self.runs for bound in (run.start, run.end)]
 
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Add each run's adapter delta of projection `module` of `layer` to `out` in place
@@ -39,6 +68,12 @@ class LoRABatch:
                 continue
             rows = run.end - run.start
             packed = run.adapter.packed.get((layer, module)) if rows >= PACKED_MIN_ROWS else None
+            if packed is None and self.few_rows_kernel and rows < PACKED_MIN_ROWS:
+                torch.ops.llm_forge.lora_add_rows(
+                    out if rows == out.shape[0] else out.narrow(0, run.start, rows),
+                    x if rows == out.shape[0] else x.narrow(0, run.start, rows),
+                    *run.adapter.few_rows_pair((layer, module)))
+                continue
             if packed is None:  # A^T, B^T in float32 (see cache.py)
                 a, b = pair
                 if x32 is None:

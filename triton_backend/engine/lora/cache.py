@@ -53,6 +53,12 @@ class ResidentAdapter:
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     # the same (A, B) as PackedBf16Linear modules, when the engine uses that kernel
     packed: dict[tuple[int, str], tuple] = field(default_factory=dict)
+    # (A^T, B^T) as stored (bf16 on a bf16 engine) for the C++ few-rows kernel, which widens
+    # them exactly: the same sums as `pairs`, half the bytes; absent: use `pairs`
+    stored: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def few_rows_pair(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.stored.get(key) or self.pairs.get(key)
 
 
 class AdapterCache:
@@ -175,11 +181,13 @@ class AdapterCache:
             self.stats["lora_num_evictions"] += 1
         started = time.perf_counter()
         state = self.host[task_id].state
-        pairs, packed = {}, {}
+        pairs, packed, stored = {}, {}, {}
         for key in state:
             if key.endswith(".lora_a"):
                 a, b = state[key], state[f"{key[:-len('.lora_a')]}.lora_b"]
                 pairs[parse_key(key)] = (a.float().t().contiguous(), b.float().t().contiguous())
+                if a.dtype == torch.bfloat16:
+                    stored[parse_key(key)] = (a.t().contiguous(), b.t().contiguous())
                 if self.packed_plan is not None:
                     from triton_backend.engine.kernels.linear import PackedBf16Linear
 
@@ -187,7 +195,7 @@ class AdapterCache:
                     packed[parse_key(key)] = tuple(
                         PackedBf16Linear(w.to(torch.bfloat16), None, plan.upcast_min_rows,
                                          plan.layout) for w in (a, b))
-        self.resident[task_id] = ResidentAdapter(task_id, pairs, packed)
+        self.resident[task_id] = ResidentAdapter(task_id, pairs, packed, stored)
         self.stats["lora_num_loads"] += 1
         self.stats["lora_load_seconds"] += time.perf_counter() - started
 

@@ -3,8 +3,10 @@
 // round trip per op. It covers steps whose every row is attended by the paged kernel (decodes
 // and short chunks) over a cache in the activation dtype, with projections of four kinds:
 // packed bf16, packed INT4 (ours, or torch's int4pack where the plan measured it faster), or a
-// dense weight in the activation dtype. Everything else takes the
-// Python model (`model.py`), which stays the reference: tests hold the two to each other.
+// dense weight in the activation dtype. LoRA adapters of the step's rows are added after each
+// projection, as `lora/batch.py` adds them in the Python model, with the same kernels. Everything
+// else takes the Python model (`model.py`), which stays the reference: tests hold the two to
+// each other.
 #include "ops.h"
 
 namespace llm_forge {
@@ -16,6 +18,13 @@ enum LinearKind : int64_t { kPackedBf16 = 0, kPackedInt4 = 1, kDense = 2, kTorch
 // weight, scales, prequant, bias], then the final norm.
 constexpr int64_t kSlotsPerLinear = 4;
 constexpr int64_t kSlotsPerLayer = 2 + 4 * kSlotsPerLinear;
+
+// LoRA: per layer, projection and run of rows, four slots: A^T [in, r] and B^T [r, out] in
+// float32, then A and B packed for the bf16 kernel when the run takes it (else empty). An empty
+// first slot: the run's adapter leaves that projection alone.
+constexpr int64_t kLoraSlotsPerRun = 4;
+// Runs below this many rows take lora_add_rows (lora/batch.py's PACKED_MIN_ROWS: the same choice).
+constexpr int64_t kLoraFewRows = 4;
 
 using Weights = c10::List<c10::optional<at::Tensor>>;
 
@@ -52,6 +61,33 @@ at::Tensor project(const at::Tensor& x, const Weights& weights, int64_t slot, in
   }
 }
 
+// out[rows of each run] += in[rows] @ A^T @ B^T, in place.
+void add_lora(const at::Tensor& in, at::Tensor& out, const Weights& lora, at::IntArrayRef runs,
+              int64_t projection) {
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) / 2;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    const int64_t slot = (projection * num_runs + r) * kLoraSlotsPerRun;
+    const c10::optional<at::Tensor> a = lora.get(slot);
+    if (!a.has_value()) continue;
+    const int64_t start = runs[2 * r], rows = runs[2 * r + 1] - start;
+    const at::Tensor xs = rows == in.size(0) ? in : in.narrow(0, start, rows);
+    const c10::optional<at::Tensor> a_packed = lora.get(slot + 2);
+    at::Tensor target = rows == out.size(0) ? out : out.narrow(0, start, rows);
+    if (!a_packed.has_value() && rows < kLoraFewRows) {
+      lora_add_rows(target, xs, *a, required(lora, slot + 1));
+      continue;
+    }
+    at::Tensor delta;
+    if (a_packed.has_value()) {
+      const at::Tensor y = linear_bf16_packed(xs, *a_packed, c10::nullopt, a->size(1), false);
+      delta = linear_bf16_packed(y, required(lora, slot + 3), c10::nullopt, out.size(1), false);
+    } else {
+      delta = at::mm(at::mm(xs.to(at::kFloat), *a), required(lora, slot + 1));
+    }
+    target.add_(delta.scalar_type() == out.scalar_type() ? delta : delta.to(out.scalar_type()));
+  }
+}
+
 }  // namespace
 
 at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
@@ -61,12 +97,18 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           const at::Tensor& v_cache, const Weights& weights,
                           at::IntArrayRef kinds, at::IntArrayRef out_features,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t tokens_per_block, double eps, double scale) {
+                          int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
+                          const Weights& lora, at::IntArrayRef lora_runs) {
   const int64_t layers = k_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer + 1 &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   out_features.size() == kinds.size() && group_sizes.size() == kinds.size(),
               "decode_forward: weights for ", layers, " layers expected");
+  TORCH_CHECK(lora_runs.size() % 2 == 0 &&
+                  static_cast<int64_t>(lora.size()) ==
+                      4 * layers * static_cast<int64_t>(lora_runs.size() / 2) * kLoraSlotsPerRun,
+              "decode_forward: LoRA slots for ", layers, " layers and ", lora_runs.size() / 2,
+              " runs expected");
   const int64_t q_size = num_heads * head_dim;
   at::Tensor x = hidden.contiguous();  // this step's own buffer: the residual stream lives in it
   at::Tensor residual = x;
@@ -74,8 +116,13 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     const int64_t base = layer * kSlotsPerLayer;
     auto proj = [&](int64_t i, const at::Tensor& in) {
       const int64_t p = 4 * layer + i;
-      return project(in, weights, base + 2 + i * kSlotsPerLinear, kinds[p], out_features[p],
-                     group_sizes[p]);
+      at::Tensor out = project(in, weights, base + 2 + i * kSlotsPerLinear, kinds[p],
+                               out_features[p], group_sizes[p]);
+      if (!lora_runs.empty()) {
+        out = out.contiguous();
+        add_lora(in, out, lora, lora_runs, p);
+      }
+      return out;
     };
     at::Tensor h = layer == 0 ? rms_norm(x, required(weights, base), eps)
                               : add_rms_norm(x, residual, required(weights, base), eps);

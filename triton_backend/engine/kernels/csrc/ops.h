@@ -49,6 +49,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
                            int64_t tokens_per_block, double scale);
 
+// out[i] += (x[i] @ a) @ b in place on a few rows (a LoRA delta: a = A^T, b = B^T, float32).
+void lora_add_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b);
+
 at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start,
@@ -57,6 +60,8 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           const c10::List<c10::optional<at::Tensor>>& weights,
                           at::IntArrayRef kinds, at::IntArrayRef out_features,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t tokens_per_block, double eps, double scale);
+                          int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
+                          const c10::List<c10::optional<at::Tensor>>& lora,
+                          at::IntArrayRef lora_runs);
 
 }  // namespace llm_forge

@@ -22,9 +22,12 @@ TORCH_LIBRARY(llm_forge, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start, int tokens_per_block, float scale) -> Tensor",
         &llm_forge::paged_attention);
+  m.def("lora_add_rows(Tensor(a!) out, Tensor x, Tensor a, Tensor b) -> ()",
+        &llm_forge::lora_add_rows);
   m.def("decode_forward(Tensor hidden, Tensor positions, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] weights, int[] kinds, "
         "int[] out_features, int[] group_sizes, int num_heads, int num_kv_heads, int head_dim, "
-        "int tokens_per_block, float eps, float scale) -> Tensor", &llm_forge::decode_forward);
+        "int tokens_per_block, float eps, float scale, Tensor?[] lora, int[] lora_runs) -> Tensor",
+        &llm_forge::decode_forward);
 }
