@@ -97,6 +97,31 @@ def test_sixteen_mixed_requests_equal_their_solo_outputs(lora_build):
     assert len({tuple(r.output_ids) for r in same}) == 3
 
 
+def test_guided_requests_with_adapters_follow_their_guide_and_their_adapter(lora_build):
+    """Guided decoding (the logits mask) and adapters (the projections) in one request and one
+    batch: each guided output is valid for its schema and equals its solo run; the adapter
+    still decides among the valid outputs (A and the base answer differently)."""
+    from test_guided import SCHEMAS, _check_valid, _guide
+
+    _, _, engine_dir = lora_build
+    ids = _task_ids(engine_dir)
+    tasks = [ids["adapter-a"], None, ids["adapter-b"], ids["adapter-a"], None, None]
+    requests = [Request([5 + i, 9, 13, 21 + i], 80, lora_task_id=t,
+                        guided_decoding=_guide("json_schema", SCHEMAS[3]) if i < 4 else None)
+                for i, t in enumerate(tasks)]
+    engine = LLMEngine(engine_dir, enable_prefix_caching=False)
+    together = generate(engine, requests)
+    for request, result in zip(requests, together):
+        if request.guided_decoding is not None:
+            _check_valid(engine_dir, request, result)
+        assert generate(engine, [request])[0].output_ids == result.output_ids
+    same = [Request([5, 9, 13, 21], 80, lora_task_id=t,
+                    guided_decoding=_guide("json_schema", SCHEMAS[3]))
+            for t in (ids["adapter-a"], None)]
+    a, base = generate(engine, same)
+    assert a.output_ids != base.output_ids
+
+
 def test_prefix_cache_never_shares_blocks_across_adapters(lora_build):
     _, _, engine_dir = lora_build
     ids = _task_ids(engine_dir)
