@@ -342,3 +342,129 @@ def test_bad_top_logprobs_are_400s(served, fields, param, message):
     with pytest.raises(openai.BadRequestError) as info:
         served.client().completions.create(model=NAME, prompt="x", max_tokens=4, logprobs=21)
     assert info.value.body["param"] == "logprobs"
+
+
+# -- tool calling and n choices (the official client) ----------------------------------------
+OBJECT_SCHEMAS = [s for s in SCHEMAS if s.get("type") == "object"]
+CLOCK = {"type": "function", "function": {"name": "read_clock", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def _tool(i: int) -> dict:
+    return {"type": "function", "function": {
+        "name": f"record_{i}", "description": "Record the answer",
+        "parameters": OBJECT_SCHEMAS[i % len(OBJECT_SCHEMAS)]}}
+
+
+def _calls(client, stream: bool, **fields) -> tuple[list, str]:
+    """(tool calls as (name, arguments text), finish reason) of one chat, streamed or not."""
+    fields.setdefault("max_tokens", 256)
+    fields.setdefault("messages", MESSAGES)
+    if not stream:
+        choice = client.chat.completions.create(model=NAME, **fields).choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.message.content is None
+        return [(c.function.name, c.function.arguments) for c in calls], choice.finish_reason
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(model=NAME, stream=True, **fields):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            call = calls.setdefault(delta.index, ["", ""])
+            call[0] += delta.function.name or ""
+            call[1] += delta.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_required_and_named_tool_calls_validate_twenty_of_twenty(served):
+    client = served.client()
+
+    def run(i: int):
+        tools = [_tool(i), CLOCK]
+        choice = ("required" if i % 2 else
+                  {"type": "function", "function": {"name": f"record_{i}"}})
+        return _calls(client, i % 3 == 0, tools=tools, tool_choice=choice,
+                      parallel_tool_calls=False,
+                      **({"temperature": 0.8, "seed": i} if i % 4 == 1 else {}))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(20)))
+    for i, (calls, finish) in enumerate(results):
+        assert finish == "tool_calls" and len(calls) == 1, (i, calls, finish)
+        name, arguments = calls[0]
+        schema = {f"record_{i}": OBJECT_SCHEMAS[i % len(OBJECT_SCHEMAS)],
+                  "read_clock": CLOCK["function"]["parameters"]}[name]
+        assert name == f"record_{i}" or i % 2, (i, name)  # a named function is that one
+        jsonschema.validate(json.loads(arguments), schema)
+
+
+def test_a_follow_up_with_the_tool_result_is_answered(served):
+    client = served.client()
+    first = client.chat.completions.create(
+        model=NAME, max_tokens=64, tools=[CLOCK], tool_choice="required",
+        messages=[{"role": "user", "content": "What time is it in Paris?"}])
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls"
+    follow_up = [{"role": "user", "content": "What time is it in Paris?"},
+                 message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "14:05"}]
+    answer = client.chat.completions.create(model=NAME, max_tokens=32, messages=follow_up,
+                                            tools=[CLOCK], tool_choice="none")
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"tools": [CLOCK]}, "tool_choice", "tool_choice: auto is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": "low"}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters",
+     "tools[0].function.parameters: invalid JSON schema"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "tool_choice names function 'nope'"),
+    ({"n": 0}, "n", "n must be in [1, 16], got 0"),
+    ({"n": 17}, "n", "n must be in [1, 16], got 17"),
+])
+def test_bad_tools_and_n_are_400s_and_the_server_keeps_serving(served, fields, param, message):
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, max_tokens=8, messages=MESSAGES, **fields)
+    assert info.value.body["param"] == param
+    assert info.value.body["message"].startswith(message), info.value.body
+    text, _ = _chat(client, False, max_tokens=4)
+    assert text
+
+
+def test_n_choices_equal_single_requests_with_the_derived_seeds(served):
+    """Four sampled choices with seed s are the four single requests with seeds s..s+3, streamed
+    or not; the prompt's blocks are computed once (three choices hit the prefix cache)."""
+    client = served.client()
+    messages = [{"role": "user", "content": "Write one sentence about the sea. " * 6}]
+    sampling = {"temperature": 0.8, "top_k": 20, "min_tokens": 16}
+
+    def single(seed: int) -> str:
+        reply = client.chat.completions.create(model=NAME, max_tokens=16, messages=messages,
+                                               seed=seed, extra_body=sampling)
+        return reply.choices[0].message.content
+
+    single(1)  # the prompt's blocks are in the prefix cache for every request below
+    before = executor_stats(served)
+    reply = client.chat.completions.create(model=NAME, max_tokens=16, messages=messages, n=4,
+                                           seed=40, extra_body=sampling)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert reply.usage.completion_tokens == 64
+    time.sleep(0.2)
+    after = executor_stats(served)
+    prompt_tokens = reply.usage.prompt_tokens
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= \
+        4 * 16 * ((prompt_tokens - 1) // 16)
+    texts = [c.message.content for c in reply.choices]
+    assert texts == [single(40 + i) for i in range(4)]
+    assert len(set(texts)) > 1  # sampled with different seeds: not one answer four times
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=NAME, max_tokens=16, messages=messages,
+                                                n=4, seed=40, stream=True, extra_body=sampling):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[i] for i in range(4)] == texts

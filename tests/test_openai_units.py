@@ -67,7 +67,8 @@ def refused(body: dict, kind=CompletionRequest) -> OpenAIError:
     ({"temperature": math.nan}, "temperature", "temperature: Input should be a finite number"),
     ({"temperature": 2.5}, "temperature", "temperature: Input should be less than or equal to 2"),
     ({"top_p": 0}, "top_p", "top_p: Input should be greater than 0, got 0"),
-    ({"n": 2}, "n", "n: only 1 choice per request is supported, got 2"),
+    ({"n": 0}, "n", "n must be in [1, 16], got 0"),
+    ({"n": 17}, "n", "n must be in [1, 16], got 17"),
     ({"seed": -3}, "seed", "seed: Input should be greater than or equal to 0, got -3"),
     ({"stop": ["", "x"]}, "stop", "stop: stop strings must not be empty"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
@@ -85,7 +86,9 @@ def refused(body: dict, kind=CompletionRequest) -> OpenAIError:
      "guided_choice: only one structured output constraint per request, got guided_regex, "
      "guided_choice"),
     ({"tools": [{"type": "function"}]}, "tools",
-     "tools: tool calling is not supported by this server"),
+     "tools: tool calling is served on /v1/chat/completions"),
+    ({"functions": [{"name": "f"}]}, "functions",
+     "functions: the deprecated form is not supported; send tools on /v1/chat/completions"),
 ])
 def test_bad_completion_requests_name_the_field(body, param, message):
     error = refused({"model": "m", "prompt": "hi", **body})
@@ -98,9 +101,8 @@ def test_missing_fields_and_chat_only_refusals():
     assert (error.status, error.param, error.message) == (400, "model", "model: Field required")
     error = refused({"model": "m", "messages": [{"content": "hi"}]}, ChatCompletionRequest)
     assert (error.param, error.message) == ("messages[0].role", "messages[0].role: Field required")
-    error = refused({"model": "m", "messages": [], "tools": [{"type": "function"}]},
-                    ChatCompletionRequest)
-    assert error.message == "tools: tool calling is not supported by this server"
+    error = refused({"model": "m", "messages": [], "n": 0}, ChatCompletionRequest)
+    assert (error.param, error.message) == ("n", "n must be in [1, 16], got 0")
 
 
 def test_conversation_checks_roles_and_content():
@@ -112,9 +114,15 @@ def test_conversation_checks_roles_and_content():
                      {"role": "assistant", "content": ""}]
     for messages, param, message in [
             ([], "messages", "messages: must hold at least one message"),
-            ([ChatMessage(role="tool", content="x")], "messages[0].role",
-             "messages[0].role: must be one of system, user, assistant (or developer), "
-             "got 'tool'"),
+            ([ChatMessage(role="function", content="x")], "messages[0].role",
+             "messages[0].role: must be one of system, user, assistant, tool (or developer), "
+             "got 'function'"),
+            ([ChatMessage(role="tool", content="x")], "messages[0].tool_call_id",
+             "messages[0].tool_call_id: required for role 'tool'"),
+            ([ChatMessage(role="assistant", content=None, tool_calls=[
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}])],
+             "messages[0].tool_calls[0]", "messages[0].tool_calls[0].function.arguments is not "
+                                          "valid JSON"),
             ([ChatMessage(role="user", content=[{"type": "image_url"}])],
              "messages[0].content[0]", "messages[0].content[0]: only text parts are supported"),
             ([ChatMessage(role="user")], "messages[0].content",
@@ -186,8 +194,11 @@ def test_triton_errors_are_classified_and_renamed(message, status, param, text):
 
 def test_response_objects():
     builder = ResponseBuilder("chat", "chatcmpl-1", 5, "m")
-    full = builder.full("hi", "stop", {"prompt_tokens": 1}, None)
+    full = builder.full([builder.choice(0, "hi", "stop", None)], {"prompt_tokens": 1})
     assert full["object"] == "chat.completion" and full["choices"][0]["message"]["content"] == "hi"
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert builder.choice(1, '{"name": "f"}', "tool_calls", None, [call])["message"] == {
+        "role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
     chunk = builder.chunk("h", None, None, with_usage_field=True, role="assistant")
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "h"}
     assert chunk["usage"] is None and builder.usage_chunk({"x": 1})["choices"] == []

@@ -14,9 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from builder.openai.errors import OpenAIError, bad_request
 from builder.openai.structured import request_guide
+from builder.openai.tools import ToolPlan, tool_plan
 
 FiniteFloat = dict(allow_inf_nan=False)
 UINT64_LIMIT = 2 ** 64
+MAX_CHOICES = 16  # `n`: choices per request (each one a request to the engine)
 
 
 class StreamOptions(BaseModel):
@@ -46,9 +48,9 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, **FiniteFloat)
     # Structured output (`structured.py`); vLLM's guided_* / structured_outputs arrive as extras.
     response_format: dict[str, Any] | None = None
-    # Declared so that they are refused by name on both endpoints, never silently ignored.
+    # Tool calling (`tools.py`) on chat; refused by name on completions, never ignored.
     tools: list[Any] | None = None
-    functions: list[Any] | None = None
+    functions: list[Any] | None = None  # the deprecated form: refused by name
 
     @property
     def include_usage(self) -> bool:
@@ -77,6 +79,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -85,8 +89,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 def _check_shared(request: SamplingRequest) -> None:
-    if request.n not in (None, 1):
-        raise bad_request("n", f"n: only 1 choice per request is supported, got {request.n}")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise bad_request("n", f"n must be in [1, {MAX_CHOICES}], got {request.n}")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options", "stream_options: only allowed when stream is true")
     if request.logit_bias:
@@ -97,15 +101,17 @@ def _check_shared(request: SamplingRequest) -> None:
             and request.min_tokens > request.max_tokens):
         raise bad_request("min_tokens", f"min_tokens ({request.min_tokens}) must not exceed "
                                         f"max_tokens ({request.max_tokens})")
-    for name in ("tools", "functions"):
-        if getattr(request, name):
-            raise bad_request(name, f"{name}: tool calling is not supported by this server")
+    if request.functions:
+        raise bad_request("functions", "functions: the deprecated form is not supported; send "
+                                       "tools on /v1/chat/completions")
     request_guide(request)  # a 400 naming the field for a malformed constraint
 
 
 def check_completion(request: CompletionRequest) -> str:
     """Refuse what we cannot honour; return the one prompt string."""
     _check_shared(request)
+    if request.tools:
+        raise bad_request("tools", "tools: tool calling is served on /v1/chat/completions")
     if request.echo:
         raise bad_request("echo", "echo: not supported by this server")
     if request.suffix:
@@ -125,10 +131,17 @@ def check_completion(request: CompletionRequest) -> str:
     return prompt
 
 
-def check_chat(request: ChatCompletionRequest) -> None:
+def check_chat(request: ChatCompletionRequest) -> ToolPlan | None:
+    """Refuse what we cannot honour; return the request's tool plan (None: plain text)."""
     _check_shared(request)
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs", "top_logprobs: needs logprobs true")
+    plan = tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls)
+    if plan is not None and request_guide(request) is not None:
+        raise bad_request("tool_choice", f"tool_choice: calls are written under their own "
+                                         f"schema; drop {request_guide(request).field} or "
+                                         f"send tool_choice \"none\"")
+    return plan
 
 
 def _location(loc: tuple) -> str:

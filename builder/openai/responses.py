@@ -75,29 +75,39 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def full(self, text: str, finish_reason: str, counts: dict,
-             logprobs: dict | None) -> dict:
-        """The non-streamed response."""
+    def choice(self, index: int, text: str | None, finish_reason: str, logprobs: dict | None,
+               tool_calls: list[dict] | None = None) -> dict:
+        """One choice of the non-streamed response (`tool_calls`: the message's calls; its
+        content is then null, as OpenAI's)."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                              "refusal": None},
-                      "logprobs": logprobs, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-        return {**self._envelope(False), "choices": [choice], "usage": counts}
+            message = {"role": "assistant", "content": None if tool_calls else text,
+                       "refusal": None}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def full(self, choices: list[dict], counts: dict) -> dict:
+        """The non-streamed response."""
+        return {**self._envelope(False), "choices": choices, "usage": counts}
 
     def chunk(self, text: str | None, finish_reason: str | None, logprobs: dict | None,
-              with_usage_field: bool, role: str | None = None) -> dict:
-        """One stream chunk; `with_usage_field` adds `usage: null` (include_usage is on)."""
+              with_usage_field: bool, role: str | None = None, index: int = 0,
+              tool_calls: list[dict] | None = None) -> dict:
+        """One stream chunk of choice `index`; `with_usage_field` adds `usage: null`
+        (include_usage is on); `tool_calls`: the delta's calls (each with its `index`)."""
         if self.kind == "chat":
             delta = {} if text is None else {"content": text}
             if role:
                 delta = {"role": role, **delta}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish_reason}
         body = {**self._envelope(True), "choices": [choice]}
         if with_usage_field:

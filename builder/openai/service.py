@@ -2,14 +2,21 @@
 prompt, the ensemble's inputs, the response envelope), whose chunks stream from Triton and become
 either one response object or a sequence of stream chunks.
 
-Admission: at most `max_concurrent_requests` generations run at once; one more is refused with a
-429 before anything reaches Triton, so a burst cannot queue without bound behind the executor.
+Admission: at most `max_concurrent_requests` requests to Triton run at once (a request with
+`n` choices counts `n`); one more is refused with a 429 before anything reaches Triton, so a
+burst cannot queue without bound behind the executor.
+
+`n` choices are `n` requests to Triton, choice i with `seed + i` when the request has a seed (so
+a single request with that seed reproduces choice i), all with the same prompt. Choice 0 goes
+first and the others once its first token is out: by then the prompt's blocks are in the
+engine's prefix cache and the others reuse them instead of computing the prompt again.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from builder.openai import mapping
@@ -21,7 +28,10 @@ from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest, S
 from builder.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
                                       usage)
 from builder.openai.structured import Guide, rename_guide_error, request_guide
+from builder.openai.tools import ToolPlan, tool_calls
 from builder.openai.triton import Chunk, TritonBackend
+
+SEED_LIMIT = 2 ** 64
 
 
 @dataclass
@@ -35,10 +45,50 @@ class Generation:
     builder: ResponseBuilder
     guide: Guide | None = None
     top_logprobs: int = 0  # alternatives per token (chat top_logprobs, completions logprobs)
+    tools: ToolPlan | None = None
 
     @property
     def stream(self) -> bool:
         return self.request.stream
+
+    @property
+    def n(self) -> int:
+        return self.request.n or 1
+
+    def choice_values(self, index: int) -> dict[str, object]:
+        """Choice `index`'s inputs: the request's, with `seed + index` when it has a seed."""
+        seed = self.values.get("seed")
+        if index == 0 or seed is None:
+            return self.values
+        return {**self.values, "seed": (seed + index) % SEED_LIMIT}
+
+
+@dataclass
+class ChoiceText:
+    """What one choice has gathered so far."""
+
+    texts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    top: list = field(default_factory=list)
+    last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.texts.append(chunk.text)
+        self.ids.extend(chunk.token_ids)
+        self.log_probs.extend(chunk.log_probs)
+        self.top.extend(chunk.top)
+        self.last = chunk
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def usage_of(choices: list[ChoiceText]) -> dict:
+    """The prompt once, the completion tokens of every choice."""
+    ended = [c.last for c in choices if c.last is not None]
+    return usage(ended[0].num_input_tokens, sum(c.num_output_tokens for c in ended))
 
 
 class OpenAIService:
@@ -75,16 +125,16 @@ class OpenAIService:
 
     def chat(self, request: ChatCompletionRequest) -> Generation:
         task_id = self._check_model(request)
-        check_chat(request)
-        guide = request_guide(request)
-        prompt = self.renderer.render(request.messages)
+        tools = check_chat(request)
+        guide = tools.guide if tools else request_guide(request)
+        prompt = self.renderer.render(request.messages, tools.tools if tools else None)
         max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
         values = mapping.ensemble_values(request, prompt, max_tokens, request.logprobs, guide,
                                          task_id)
         top = request.top_logprobs or 0
         self._top(values, top, "top_logprobs")
         return Generation(request, values, "messages", request.logprobs,
-                          self._builder("chat", request.model), guide, top)
+                          self._builder("chat", request.model), guide, top, tools)
 
     def _top(self, values: dict, top: int, field: str) -> None:
         """Alternatives come from the tensorrt_llm model's own outputs: the direct path only."""
@@ -107,24 +157,76 @@ class OpenAIService:
         return max(1, limits.max_seq_len - num_prompt)
 
     # -- generations -> chunks -> responses -----------------------------------------------------
-    async def chunks(self, generation: Generation) -> AsyncIterator[Chunk]:
-        """Triton's chunks for one generation; raises `OpenAIError` (429 when full)."""
-        if self.in_flight >= self.config.max_concurrent_requests:
+    async def chunks(self, generation: Generation) -> AsyncIterator[tuple[int, Chunk]]:
+        """(choice index, chunk) from Triton for one generation; raises `OpenAIError` (429 when
+        full). Closing it early cancels every choice's request in Triton."""
+        n = generation.n
+        if self.in_flight + n > self.config.max_concurrent_requests:
             raise busy(f"the server is busy: {self.in_flight} requests in flight, the limit is "
                        f"{self.config.max_concurrent_requests}; retry later")
-        self.in_flight += 1
+        self.in_flight += n
         try:
-            async for chunk in self.backend.generate(generation.values, generation.builder.id,
-                                                     generation.prompt_field,
-                                                     generation.log_probs):
-                yield chunk
+            if n == 1:
+                async for chunk in self._choice(generation, 0):
+                    yield 0, chunk
+            else:
+                async for item in self._choices(generation):
+                    yield item
         except OpenAIError as exc:
             if exc.param in ("guided_decoding_guide", "guided_decoding_guide_type"):
                 raise bad_request(generation.guide.field if generation.guide else exc.param,
                                   rename_guide_error(exc.message, generation.guide)) from None
             raise
         finally:
-            self.in_flight -= 1
+            self.in_flight -= n
+
+    def _choice(self, generation: Generation, index: int) -> AsyncIterator[Chunk]:
+        request_id = generation.builder.id if generation.n == 1 else \
+            f"{generation.builder.id}-{index}"
+        return self.backend.generate(generation.choice_values(index), request_id,
+                                     generation.prompt_field, generation.log_probs)
+
+    async def _choices(self, generation: Generation) -> AsyncIterator[tuple[int, Chunk]]:
+        """Every choice's chunks as they come; choice 0 first, the others from its first
+        token on. The first error ends them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+        first = asyncio.Event()
+        done = object()
+
+        async def pump(index: int) -> None:
+            end: object = done
+            try:
+                async for chunk in self._choice(generation, index):
+                    first.set()
+                    queue.put_nowait((index, chunk, None))
+            except Exception as exc:  # OpenAIError or a failure: the consumer raises it
+                end = exc
+            finally:
+                first.set()
+            queue.put_nowait((index, None, end))
+
+        tasks = [asyncio.ensure_future(pump(0))]
+
+        async def start_rest() -> None:
+            await first.wait()
+            tasks.extend(asyncio.ensure_future(pump(i)) for i in range(1, generation.n))
+
+        starter = asyncio.ensure_future(start_rest())
+        remaining = generation.n
+        try:
+            while remaining:
+                index, chunk, end = await queue.get()
+                if chunk is not None:
+                    yield index, chunk
+                    continue
+                remaining -= 1
+                if end is not done:
+                    raise end
+        finally:
+            starter.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(starter, *tasks, return_exceptions=True)
 
     def token_text(self, token_id: int) -> str:
         """The text a token adds to the answer: a special token (the end token) adds none
@@ -143,15 +245,22 @@ class OpenAIService:
             return chat_logprobs(chunk_ids, chunk_log_probs, self.token_text, top)
         return completion_logprobs(chunk_ids, chunk_log_probs, self.token_text, text_offset, top)
 
-    async def respond(self, generation: Generation, chunks: AsyncIterator[Chunk]) -> dict:
+    async def respond(self, generation: Generation,
+                      chunks: AsyncIterator[tuple[int, Chunk]]) -> dict:
         """Gather every chunk into the non-streamed response."""
-        texts, ids, log_probs, top, last = [], [], [], [], None
-        async for chunk in chunks:
-            texts.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            log_probs.extend(chunk.log_probs)
-            top.extend(chunk.top)
-            last = chunk
-        counts = usage(last.num_input_tokens, last.num_output_tokens)
-        return generation.builder.full("".join(texts), mapping.finish_reason(last.finish_reason),
-                                       counts, self.logprobs(generation, ids, log_probs, 0, top))
+        choices = [ChoiceText() for _ in range(generation.n)]
+        async for index, chunk in chunks:
+            choices[index].add(chunk)
+        return generation.builder.full([self.choice(generation, i, c)
+                                        for i, c in enumerate(choices)], usage_of(choices))
+
+    def choice(self, generation: Generation, index: int, gathered: ChoiceText) -> dict:
+        """One finished choice: its text, or its tool calls when tools were asked for and the
+        answer is a whole call."""
+        reason = mapping.finish_reason(gathered.last.finish_reason)
+        calls = None
+        if generation.tools is not None and reason == "stop":
+            calls = tool_calls(generation.tools, gathered.text)
+        logprobs = self.logprobs(generation, gathered.ids, gathered.log_probs, 0, gathered.top)
+        return generation.builder.choice(index, gathered.text, "tool_calls" if calls else reason,
+                                         logprobs, calls)

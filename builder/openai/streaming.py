@@ -2,8 +2,12 @@
 
 Chat streams open with the assistant role, then the content deltas; the chunk of the last
 Triton response carries the finish reason; with `stream_options.include_usage` every chunk has
-`usage: null` and a last chunk without choices carries the counts. An error after the first
-event (headers are sent by then) becomes an `error` event, which the official client raises.
+`usage: null` and a last chunk without choices carries the counts. With `n` choices each chunk
+names its choice's `index` (each chat choice opens with its role) and chunks of different
+choices interleave as they come. With tools, a choice's text is held until it ends: then one
+chunk carries its whole `tool_calls` (or, for an answer cut at max_tokens, the text) and the
+finish reason. An error after the first event (headers are sent by then) becomes an `error`
+event, which the official client raises.
 """
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ from typing import AsyncIterator
 
 from builder.openai import mapping
 from builder.openai.errors import OpenAIError, internal
-from builder.openai.responses import usage
-from builder.openai.service import Generation, OpenAIService
+from builder.openai.service import ChoiceText, Generation, OpenAIService, usage_of
+from builder.openai.tools import tool_calls
 from builder.openai.triton import Chunk
 
 DONE = "data: [DONE]\n\n"
@@ -23,31 +27,57 @@ def event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _with_first(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+async def _with_first(first: tuple[int, Chunk],
+                      rest: AsyncIterator[tuple[int, Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
     yield first
-    async for chunk in rest:
-        yield chunk
+    async for item in rest:
+        yield item
 
 
-async def sse_events(service: OpenAIService, generation: Generation, first: Chunk,
-                     rest: AsyncIterator[Chunk]) -> AsyncIterator[str]:
+def _tool_events(service: OpenAIService, generation: Generation, index: int,
+                 gathered: ChoiceText, reason: str, include_usage: bool) -> list[str]:
+    """A tool-calling choice at its end: its calls (or its text, if it is not a whole call) and
+    its finish reason."""
+    builder = generation.builder
+    calls = tool_calls(generation.tools, gathered.text) if reason == "stop" else None
+    logprobs = service.logprobs(generation, gathered.ids, gathered.log_probs, 0, gathered.top)
+    if calls is None:
+        return [event(builder.chunk(gathered.text, reason, logprobs, include_usage,
+                                    index=index))]
+    deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+    return [event(builder.chunk(None, None, logprobs, include_usage, index=index,
+                                tool_calls=deltas)),
+            event(builder.chunk(None, "tool_calls", None, include_usage, index=index))]
+
+
+async def sse_events(service: OpenAIService, generation: Generation, first: tuple[int, Chunk],
+                     rest: AsyncIterator[tuple[int, Chunk]]) -> AsyncIterator[str]:
     """Every event of the stream. Closing it early (client gone) closes `rest`, which cancels
     the request in Triton."""
     builder, include_usage = generation.builder, generation.request.include_usage
+    choices = [ChoiceText() for _ in range(generation.n)]
+    offsets = [0] * generation.n
     if builder.kind == "chat":
-        yield event(builder.chunk("", None, None, include_usage, role="assistant"))
-    offset, last = 0, first
+        for index in range(generation.n):
+            yield event(builder.chunk("", None, None, include_usage, role="assistant",
+                                      index=index))
     try:
-        async for chunk in _with_first(first, rest):
-            last = chunk
+        async for index, chunk in _with_first(first, rest):
+            choices[index].add(chunk)
             reason = mapping.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
+            if generation.tools is not None:
+                if reason:
+                    for text in _tool_events(service, generation, index, choices[index], reason,
+                                             include_usage):
+                        yield text
+                continue
             if not (chunk.text or reason or (generation.log_probs and chunk.token_ids)):
                 continue  # nothing new (e.g. bytes of a character not complete yet)
-            logprobs = service.logprobs(generation, chunk.token_ids, chunk.log_probs, offset,
-                                        chunk.top)
-            offset += len(chunk.text)
+            logprobs = service.logprobs(generation, chunk.token_ids, chunk.log_probs,
+                                        offsets[index], chunk.top)
+            offsets[index] += len(chunk.text)
             text = chunk.text if (chunk.text or builder.kind != "chat") else None
-            yield event(builder.chunk(text, reason, logprobs, include_usage))
+            yield event(builder.chunk(text, reason, logprobs, include_usage, index=index))
     except OpenAIError as exc:
         yield event(exc.body())
         yield DONE
@@ -59,5 +89,5 @@ async def sse_events(service: OpenAIService, generation: Generation, first: Chun
     finally:
         await rest.aclose()
     if include_usage:
-        yield event(builder.usage_chunk(usage(last.num_input_tokens, last.num_output_tokens)))
+        yield event(builder.usage_chunk(usage_of(choices)))
     yield DONE
