@@ -22,7 +22,6 @@ with another scheduler setting) to the same run.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -37,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from builder.checkpoint import sha256_file  # noqa: E402
 from builder.serve import free_port  # noqa: E402
 
 # (key in vLLM's result JSON, column name, ratio shown)
@@ -79,14 +79,6 @@ def busy_before(seconds: float = 3.0) -> float:
     return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def engine_of(repository: Path) -> tuple[Path, str, dict]:
     """The engine directory a repository serves, its name and its manifest."""
     from builder.repository_target import served_engine
@@ -109,7 +101,7 @@ def checkpoint_of(manifest: dict, override: str | None) -> tuple[Path, bool]:
     checkpoint = resolve_checkpoint(source, log=lambda message: None)
     expected = manifest.get("checkpoint_files") or {}
     same = bool(expected) and all((checkpoint / name).is_file()
-                                  and sha256(checkpoint / name) == digest
+                                  and sha256_file(checkpoint / name) == digest
                                   for name, digest in expected.items())
     return checkpoint, same
 

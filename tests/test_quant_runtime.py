@@ -56,18 +56,25 @@ def _int4_linear(out_f: int, in_f: int, group: int, prequant: bool, bias: bool):
     return linear, int4.dequantize(q, scales), pre, b
 
 
+def _plan_int4(monkeypatch, choice) -> None:
+    """Every INT4 layer built from here on takes `choice` (an Int4Choice, or None: no kernel)
+    instead of the machine's plan; skips when the C++ kernels did not build and a choice
+    needs them."""
+    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.quant import linear as quant_linear
+
+    if choice is not None and not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    monkeypatch.setattr(quant_linear, "_cpp_int4_choice", lambda *shape: choice)
+
+
 @pytest.mark.parametrize("out_f,ours,kernel", [(96, True, "cpp_int4"), (40, True, "cpp_int4"),
                                                (96, False, "cpu_int4pack"), (40, False, "dequant")])
 def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypatch):
     """Each CPU path: our kernel (any even width), torch's int4pack (widths of 16), dequant."""
-    from triton_backend.engine.kernels import load_cpu_kernels
     from triton_backend.engine.kernels.linear import Int4Choice
-    from triton_backend.engine.quant import linear as quant_linear
 
-    if ours and not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build")
-    monkeypatch.setattr(quant_linear, "_cpp_int4_choice",
-                        lambda *shape: Int4Choice("cpp") if ours else None)
+    _plan_int4(monkeypatch, Int4Choice("cpp") if ours else None)
     torch.manual_seed(0)
     linear, w_ref, pre, b = _int4_linear(out_f, 64, 32, prequant=True, bias=True)
     assert linear.kernel == kernel
@@ -80,13 +87,9 @@ def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypa
 
 
 def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monkeypatch):
-    from triton_backend.engine.kernels import load_cpu_kernels
     from triton_backend.engine.kernels.linear import Int4Choice
-    from triton_backend.engine.quant import linear as quant_linear
 
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build")
-    monkeypatch.setattr(quant_linear, "_cpp_int4_choice", lambda *shape: Int4Choice("cpp", 4))
+    _plan_int4(monkeypatch, Int4Choice("cpp", 4))
     torch.manual_seed(1)
     linear, w_ref, pre, b = _int4_linear(40, 64, 32, prequant=True, bias=True)
     assert linear.upcast_min_rows == 4
@@ -98,14 +101,9 @@ def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monke
 def test_int4_linear_meets_bf16_activations_in_the_planned_dtype(monkeypatch):
     """A plan with upcast_dtype bfloat16: a bf16 prefill multiplies by the bf16-rounded weight
     (torch's bf16 GEMM); fp32 activations still take the fp32 weight, exactly."""
-    from triton_backend.engine.kernels import load_cpu_kernels
     from triton_backend.engine.kernels.linear import Int4Choice
-    from triton_backend.engine.quant import linear as quant_linear
 
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build")
-    monkeypatch.setattr(quant_linear, "_cpp_int4_choice",
-                        lambda *shape: Int4Choice("cpp", 4, "bfloat16"))
+    _plan_int4(monkeypatch, Int4Choice("cpp", 4, "bfloat16"))
     torch.manual_seed(2)
     linear, w_ref, pre, b = _int4_linear(40, 64, 32, prequant=True, bias=True)
     assert linear.upcast_dtype == torch.bfloat16
@@ -119,14 +117,9 @@ def test_int4_linear_meets_bf16_activations_in_the_planned_dtype(monkeypatch):
 def test_with_torchs_int4_kernel_a_large_prefill_dequantizes_our_layout(monkeypatch):
     """torch's int4pack wins decode-sized calls, dequantizing wins from 4 rows: our layout is kept
     beside torch's for that, and both paths multiply by the same weight."""
-    from triton_backend.engine.kernels import load_cpu_kernels
     from triton_backend.engine.kernels.linear import Int4Choice
-    from triton_backend.engine.quant import linear as quant_linear
 
-    if not load_cpu_kernels():
-        pytest.skip("the C++ kernels did not build")
-    monkeypatch.setattr(quant_linear, "_cpp_int4_choice",
-                        lambda *shape: Int4Choice("torch", 4, "bfloat16"))
+    _plan_int4(monkeypatch, Int4Choice("torch", 4, "bfloat16"))
     torch.manual_seed(3)
     linear, w_ref, pre, b = _int4_linear(96, 64, 32, prequant=True, bias=True)
     assert linear.kernel == "cpu_int4pack" and linear.tiles is not None
