@@ -113,3 +113,15 @@ def test_a_broken_engine_directory_fails_at_start_with_the_reason(tmp_path, tiny
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(EngineProcessError, match="failed to start"):
         ProcessExecutor(broken, num_kv_blocks=64)
+
+
+def test_the_engine_process_reports_the_options_it_was_built_with(tiny_engines):
+    from test_engine_options import NON_DEFAULT
+    from triton_backend.engine.engine_options import EngineOptions
+
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_threads=1, **NON_DEFAULT)
+    try:
+        assert ex.info["options"] == EngineOptions(**NON_DEFAULT)
+        assert ex.get_stats()["num_total_blocks"] == NON_DEFAULT["num_kv_blocks"]
+    finally:
+        ex.shutdown()
