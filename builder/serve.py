@@ -37,6 +37,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from builder.metrics_reader import scrape
 from triton_backend.models.serving_control import CONTROL_TOKEN_ENV, DRAIN_SECONDS_ENV
 
 LOOPBACK = "127.0.0.1"
@@ -288,14 +289,9 @@ def engine_report(metrics_url: str, timeout: float = 5.0) -> str | None:
         if time.monotonic() > deadline:
             return None
         try:
-            with urllib.request.urlopen(metrics_url, timeout=timeout) as reply:
-                text = reply.read().decode()
+            stats = scrape(metrics_url, timeout).totals()
         except (urllib.error.URLError, OSError):
             return None
-        for line in text.splitlines():
-            if line.startswith("llm_forge_executor_stats{") and 'stat="' in line:
-                name = line.split('stat="', 1)[1].split('"', 1)[0]
-                stats[name] = float(line.rsplit(" ", 1)[1])
         if "num_threads" not in stats:
             time.sleep(0.2)
     try:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from builder.metrics_reader import scrape
 from triton_backend.engine.supervision import CrashLoop, RestartPolicy
 from triton_backend.models.serving_control import PROBE_REQUEST_ID, drain_request_id
 
@@ -238,13 +239,11 @@ class Supervisor(threading.Thread):
 def active_requests(metrics_url: str, model: str = "tensorrt_llm") -> int | None:
     """Requests the model is still answering, from its `model_active_requests` counter."""
     try:
-        with urllib.request.urlopen(metrics_url, timeout=5.0) as reply:
-            text = reply.read().decode()
+        stats = scrape(metrics_url, timeout=5.0).of(model)
     except (urllib.error.URLError, OSError):
         return None
-    match = re.search(r'llm_forge_executor_stats\{(?=[^}]*model="%s")(?=[^}]*'
-                      r'stat="model_active_requests")[^}]*\} ([0-9.e+]+)' % re.escape(model), text)
-    return int(float(match.group(1))) if match else None
+    value = stats.get("model_active_requests")
+    return None if value is None else int(value)
 
 
 def drain(server, timeout: float, report: Callable[[str], None] = print,
