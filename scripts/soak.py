@@ -40,14 +40,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from builder.metrics_reader import scrape  # noqa: E402  (after the path above)
+from builder.bench.stats import percentiles  # noqa: E402  (after the path above)
+from builder.metrics_reader import scrape  # noqa: E402
 
 
-def percentile(values, q):
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+def percentile(values, q) -> float:
+    """`forge bench`'s percentile (linear interpolation); NaN when empty, so ratios stay numbers."""
+    value = percentiles(values, (q,))[f"p{q}"]
+    return float("nan") if value is None else value
 
 
 def process_tree(root_pid: int) -> list[int]:
