@@ -36,7 +36,8 @@ from typing import Callable
 
 from builder.metrics_reader import scrape
 from triton_backend.engine.supervision import CrashLoop, RestartPolicy
-from triton_backend.models.serving_control import PROBE_REQUEST_ID, drain_request_id
+from triton_backend.models.serving_control import (PROBE_REQUEST_ID, STOP_REQUEST_INPUTS,
+                                                   drain_request_id)
 
 # The messages that mean the model cannot serve: Triton's for a dead stub, ours for a dead engine.
 FAILURE_MARKERS = ("is not healthy", "the engine is down")
@@ -89,8 +90,7 @@ def _ask(http_url: str, model: str, endpoint: str, body: dict, timeout: float,
 
 def _control_request(http_url: str, model: str, request_id: str, timeout: float) -> ProbeResult:
     """A `stop` request under `request_id`, through Triton's HTTP `generate` endpoint."""
-    body = {"id": request_id, "input_ids": [0], "input_lengths": [1],
-            "request_output_len": [1], "stop": [True]}
+    body = {"id": request_id, **{name: [value] for name, value in STOP_REQUEST_INPUTS.items()}}
     return _ask(http_url, model, "generate", body, timeout)
 
 
