@@ -81,15 +81,19 @@ class ProcessExecutor:
         if self._num_blocks is not None:
             check_kv_capacity(request, self._num_blocks, self._tokens_per_block)
 
-    def enqueue_request(self, request: Request) -> int:
+    def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and send `request`; returns its id. Raises ValueError naming the bad field,
-        RuntimeError when the executor is shut down or its engine is down."""
+        RuntimeError when the executor is shut down or its engine is down.
+
+        `request_id` lets a caller that numbers requests itself choose the id (as `Executor`
+        does); it must not be in use."""
         self.validate(request)
         with self._state_lock:
             if self._closed:
                 raise RuntimeError(f"executor is shut down{self._down_reason}")
-            request_id = self._next_id
-            self._next_id += 1
+            if request_id is None:
+                request_id = self._next_id
+                self._next_id += 1
             self._in_flight.add(request_id)
             if self._restarting:
                 self._held.append((request_id, request))
