@@ -2,21 +2,13 @@
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 from pathlib import Path
 
 import click
 
+from builder.errors import EXIT_INTERNAL, fail
 from builder.serve import ALLOCATOR_PACKAGES, MALLOC_CHOICES
-
-EXIT_BAD_INPUT = 2
-
-
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
 
 @click.command("repository")
 @click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False))
@@ -47,7 +39,7 @@ def repository_command(engine_dir, output_dir, settings) -> None:
         path = emit_repository(Path(engine_dir), Path(output_dir),
                                RepositoryOptions.from_dict(repository), ServingSpec(**serving))
     except (ValueError, FileNotFoundError) as exc:  # SpecError is a ValueError
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"repository: {path}")
     for line in adapter_lines(Path(engine_dir)):
         click.echo(line)
@@ -117,7 +109,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                                     metrics_port=metrics_port, ready_timeout=ready_timeout,
                                     drain_timeout=drain_timeout, malloc=malloc)
     except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
-        _fail(str(exc), code=1)
+        fail(str(exc), code=EXIT_INTERNAL)
     try:
         click.echo(f"tritonserver ready (log: {server.log_path})")
         click.echo(f"  HTTP     http://{server.http_url}")
@@ -144,10 +136,10 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         supervisors = _start_supervisors(server, Path(repository_dir), max_reloads)
         while not stop.wait(1.0):
             if not server.is_alive():
-                _fail(f"tritonserver exited with code {server.process.returncode}:\n"
-                      f"{server.log_tail()}", code=1)
+                fail(f"tritonserver exited with code {server.process.returncode}:\n"
+                      f"{server.log_tail()}", code=EXIT_INTERNAL)
             if openai is not None and not openai.is_alive():
-                _fail("the OpenAI server stopped", code=1)
+                fail("the OpenAI server stopped", code=EXIT_INTERNAL)
         for supervisor in supervisors:
             supervisor.stop()
         from builder.supervisor import drain
@@ -218,11 +210,11 @@ def _start_openai(repository_dir, server, port, host, triton_model, max_concurre
             repository_dir, server.grpc_url, host=host, port=port, triton_model=triton_model,
             max_concurrent_requests=max_concurrent_requests, api_key=api_key)
     except (ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     try:
         openai = start_openai_server(config)
     except (RuntimeError, TimeoutError) as exc:
-        _fail(str(exc), code=1)
+        fail(str(exc), code=EXIT_INTERNAL)
     key = " (API key required)" if api_key else ""
     click.echo(f"OpenAI API ready: {openai.base_url} (model {config.model_name!r}){key}")
     auth = " -H 'Authorization: Bearer $LLM_FORGE_API_KEY'" if api_key else ""
@@ -284,6 +276,6 @@ def query_command(prompt, url, protocol, stream, model, max_tokens, temperature,
             click.echo("(the answer is empty: the model ended at once; a chat model answers "
                        "questions asked as a chat turn: --chat)", err=True)
     except RuntimeError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except Exception as exc:  # connection refused and friends
-        _fail(f"{url}: {type(exc).__name__}: {exc}", code=1)
+        fail(f"{url}: {type(exc).__name__}: {exc}", code=EXIT_INTERNAL)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import click
 
@@ -16,13 +16,17 @@ class QualityGateError(Exception):
     """A quantized engine crossed a quality threshold; the message names metric and threshold."""
 
 
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """End `forge` with `error: message` on stderr and the exit code."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
 @contextmanager
 def cli_errors() -> Iterator[None]:
     try:
         yield
     except QualityGateError as exc:
-        click.echo(f"error: quality gate failed: {exc}", err=True)
-        sys.exit(EXIT_QUALITY_GATE)
+        fail(f"quality gate failed: {exc}", EXIT_QUALITY_GATE)
     except (ValueError, FileNotFoundError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+        fail(str(exc))

@@ -17,6 +17,7 @@ from typing import Any
 from builder.checkpoint import sha256_file
 from triton_backend.engine.config import (LORA_ADAPTERS_DIR, LoraAdapterInfo, LoraConfig,
                                           ModelShape)
+from triton_backend.engine.numbers import is_int
 # Importing the spec must stay cheap (the build key imports no torch): torch comes with the
 # functions that read weights.
 
@@ -94,7 +95,7 @@ def _read_config(where: str, path: Path) -> dict:
             raise AdapterError(f"{where}: {PEFT_CONFIG} {key}={config.get(key)!r} is not "
                                f"supported")
     rank = config.get("r")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not is_int(rank) or rank < 1:
         raise AdapterError(f"{where}: {PEFT_CONFIG} r must be an integer >= 1, got {rank!r}")
     return config
 

@@ -28,6 +28,7 @@ from builder.errors import QualityGateError
 from builder.task_check import TASK_ITEMS, chat_prompt_ids, run_task_check
 from builder.quantize import calibration
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
+from triton_backend.engine.numbers import is_int, is_number
 
 QUALITY_FILE = "quality.json"
 Progress = Callable[[str], None]
@@ -64,12 +65,12 @@ class QualityThresholds:
         for name in ("max_perplexity_increase_pct", "min_top1_agreement", "min_logit_cosine",
                      "min_greedy_agreement", "min_task_retention"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (not is_number(value)):
                 raise ValueError(f"quantization.quality.{name}: a number or null, got {value!r}")
         for name in ("windows", "seq_len", "prompts", "prompt_len", "greedy_tokens",
                      "task_tokens", "task_agreement_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"quantization.quality.{name}: an integer >= 1, got {value!r}")
 
     @classmethod

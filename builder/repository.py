@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from builder.install import swap_in
 from builder.template import render
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.numbers import is_int
 from triton_backend.engine.process_executor import ENGINE_ISOLATIONS
 from triton_backend.engine.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent  # holds the triton_backen
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"repository.{name} must be an integer >= {low}, got {value!r}")
 
 

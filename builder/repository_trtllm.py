@@ -16,6 +16,7 @@ from pathlib import Path
 
 from builder.template import Raw, pbtxt_escape
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.numbers import is_number
 
 TRTLLM_TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates_trtllm"
 BACKENDS = ("auto", "tensorrtllm", "python")
@@ -29,7 +30,7 @@ def check_trtllm_options(options) -> None:
         raise ValueError(f"repository.tensorrt_llm_backend must be one of {list(BACKENDS)}, "
                          f"got {options.tensorrt_llm_backend!r}")
     fraction = options.kv_cache_free_gpu_mem_fraction
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+    if fraction is not None and (not is_number(fraction)
                                  or not 0 < fraction < 1):
         raise ValueError(f"repository.kv_cache_free_gpu_mem_fraction must be in (0, 1), "
                          f"got {fraction!r}")

@@ -37,6 +37,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from builder.metrics_reader import scrape
+from triton_backend.engine.numbers import is_number
 from triton_backend.models.serving_control import CONTROL_TOKEN_ENV, DRAIN_SECONDS_ENV
 
 LOOPBACK = "127.0.0.1"
@@ -288,14 +290,9 @@ def engine_report(metrics_url: str, timeout: float = 5.0) -> str | None:
         if time.monotonic() > deadline:
             return None
         try:
-            with urllib.request.urlopen(metrics_url, timeout=timeout) as reply:
-                text = reply.read().decode()
+            stats = scrape(metrics_url, timeout).totals()
         except (urllib.error.URLError, OSError):
             return None
-        for line in text.splitlines():
-            if line.startswith("llm_forge_executor_stats{") and 'stat="' in line:
-                name = line.split('stat="', 1)[1].split('"', 1)[0]
-                stats[name] = float(line.rsplit(" ", 1)[1])
         if "num_threads" not in stats:
             time.sleep(0.2)
     try:
@@ -320,8 +317,7 @@ def server_command(install: TritonInstall, repository: Path, ports: tuple[int, i
                    drain_timeout: float = DEFAULT_DRAIN_SECONDS) -> list[str]:
     """The tritonserver command line. On SIGTERM Triton waits up to `--exit-timeout-secs` for
     requests in flight and for unloading the models: the drain timeout plus UNLOAD_SECONDS."""
-    if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
-            or not 0 <= drain_timeout <= 3600:
+    if not is_number(drain_timeout) or not 0 <= drain_timeout <= 3600:
         raise ValueError(f"drain timeout must be a number of seconds in [0, 3600], "
                          f"got {drain_timeout!r}")
     http_port, grpc_port, metrics_port = ports

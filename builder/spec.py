@@ -16,6 +16,7 @@ import yaml
 from builder.hardware import FP8_PROFILES, GPU_PROFILES, PROFILES
 from builder.lora import LoraSpec
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
+from triton_backend.engine.numbers import is_int, is_number
 
 TARGETS_BUILT = ("torch", "naive", "trtllm")
 HARDWARE_PROFILES = tuple(PROFILES)
@@ -30,7 +31,7 @@ class SpecError(ValueError):
 
 def parse_bytes(key: str, value: Any) -> int:
     """`1073741824`, `"1GiB"`, `"512 MB"` -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
@@ -71,7 +72,7 @@ class ParallelismSpec:
     def __post_init__(self) -> None:
         for key in ("tp", "pp"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise SpecError(f"parallelism.{key}: must be an integer >= 1, got {value!r}")
 
     @property
@@ -100,11 +101,11 @@ class ServingSpec:
             value = getattr(self, key)
             if value is None and key == "max_waiting_prompt_tokens":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise SpecError(f"serving.{key} must be an integer >= 0 (0: unbounded), "
                                 f"got {value!r}")
         rate = self.priority_aging_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1e6:
+        if not is_number(rate) or not 0 < rate <= 1e6:
             raise SpecError(f"serving.priority_aging_rate must be a number of priority levels "
                             f"per second in (0, 1000000], got {rate!r}")
 

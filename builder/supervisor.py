@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from builder.metrics_reader import scrape
 from triton_backend.engine.supervision import CrashLoop, RestartPolicy
-from triton_backend.models.serving_control import PROBE_REQUEST_ID, drain_request_id
+from triton_backend.models.serving_control import (PROBE_REQUEST_ID, STOP_REQUEST_INPUTS,
+                                                   drain_request_id)
 
 # The messages that mean the model cannot serve: Triton's for a dead stub, ours for a dead engine.
 FAILURE_MARKERS = ("is not healthy", "the engine is down")
@@ -88,8 +90,7 @@ def _ask(http_url: str, model: str, endpoint: str, body: dict, timeout: float,
 
 def _control_request(http_url: str, model: str, request_id: str, timeout: float) -> ProbeResult:
     """A `stop` request under `request_id`, through Triton's HTTP `generate` endpoint."""
-    body = {"id": request_id, "input_ids": [0], "input_lengths": [1],
-            "request_output_len": [1], "stop": [True]}
+    body = {"id": request_id, **{name: [value] for name, value in STOP_REQUEST_INPUTS.items()}}
     return _ask(http_url, model, "generate", body, timeout)
 
 
@@ -238,13 +239,11 @@ class Supervisor(threading.Thread):
 def active_requests(metrics_url: str, model: str = "tensorrt_llm") -> int | None:
     """Requests the model is still answering, from its `model_active_requests` counter."""
     try:
-        with urllib.request.urlopen(metrics_url, timeout=5.0) as reply:
-            text = reply.read().decode()
+        stats = scrape(metrics_url, timeout=5.0).of(model)
     except (urllib.error.URLError, OSError):
         return None
-    match = re.search(r'llm_forge_executor_stats\{(?=[^}]*model="%s")(?=[^}]*'
-                      r'stat="model_active_requests")[^}]*\} ([0-9.e+]+)' % re.escape(model), text)
-    return int(float(match.group(1))) if match else None
+    value = stats.get("model_active_requests")
+    return None if value is None else int(value)
 
 
 def drain(server, timeout: float, report: Callable[[str], None] = print,

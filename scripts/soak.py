@@ -29,32 +29,25 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def percentile(values, q):
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+from builder.bench.stats import percentiles  # noqa: E402  (after the path above)
+from builder.metrics_reader import scrape  # noqa: E402
 
 
-def scrape_stats(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    pattern = r'llm_forge_executor_stats\{[^}]*stat="(\w+)"[^}]*\} ([0-9.e+-]+)'
-    return {k: float(v) for k, v in re.findall(pattern, text)}
+def percentile(values, q) -> float:
+    """`forge bench`'s percentile (linear interpolation); NaN when empty, so ratios stay numbers."""
+    value = percentiles(values, (q,))[f"p{q}"]
+    return float("nan") if value is None else value
 
 
 def process_tree(root_pid: int) -> list[int]:
@@ -330,7 +323,7 @@ def errors_of(records) -> list[str]:
 def wait_idle(metrics_url: str, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        stats = scrape_stats(metrics_url)
+        stats = scrape(metrics_url).totals()
         busy = sum(stats.get(k, 0) for k in ("num_used_blocks", "num_active_requests",
                                              "num_waiting_requests", "num_queued_requests",
                                              "model_active_requests", "model_tracked_ids"))

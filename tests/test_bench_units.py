@@ -250,7 +250,8 @@ def test_rewrite_workload_copies_its_input(tokenizer):
 
 def test_server_counters_over_a_level():
     from builder.bench.report import server_counters
-    from builder.bench.server_stats import level_delta, metrics_url, parse_stats
+    from builder.bench.server_stats import level_delta, metrics_url
+    from builder.metrics_reader import parse
 
     page = """# HELP llm_forge_executor_stats counters
 llm_forge_executor_stats{model="tensorrt_llm",stat="prefix_cache_queried_tokens",version="1"} %d
@@ -260,8 +261,8 @@ llm_forge_executor_stats{model="tensorrt_llm",stat="spec_num_accepted_tokens",ve
 llm_forge_executor_stats{model="tensorrt_llm",stat="spec_num_verify_steps",version="1"} %d
 nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm"} 3
 """
-    before = parse_stats(page % (1000, 0, 40, 10, 10))
-    after = parse_stats(page % (3000, 1900, 140, 70, 35))
+    before = parse(page % (1000, 0, 40, 10, 10)).totals()
+    after = parse(page % (3000, 1900, 140, 70, 35)).totals()
     assert before["prefix_cache_queried_tokens"] == 1000 and "used" not in before
     delta = level_delta(before, after)
     assert delta["prefix_cache_hit_rate"] == pytest.approx(0.95)

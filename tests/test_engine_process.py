@@ -113,3 +113,24 @@ def test_a_broken_engine_directory_fails_at_start_with_the_reason(tmp_path, tiny
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(EngineProcessError, match="failed to start"):
         ProcessExecutor(broken, num_kv_blocks=64)
+
+
+def test_the_engine_process_reports_the_options_it_was_built_with(tiny_engines):
+    from test_engine_options import NON_DEFAULT
+    from triton_backend.engine.engine_options import EngineOptions
+
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_threads=1, **NON_DEFAULT)
+    try:
+        assert ex.info["options"] == EngineOptions(**NON_DEFAULT)
+        assert ex.get_stats()["num_total_blocks"] == NON_DEFAULT["num_kv_blocks"]
+    finally:
+        ex.shutdown()
+
+
+def test_a_caller_may_choose_the_request_id_as_with_the_in_process_executor(tiny_engines):
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=64, num_threads=1)
+    try:
+        assert ex.enqueue_request(Request([5, 6, 7], 2, ignore_eos=True), request_id=77) == 77
+        assert final_response(ex, 77).request_id == 77
+    finally:
+        ex.shutdown()

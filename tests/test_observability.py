@@ -228,3 +228,15 @@ def test_every_dashboard_metric_exists_in_a_real_scrape(server):
     # and the dashboard covers every family the model publishes
     for family in METRIC_NAMES:
         assert any(n == family or n.startswith(family + "_") for n in names), family
+
+
+@pytestmark_slow
+def test_the_metrics_reader_reads_every_executor_counter_of_a_real_scrape(server):
+    from builder.metrics_reader import scrape as read_engine_stats
+
+    stats = read_engine_stats(server.metrics_url).of("tensorrt_llm")
+    published = {re.search(r'stat="([^"]+)"', labels).group(1) for name, labels in scrape(server)
+                 if name == "llm_forge_executor_stats" and 'model="tensorrt_llm"' in labels}
+    assert "num_threads" in stats and stats.keys() == published
+    assert stats["num_threads"] == value(scrape(server), "llm_forge_executor_stats",
+                                         stat="num_threads")

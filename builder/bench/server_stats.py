@@ -1,33 +1,18 @@
 """What the server itself counted during a level: its `/metrics` before and after, subtracted.
 
-llm-forge servers publish every executor counter as `llm_forge_executor_stats{stat=...}`; the
+llm-forge servers publish every executor counter (read by `builder.metrics_reader`); the
 difference over a level gives the prefix cache's hit rate and speculative decoding's acceptance
 for exactly the level's requests (warm-up requests ran before the first scrape). Servers without
 those counters (NVIDIA's backend, the naive baseline) simply report nothing.
 """
 from __future__ import annotations
 
-import re
-import urllib.request
-
-_STAT = re.compile(r'^llm_forge_executor_stats\{([^}]*)\} (\S+)$', re.MULTILINE)
-_LABEL = re.compile(r'stat="([^"]+)"')
+from builder.metrics_reader import scrape as scrape_engine_stats
 
 
 def scrape(metrics_url: str, timeout: float = 10.0) -> dict[str, float]:
     """The executor counters on `metrics_url` (`http://host:port/metrics`), summed over models."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as reply:
-        return parse_stats(reply.read().decode())
-
-
-def parse_stats(text: str) -> dict[str, float]:
-    """`llm_forge_executor_stats` samples of a Prometheus text page, by stat (models summed)."""
-    stats: dict[str, float] = {}
-    for labels, value in _STAT.findall(text):
-        name = _LABEL.search(labels)
-        if name:
-            stats[name.group(1)] = stats.get(name.group(1), 0.0) + float(value)
-    return stats
+    return scrape_engine_stats(metrics_url, timeout).totals()
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from builder.bench import corpus
+from triton_backend.engine.numbers import is_int
 
 # ~1,900 tokens in the voicebot case; `--scale` shrinks it (and the other lengths) for CPU.
 VOICEBOT_SYSTEM_TOKENS = 1900
@@ -163,7 +164,7 @@ def load_jsonl(path: Path, fitter: PromptFitter, stream: bool) -> list[WorkItem]
         prompt, max_tokens = row.get("prompt"), row.get("max_tokens")
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{path}:{lineno}: prompt must be a non-empty string")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"{path}:{lineno}: max_tokens must be an integer >= 1, got {max_tokens!r}")
         items.append(WorkItem(prompt, max_tokens, bool(row.get("stream", stream)),
                               num_input_tokens=fitter.count(prompt)))

@@ -4,13 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from triton_backend.engine.numbers import is_int
 from triton_backend.engine.quant import KV_CACHE_MODES, WEIGHT_MODES  # one list for both halves
 
 CALIBRATION_KEYS = ("dataset", "samples", "seq_len", "batch_size")
 
 
 def _positive_int(key: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{key}: must be an integer >= 1, got {value!r}")
     return value
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from triton_backend.engine.numbers import is_int
+
 
 class ServerBusy(RuntimeError):
     """A request refused because too much is waiting; the message starts with "server busy"."""
@@ -24,7 +26,7 @@ class AdmissionLimits:
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_prompt_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: unbounded), got {value!r}")
 
     def check(self, num_waiting: int, num_waiting_tokens: int, num_prompt_tokens: int) -> None:

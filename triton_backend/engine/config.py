@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from triton_backend.engine.numbers import is_int, is_number
+
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -27,7 +29,7 @@ def _require(cond: bool, message: str) -> None:
 
 
 def _positive(name: str, value: Any) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+    _require(is_int(value) and value >= 1,
              f"{name} must be an integer >= 1, got {value!r}")
 
 
@@ -95,13 +97,11 @@ class Limits:
         for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len"):
             _positive(f"limits.{name}", getattr(self, name))
         slowdown = self.max_decode_slowdown
-        _require(not isinstance(slowdown, bool) and isinstance(slowdown, (int, float))
-                 and (slowdown == 0 or 1 < slowdown <= 100),
+        _require(is_number(slowdown) and (slowdown == 0 or 1 < slowdown <= 100),
                  f"limits.max_decode_slowdown must be 0 (off) or a number in (1, 100], "
                  f"got {slowdown!r}")
         _require(self.long_prefill_tokens is None or (
-                     not isinstance(self.long_prefill_tokens, bool)
-                     and isinstance(self.long_prefill_tokens, int)
+                     is_int(self.long_prefill_tokens)
                      and 0 <= self.long_prefill_tokens <= self.max_num_tokens),
                  f"limits.long_prefill_tokens must be an integer in [0, limits.max_num_tokens "
                  f"({self.max_num_tokens})] or absent, got {self.long_prefill_tokens!r}")

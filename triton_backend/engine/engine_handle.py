@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from triton_backend.engine.admission import AdmissionLimits
-from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
+from triton_backend.engine.engine_options import EngineOptions
 
 # How long an idle OpenMP worker spins before it sleeps. libgomp's default (300000 spins, several
 # ms) keeps a core busy while the thread it waits for may need that core: with one other busy
@@ -48,26 +47,14 @@ class EngineLaunch:
     """What every engine process of one executor is started with."""
 
     engine_dir: Path
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
+    options: EngineOptions = EngineOptions()
     num_threads: int = 0
     startup_timeout: float = 900.0
-    switches: tuple[str, ...] = ()  # --no-prefix-caching, --no-speculative-decoding
-    admission: AdmissionLimits = AdmissionLimits()
-    priority_aging_rate: float = DEFAULT_AGING_RATE
 
     def command(self, fd: int) -> list[str]:
-        cmd = [python_executable(), "-m", "triton_backend.engine.engine_process",
-               "--engine-dir", str(self.engine_dir), "--fd", str(fd),
-               "--num-threads", str(self.num_threads), *self.switches,
-               "--max-waiting-requests", str(self.admission.max_waiting_requests),
-               "--max-waiting-prompt-tokens", str(self.admission.max_waiting_prompt_tokens),
-               "--priority-aging-rate", repr(float(self.priority_aging_rate))]
-        if self.num_kv_blocks is not None:
-            cmd += ["--num-kv-blocks", str(self.num_kv_blocks)]
-        if self.kv_cache_memory_bytes is not None:
-            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
-        return cmd
+        return [python_executable(), "-m", "triton_backend.engine.engine_process",
+                "--engine-dir", str(self.engine_dir), "--fd", str(fd),
+                "--num-threads", str(self.num_threads), "--options", self.options.to_json()]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

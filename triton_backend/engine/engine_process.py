@@ -15,7 +15,8 @@ client -> engine: ("enqueue", request_id, Request), ("cancel", request_id), ("sh
 engine -> client: ("ready", info), ("error", message) at start-up, ("responses", [Response],
 stats), and ("closed",) once every final response has been sent.
 
-    python -m triton_backend.engine.engine_process --engine-dir DIR --fd N [--num-threads N]
+    python -m triton_backend.engine.engine_process --engine-dir DIR --fd N [--num-threads N] \
+        [--options JSON]
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
+from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process_executor import available_cores
 from triton_backend.engine.request import FinishReason, Response
 
@@ -38,19 +40,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="engine_process")
     parser.add_argument("--engine-dir", required=True)
     parser.add_argument("--fd", type=int, required=True, help="socket to the client")
-    parser.add_argument("--num-kv-blocks", type=int)
-    parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--num-threads", type=int, default=0, help="0: every core allowed")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--no-speculative-decoding", action="store_true")
-    parser.add_argument("--max-waiting-requests", type=int, default=0, help="0: unbounded")
-    parser.add_argument("--max-waiting-prompt-tokens", type=int, default=0, help="0: unbounded")
-    parser.add_argument("--priority-aging-rate", type=float, default=None,
-                        help="priority levels a waiting request gains per second")
+    parser.add_argument("--options", default=EngineOptions().to_json(),
+                        help="the EngineOptions, as EngineOptions.to_json writes them")
     return parser.parse_args(argv)
 
 
-def _build_executor(args: argparse.Namespace):
+def _build_executor(args: argparse.Namespace, options: EngineOptions):
     from triton_backend.engine.config import EngineConfig
 
     config = EngineConfig.load(args.engine_dir)
@@ -58,17 +54,9 @@ def _build_executor(args: argparse.Namespace):
         from triton_backend.naive.executor import NaiveExecutor
 
         return NaiveExecutor(args.engine_dir, start_loop=False)
-    from triton_backend.engine.admission import AdmissionLimits
     from triton_backend.engine.executor import Executor
-    from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 
-    admission = AdmissionLimits(args.max_waiting_requests, args.max_waiting_prompt_tokens)
-    return Executor(args.engine_dir, num_kv_blocks=args.num_kv_blocks,
-                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, start_loop=False,
-                    enable_prefix_caching=False if args.no_prefix_caching else None,
-                    enable_speculative_decoding=False if args.no_speculative_decoding else None,
-                    admission=admission,
-                    priority_aging_rate=args.priority_aging_rate or DEFAULT_AGING_RATE)
+    return Executor(args.engine_dir, start_loop=False, **options.executor_kwargs())
 
 
 class _Channel:
@@ -133,7 +121,8 @@ def serve(args: argparse.Namespace) -> int:
     channel = _Channel(Connection(args.fd))
     try:
         num_threads = _set_num_threads(args.num_threads)
-        executor = _build_executor(args)
+        options = EngineOptions.from_json(args.options)
+        executor = _build_executor(args, options)
     except BaseException as exc:  # report why, so the client can raise it where it was asked
         channel.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return 1
@@ -141,7 +130,7 @@ def serve(args: argparse.Namespace) -> int:
     channel.send(("ready", {"pid": os.getpid(), "num_threads": num_threads,
                             "num_kv_blocks": stats.get("num_total_blocks"),
                             "tokens_per_block": stats.get("tokens_per_block"),
-                            "stats": stats}))
+                            "options": options, "stats": stats}))
     threading.Thread(target=_read_requests, args=(channel, executor), name="engine-reader",
                      daemon=True).start()
     sender = threading.Thread(target=_send_responses, args=(channel, executor),

@@ -20,6 +20,7 @@ from pathlib import Path
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.engine_handle import EngineHandle, EngineLaunch, EngineProcessError
+from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.response_queue import ResponseQueue
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
@@ -51,12 +52,9 @@ class ProcessExecutor:
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(self.engine_dir)
         self.tokenizer_dir = self.engine_dir / self.config.tokenizer.dir
-        switches = tuple(flag for flag, on in (
-            ("--no-prefix-caching", enable_prefix_caching),
-            ("--no-speculative-decoding", enable_speculative_decoding)) if on is False)
-        self._launch = EngineLaunch(self.engine_dir, num_kv_blocks, kv_cache_memory_bytes,
-                                    num_threads, startup_timeout, switches, admission,
-                                    priority_aging_rate)
+        options = EngineOptions(num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching,
+                                enable_speculative_decoding, admission, priority_aging_rate)
+        self._launch = EngineLaunch(self.engine_dir, options, num_threads, startup_timeout)
         self._crashes = CrashLoop(restart_policy)
         self._mailbox = ResponseQueue()
         self._state_lock = threading.Lock()
@@ -83,15 +81,19 @@ class ProcessExecutor:
         if self._num_blocks is not None:
             check_kv_capacity(request, self._num_blocks, self._tokens_per_block)
 
-    def enqueue_request(self, request: Request) -> int:
+    def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and send `request`; returns its id. Raises ValueError naming the bad field,
-        RuntimeError when the executor is shut down or its engine is down."""
+        RuntimeError when the executor is shut down or its engine is down.
+
+        `request_id` lets a caller that numbers requests itself choose the id (as `Executor`
+        does); it must not be in use."""
         self.validate(request)
         with self._state_lock:
             if self._closed:
                 raise RuntimeError(f"executor is shut down{self._down_reason}")
-            request_id = self._next_id
-            self._next_id += 1
+            if request_id is None:
+                request_id = self._next_id
+                self._next_id += 1
             self._in_flight.add(request_id)
             if self._restarting:
                 self._held.append((request_id, request))

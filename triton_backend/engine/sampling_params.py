@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from triton_backend.engine.numbers import is_int, is_number
+
 # temperature is 0 (greedy) or within [MIN_TEMPERATURE, MAX_TEMPERATURE]: logits / 1e-38 overflow
 # to inf, and above 100 sampling is uniform noise (1/temperature has a floor of 0.01).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
@@ -18,7 +20,7 @@ MAX_ABS_ADDITIVE_PENALTY = 100.0  # presence_penalty and frequency_penalty
 
 def _check_number(name: str, value: float, low: float | None = None, high: float | None = None,
                   low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
         bound = f"> {low}" if low_open else f">= {low}"
@@ -54,9 +56,9 @@ class SamplingParams:
                           high=MAX_ABS_ADDITIVE_PENALTY)
         for name in ("top_k", "min_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        if self.seed is not None and (not is_int(self.seed)
                                       or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.beam_width != 1:

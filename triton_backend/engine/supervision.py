@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from triton_backend.engine.numbers import is_int, is_number
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -19,13 +21,10 @@ class RestartPolicy:
     window_seconds: float = 300.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) \
-                or self.max_restarts < 0:
+        if not is_int(self.max_restarts) or self.max_restarts < 0:
             raise ValueError(f"engine_max_restarts must be an integer >= 0, "
                              f"got {self.max_restarts!r}")
-        if isinstance(self.window_seconds, bool) or not isinstance(self.window_seconds,
-                                                                   (int, float)) \
-                or not self.window_seconds > 0:
+        if not is_number(self.window_seconds) or not self.window_seconds > 0:
             raise ValueError(f"engine_restart_window_s must be a number > 0, "
                              f"got {self.window_seconds!r}")
 

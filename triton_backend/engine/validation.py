@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from triton_backend.engine.config import Limits
+from triton_backend.engine.numbers import is_int
 from triton_backend.engine.request import (MAX_TIMEOUT_MS, MAX_TOP_LOG_PROBS, PRIORITY_MAX,
                                            PRIORITY_MIN, Request)
 
@@ -19,10 +20,9 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
     if len(prompt) > limits.max_input_len:
         raise ValueError(f"input_token_ids: the prompt has {len(prompt)} tokens, more than "
                          f"max_input_len={limits.max_input_len}")
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+    if any(not is_int(t) or not 0 <= t < vocab_size for t in prompt):
         raise ValueError(f"input_token_ids: token ids must be integers in [0, {vocab_size})")
-    if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
-            or request.max_tokens < 1:
+    if not is_int(request.max_tokens) or request.max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
     if len(prompt) + request.max_tokens > limits.max_seq_len:
         raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
@@ -32,11 +32,11 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
         raise ValueError(f"min_tokens ({request.sampling.min_tokens}) must be <= max_tokens "
                          f"({request.max_tokens})")
     for end_id in request.end_ids or ():
-        if isinstance(end_id, bool) or not isinstance(end_id, int) or not 0 <= end_id < vocab_size:
+        if not is_int(end_id) or not 0 <= end_id < vocab_size:
             raise ValueError(f"end_id must be a token id in [0, {vocab_size}), got {end_id!r}")
     _check_scheduling(request)
     top = request.top_log_probs
-    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOG_PROBS:
+    if not is_int(top) or not 0 <= top <= MAX_TOP_LOG_PROBS:
         raise ValueError(f"top_log_probs must be an integer in [0, {MAX_TOP_LOG_PROBS}], "
                          f"got {top!r}")
     _check_lora_fields(request)
@@ -48,16 +48,12 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
                              f"[0, {vocab_size})")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_scheduling(request: Request) -> None:
-    if not _is_int(request.priority) or not PRIORITY_MIN <= request.priority <= PRIORITY_MAX:
+    if not is_int(request.priority) or not PRIORITY_MIN <= request.priority <= PRIORITY_MAX:
         raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
                          f"got {request.priority!r}")
     timeout = request.timeout_ms
-    if timeout is not None and (not _is_int(timeout) or not 1 <= timeout <= MAX_TIMEOUT_MS):
+    if timeout is not None and (not is_int(timeout) or not 1 <= timeout <= MAX_TIMEOUT_MS):
         raise ValueError(f"{request.timeout_field} must be an integer in [1, {MAX_TIMEOUT_MS}] "
                          f"ms, got {timeout!r}")
 
@@ -69,7 +65,7 @@ def _check_lora_fields(request: Request) -> None:
         if request.lora_weights is not None or request.lora_config is not None:
             raise ValueError("lora_weights/lora_config need a lora_task_id to cache them under")
         return
-    if not _is_int(task_id) or not 0 <= task_id < 2**64:
+    if not is_int(task_id) or not 0 <= task_id < 2**64:
         raise ValueError(f"lora_task_id must be an integer in [0, 2^64), got {task_id!r}")
     if (request.lora_weights is None) != (request.lora_config is None):
         missing = "lora_config" if request.lora_config is None else "lora_weights"

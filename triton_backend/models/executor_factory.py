@@ -1,8 +1,10 @@
 """Pick the executor for an engine by its `config.target`; all offer the same verbs.
 
 `torch` -> the project's runtime; `naive` -> the reference executor (transformers, one request at
-a time). `trtllm` engines are not built by llm-forge yet, so none can reach this point; an engine
-directory that claims the target is refused by name rather than half-served.
+a time). `trtllm` engines are built by llm-forge and served by NVIDIA's C++ `tensorrtllm` backend;
+an executor over `tensorrt_llm.bindings.executor` with these verbs is not written yet (the
+repository refuses `tensorrt_llm_backend: python` for them), so an engine directory of that
+target that reaches this point is refused by name rather than half-served.
 
 `engine_isolation` says where the engine loop runs: `process` (the default for serving) starts an
 engine process whose main thread runs it, so torch computes at full speed and the Triton stub

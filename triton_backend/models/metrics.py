@@ -21,6 +21,8 @@ vLLM's `vllm:lora_requests_info`), and the adapter cache's counters among the ex
 """
 from __future__ import annotations
 
+from triton_backend.engine.numbers import is_number
+
 KV_BLOCK_STATS = {"used": "num_used_blocks", "free": "num_free_blocks", "max": "num_total_blocks",
                   "tokens_per": "tokens_per_block"}
 REQUEST_STATS = {"active": "num_active_requests", "waiting": "num_waiting_requests",
@@ -108,7 +110,7 @@ class ExecutorMetrics:
             if key in stats:
                 self._metric("requests", "request_type", label).set(float(stats[key]))
         for key, value in stats.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if is_number(value):
                 self._metric("stats", "stat", key).set(float(value))
         if "lora_running" in stats:
             self._publish_lora(stats)

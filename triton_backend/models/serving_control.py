@@ -30,6 +30,11 @@ DRAIN_REFUSED = "the server is shutting down: new requests are refused (draining
 DRAIN_EXPIRED = ("the server is shutting down: the drain timeout ({seconds:g} s) expired before "
                  "this request finished")
 
+# A `stop` request's inputs, one value each (NVIDIA's clients send the same): the required
+# inputs with placeholder values and `stop: true`. The BLS sends it in-process to cancel a
+# request by id (`triton_io.stop_request`), `forge serve` over HTTP to probe and drain.
+STOP_REQUEST_INPUTS = {"input_ids": 0, "input_lengths": 1, "request_output_len": 1, "stop": True}
+
 
 def drain_seconds() -> float:
     """The drain timeout the server was started with (the default when unset or unreadable)."""

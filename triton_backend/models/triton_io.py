@@ -5,6 +5,8 @@ import sys
 
 import triton_python_backend_utils as pb_utils
 
+from triton_backend.models.serving_control import STOP_REQUEST_INPUTS
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -36,10 +38,8 @@ def stop_request(model: str, request_id: str) -> None:
     clients do: a `stop: true` request under the same id. Returns when the model has answered."""
     import numpy as np
 
-    tensors = {"input_ids": np.asarray([[0]], dtype=np.int32),
-               "input_lengths": np.asarray([[1]], dtype=np.int32),
-               "request_output_len": np.asarray([[1]], dtype=np.int32),
-               "stop": np.asarray([[True]], dtype=np.bool_)}
+    tensors = {name: np.asarray([[value]], dtype=np.bool_ if name == "stop" else np.int32)
+               for name, value in STOP_REQUEST_INPUTS.items()}
     stop = pb_utils.InferenceRequest(
         model_name=model, request_id=request_id,
         inputs=[pb_utils.Tensor(name, value) for name, value in tensors.items()],

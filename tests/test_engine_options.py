@@ -1,0 +1,39 @@
+"""EngineOptions: every field survives the one serialisation to the engine process."""
+import dataclasses
+
+from triton_backend.engine.admission import AdmissionLimits
+from triton_backend.engine.engine_handle import EngineLaunch
+from triton_backend.engine.engine_options import EngineOptions
+
+# One non-default value per field; a field missing here fails the test below.
+NON_DEFAULT = {"num_kv_blocks": 48, "kv_cache_memory_bytes": 1 << 20,
+               "enable_prefix_caching": False, "enable_speculative_decoding": False,
+               "admission": AdmissionLimits(7, 900), "priority_aging_rate": 2.5}
+
+
+def _options_from_argv(argv: list[str]) -> EngineOptions:
+    from triton_backend.engine.engine_process import _parse_args
+
+    args = _parse_args(argv[argv.index("--engine-dir"):])
+    return EngineOptions.from_json(args.options)
+
+
+def test_every_field_has_a_non_default_value_in_this_test():
+    names = {field.name for field in dataclasses.fields(EngineOptions)}
+    assert names == set(NON_DEFAULT)
+    defaults = EngineOptions()
+    assert all(getattr(defaults, name) != value for name, value in NON_DEFAULT.items())
+
+
+def test_every_field_survives_the_launch_command():
+    options = EngineOptions(**NON_DEFAULT)
+    command = EngineLaunch("/engines/x", options, num_threads=1).command(fd=5)
+    assert _options_from_argv(command) == options
+    for field in dataclasses.fields(EngineOptions):
+        assert getattr(_options_from_argv(command), field.name) == NON_DEFAULT[field.name]
+
+
+def test_defaults_survive_and_become_executor_keywords():
+    command = EngineLaunch("/engines/x").command(fd=5)
+    assert _options_from_argv(command) == EngineOptions()
+    assert set(EngineOptions().executor_kwargs()) == set(NON_DEFAULT)

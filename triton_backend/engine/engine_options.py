@@ -1,0 +1,42 @@
+"""`EngineOptions`: what an executor is built with beyond its engine directory, as one value.
+
+The same options cross the process boundary (`ProcessExecutor` -> the engine process), so they
+travel as one JSON text written by `to_json` and read back by `from_json`: an option added here
+reaches the engine process without further plumbing, instead of silently taking its default
+there. Pure Python.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from triton_backend.engine.admission import AdmissionLimits
+from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """`enable_*`: None follows the engine's config.json, False turns the feature off.
+    `admission` and `priority_aging_rate` apply to the torch runtime (the naive baseline serves
+    one request at a time in arrival order)."""
+
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool | None = None
+    enable_speculative_decoding: bool | None = None
+    admission: AdmissionLimits = AdmissionLimits()
+    priority_aging_rate: float = DEFAULT_AGING_RATE
+
+    def executor_kwargs(self) -> dict:
+        """The options as `Executor` keyword arguments (one per field, nested values kept)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineOptions":
+        values = json.loads(text)
+        values["admission"] = AdmissionLimits(**values["admission"])
+        return cls(**values)
