@@ -211,3 +211,26 @@ def test_an_error_in_one_choice_ends_them_all_and_admission_counts_n():
 
     with pytest.raises(OpenAIError, match="the server is busy"):
         asyncio.run(refused())
+
+
+class ToolTemplateTokenizer:
+    """A tokenizer whose chat template reads `tools` (as Qwen's and Llama 3's do)."""
+
+    chat_template = "{% for tool in tools %}...{% endfor %}"
+    bos_token = None
+
+    def apply_chat_template(self, turns, add_generation_prompt, tokenize, **kwargs):
+        self.seen = (turns, kwargs)
+        return "rendered"
+
+
+def test_a_template_that_reads_tools_gets_them_and_the_tool_turns():
+    tokenizer = ToolTemplateTokenizer()
+    renderer = ChatRenderer(tokenizer, False)
+    assert renderer.template_tools
+    assert renderer.render(FOLLOW_UP, [WEATHER]) == "rendered"
+    turns, kwargs = tokenizer.seen
+    assert kwargs == {"tools": [WEATHER]}
+    assert [t["role"] for t in turns] == ["system", "user", "assistant", "tool"]
+    assert turns[0]["content"] == "Be brief."  # no system turn of ours: the template lists them
+    assert turns[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
