@@ -34,7 +34,7 @@ demo: setup $(REPO)/ensemble/config.pbtxt
 KERNEL_TESTS ?= tests/test_kernels.py tests/test_parity.py tests/test_inflight.py \
 	tests/test_prefix_cache.py tests/test_spec_decode.py tests/test_quant_runtime.py \
 	tests/test_lora_engines.py
-test: setup
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "[test] kernel tests again on an AVX2 build (LLM_FORGE_KERNEL_MARCH=x86-64-v3, LLM_FORGE_GEMM_PLAN=tiles)"; \
@@ -43,6 +43,7 @@ test: setup
 
 lint: setup
 	$(PY) -m compileall -q builder triton_backend scripts tests
+	$(PY) -m ruff check -q builder triton_backend scripts tests
 
 # Our engine vs the naive baseline on the demo model (chat workload); report in $(BENCH_OUT).
 bench: setup

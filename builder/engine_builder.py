@@ -140,7 +140,7 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
     check_replaceable(engine_dir)
     tmp_dir = staging_dir(engine_dir)
     try:
-        _stage_torch_engine(spec, config, hf_dir, steps, tmp_dir)
+        _stage_torch_engine(spec, config, hf_dir, steps, tmp_dir, engine_dir)
     except QualityGateError as exc:  # rejected: the previous engine stays, the report is kept
         report = keep_rejected_report(tmp_dir, engine_dir)
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -153,9 +153,10 @@ def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
 
 
 def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, steps: BuildSteps,
-                        tmp_dir: Path) -> None:
-    """Write and check the engine in `tmp_dir`: weights, tokenizer, config, manifest, then the
-    kernels and the quality gate (or the logits check), all before it is swapped in."""
+                        tmp_dir: Path, engine_dir: Path) -> None:
+    """Write and check the engine in `tmp_dir` (to become `engine_dir`): weights, tokenizer,
+    config, manifest, then the kernels and the quality gate (or the logits check), all before
+    it is swapped in."""
     options = QuantizeOptions.from_spec(spec.quantization)
     if options.enabled:
         with steps.step(f"quantize: weights {options.weights}, KV cache {options.kv_cache} "

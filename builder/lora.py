@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from builder.checkpoint import sha256_file
 from triton_backend.engine.config import (LORA_ADAPTERS_DIR, LoraAdapterInfo, LoraConfig,
@@ -20,6 +20,8 @@ from triton_backend.engine.config import (LORA_ADAPTERS_DIR, LoraAdapterInfo, Lo
 from triton_backend.engine.numbers import is_int
 # Importing the spec must stay cheap (the build key imports no torch): torch comes with the
 # functions that read weights.
+if TYPE_CHECKING:
+    import torch
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -197,7 +197,7 @@ def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
 def _template_files(model: str, templates_dir: Path = TEMPLATES_DIR) -> list[Path]:
     root = templates_dir / model
     files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    if not (root / "config.pbtxt") in files:
+    if (root / "config.pbtxt") not in files:
         raise FileNotFoundError(f"{root}: template config.pbtxt missing")
     return files
 

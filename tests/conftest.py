@@ -42,3 +42,28 @@ def cpu_kernels():
     from triton_backend.engine.kernels import load_cpu_kernels
 
     return load_cpu_kernels()
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The tiny test tokenizer (a module may define its own `tokenizer`)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.triton_helpers import build_tiny_tokenizer
+
+    return PreTrainedTokenizerFast.from_pretrained(
+        str(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))))
+
+
+@pytest.fixture
+def chat_tokenizer(tokenizer):
+    """The tiny tokenizer with CHAT_TEMPLATE, a template that does not read tools."""
+    import copy
+
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = CHAT_TEMPLATE
+    return templated

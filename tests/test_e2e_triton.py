@@ -341,7 +341,6 @@ def test_review_probes_are_refused_and_the_next_request_is_served(server, model)
         with pytest.raises(RuntimeError, match=re.escape(message)):
             grpc_request(server, model, text_inputs(text_input=PROMPT, max_tokens=8, **values))
         assert server.is_ready()
-    started = time.monotonic()
     with pytest.raises(RuntimeError, match="text_input has 52428800 characters, over the limit"):
         generate_http(server.http_url, model, {"text_input": "a" * (50 << 20), "max_tokens": 8})
     assert server.is_ready()

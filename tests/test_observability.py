@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.client import stream_grpc, text_inputs
+from builder.client import stream_grpc
 from builder.repository import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.metrics import HISTOGRAMS, METRIC_NAMES, ExecutorMetrics, outcome_of

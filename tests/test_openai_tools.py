@@ -12,7 +12,6 @@ from builder.openai.protocol import ChatCompletionRequest, ChatMessage, check_ch
 from builder.openai.service import Generation, OpenAIService
 from builder.openai.tools import tool_calls, tool_plan
 from builder.openai.triton import Chunk
-from test_openai_units import chat_tokenizer, tokenizer  # noqa: F401 (fixtures)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

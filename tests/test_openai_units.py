@@ -13,31 +13,9 @@ from builder.openai.mapping import ensemble_values, finish_reason
 from builder.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      check_chat, check_completion, validation_error)
 from builder.openai.responses import ResponseBuilder, completion_logprobs
-from tests.triton_helpers import build_tiny_tokenizer
 from triton_backend.engine.config import Limits
 from triton_backend.models.request_converter import RequestError
 from triton_backend.models.text_request import prompt_ids
-
-CHAT_TEMPLATE = ("{% for m in messages %}<s>[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant] {% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(
-        str(build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))))
-
-
-@pytest.fixture
-def chat_tokenizer(tokenizer):
-    import copy
-
-    templated = copy.deepcopy(tokenizer)
-    templated.chat_template = CHAT_TEMPLATE
-    return templated
-
 
 class BosTokenizer:
     """Prepends BOS (id 0) when encoding with special tokens; its template writes BOS too."""

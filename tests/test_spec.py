@@ -85,6 +85,20 @@ def test_prefix_caching_is_on_and_speculation_off_by_default():
     assert not spec.kv_cache.enable_prefix_caching and spec.speculative.num_draft_tokens == 5
 
 
+def test_a_spec_with_a_draft_engine_builds(tiny_engines, tmp_path):
+    """forge engine with `speculative: {mode: draft_model}`: the draft is checked and stored
+    relative to the new engine (a build once failed here on a name the staging step lacked)."""
+    import tiny
+    from triton_backend.engine.spec_decode.draft_model import resolve_draft_engine
+
+    draft = tiny_engines("llama_gqa")
+    engine_dir = tiny.build_engine(tmp_path, speculative={
+        "mode": "draft_model", "draft_engine": str(draft), "num_draft_tokens": 3})
+    config = EngineConfig.load(engine_dir)
+    assert config.speculative.mode == "draft_model"
+    assert resolve_draft_engine(engine_dir, config.speculative.draft_engine) == draft
+
+
 def test_a_draft_engine_must_share_the_targets_tokenizer(tiny_engines, tmp_path):
     import shutil
 

@@ -8,7 +8,6 @@ from test_spec_decode import speculative_engine
 from triton_backend.engine import Request, SamplingParams
 from triton_backend.engine.guided import GuidedDecodingParams
 from triton_backend.engine.llm_engine import LLMEngine
-from triton_backend.engine.offline import generate
 
 
 def _engine_results(engine_dir, requests):

@@ -79,7 +79,6 @@ class LLMEngine:
             raise ValueError(f"{engine_dir}: target {self.config.target!r} engines do not run on "
                              f"the torch runtime")
         self.tokenizer_dir = self.engine_dir / self.config.tokenizer.dir
-        limits = self.config.limits
         dtype = runtime_dtype(self.config, torch.device(device))
         num_blocks = resolve_num_blocks(self.config, dtype, num_kv_blocks, kv_cache_memory_bytes)
         kv = self.config.kv_cache
