@@ -380,8 +380,37 @@ def test_a_follow_up_with_the_tool_result_is_answered(served):
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_auto_answers_with_text_or_with_calls_of_the_tools(served, stream):
+    """tool_choice auto (the default with tools): the free reply is either text or calls of the
+    listed tools whose arguments parse, in OpenAI's shapes, streamed as not."""
+    client = served.client()
+    for question in ("What time is it in UTC? Use the clock.", "Say hello to me."):
+        fields = dict(model=NAME, max_tokens=64, tools=[CLOCK],
+                      messages=[{"role": "user", "content": question}])
+        if stream:
+            content, calls, finish = "", {}, None
+            for chunk in client.chat.completions.create(stream=True, **fields):
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for call in delta.tool_calls or []:
+                    calls[call.index] = (call.function.name, call.function.arguments)
+                finish = chunk.choices[0].finish_reason or finish
+            calls = list(calls.values())
+        else:
+            choice = client.chat.completions.create(**fields).choices[0]
+            content, finish = choice.message.content, choice.finish_reason
+            calls = [(c.function.name, c.function.arguments)
+                     for c in choice.message.tool_calls or []]
+        if calls:
+            assert finish == "tool_calls", (question, content, calls)
+            for name, arguments in calls:
+                assert name == "read_clock" and isinstance(json.loads(arguments), dict)
+        else:
+            assert finish in ("stop", "length") and content, (question, finish)
+
+
 @pytest.mark.parametrize("fields, param, message", [
-    ({"tools": [CLOCK]}, "tool_choice", "tool_choice: auto is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer", "minimum": "low"}}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters",

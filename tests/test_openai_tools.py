@@ -10,7 +10,7 @@ from builder.openai.chat import ChatRenderer, conversation
 from builder.openai.errors import OpenAIError
 from builder.openai.protocol import ChatCompletionRequest, ChatMessage, check_chat
 from builder.openai.service import Generation, OpenAIService
-from builder.openai.tools import tool_calls, tool_plan
+from builder.openai.tools import parse_auto, tool_calls, tool_plan
 from builder.openai.triton import Chunk
 
 WEATHER = {"type": "function", "function": {
@@ -55,14 +55,42 @@ def test_calls_are_parsed_and_an_unfinished_one_is_not():
     assert tool_calls(plan, '[{"name": "get_time", "argu') is None
 
 
+def test_auto_is_the_default_with_tools_and_answers_freely():
+    for choice in (None, "auto"):
+        plan = tool_plan([WEATHER, TIME], choice, None)
+        assert plan.auto and plan.guide is None and plan.tools == [WEATHER, TIME]
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', None,
+     [("get_weather", {"city": "Oslo"})]),
+    (' [{"name": "get_time", "arguments": {}}, {"name": "get_weather", "parameters": '
+     '{"city": "Rome"}}]', None, [("get_time", {}), ("get_weather", {"city": "Rome"})]),
+    ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Ås\\"}"}'
+     '\n</tool_call>', "Let me look.", [("get_weather", {"city": "Ås"})]),
+    ("It is sunny in Oslo.", "It is sunny in Oslo.", None),
+    ('{"name": "launch_rocket", "arguments": {}}', '{"name": "launch_rocket", "arguments": {}}',
+     None),  # not one of the tools
+    ('{"name": "get_weather", "arguments": {"city": "Os', '{"name": "get_weather", '
+     '"arguments": {"city": "Os', None),  # cut short
+    ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", None),
+])
+def test_an_auto_reply_is_calls_only_in_a_format_we_know(text, content, calls):
+    got_content, got_calls = parse_auto(tool_plan([WEATHER, TIME], "auto", None), text)
+    assert got_content == content
+    if calls is None:
+        assert got_calls is None
+    else:
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in got_calls] == calls
+
+
 def test_no_tools_or_none_is_plain_generation():
     assert tool_plan(None, None, None) is None
     assert tool_plan([WEATHER], "none", None) is None
 
 
 @pytest.mark.parametrize("tools, choice, param, message", [
-    ([WEATHER], None, "tool_choice", "tool_choice: auto is not supported"),
-    ([WEATHER], "auto", "tool_choice", "tool_choice: auto is not supported"),
     (None, "required", "tool_choice", "tool_choice 'required' needs tools"),
     ([WEATHER], "sometimes", "tool_choice", "tool_choice must be one of none, auto, required"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice",

@@ -175,7 +175,7 @@ def test_response_objects():
     full = builder.full([builder.choice(0, "hi", "stop", None)], {"prompt_tokens": 1})
     assert full["object"] == "chat.completion" and full["choices"][0]["message"]["content"] == "hi"
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    assert builder.choice(1, '{"name": "f"}', "tool_calls", None, [call])["message"] == {
+    assert builder.choice(1, None, "tool_calls", None, [call])["message"] == {
         "role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
     chunk = builder.chunk("h", None, None, with_usage_field=True, role="assistant")
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "h"}

@@ -77,11 +77,10 @@ class ResponseBuilder:
 
     def choice(self, index: int, text: str | None, finish_reason: str, logprobs: dict | None,
                tool_calls: list[dict] | None = None) -> dict:
-        """One choice of the non-streamed response (`tool_calls`: the message's calls; its
-        content is then null, as OpenAI's)."""
+        """One choice of the non-streamed response (`tool_calls`: the message's calls; `text`
+        None: no content, as OpenAI's messages with calls)."""
         if self.kind == "chat":
-            message = {"role": "assistant", "content": None if tool_calls else text,
-                       "refusal": None}
+            message = {"role": "assistant", "content": text, "refusal": None}
             if tool_calls:
                 message["tool_calls"] = tool_calls
             return {"index": index, "message": message, "logprobs": logprobs,

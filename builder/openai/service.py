@@ -28,7 +28,7 @@ from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest, S
 from builder.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
                                       usage)
 from builder.openai.structured import Guide, rename_guide_error, request_guide
-from builder.openai.tools import ToolPlan, tool_calls
+from builder.openai.tools import ToolPlan, parse_auto, tool_calls
 from builder.openai.triton import Chunk, TritonBackend
 
 SEED_LIMIT = 2 ** 64
@@ -258,9 +258,18 @@ class OpenAIService:
         """One finished choice: its text, or its tool calls when tools were asked for and the
         answer is a whole call."""
         reason = mapping.finish_reason(gathered.last.finish_reason)
-        calls = None
-        if generation.tools is not None and reason == "stop":
-            calls = tool_calls(generation.tools, gathered.text)
+        content, calls = answer(generation.tools, gathered.text, reason)
         logprobs = self.logprobs(generation, gathered.ids, gathered.log_probs, 0, gathered.top)
-        return generation.builder.choice(index, gathered.text, "tool_calls" if calls else reason,
+        return generation.builder.choice(index, content, "tool_calls" if calls else reason,
                                          logprobs, calls)
+
+
+def answer(plan: ToolPlan | None, text: str, reason: str) -> tuple[str | None, list | None]:
+    """(content, tool calls) of a finished choice: its calls when tools were asked for and the
+    reply is whole calls (guided: always, unless cut at max_tokens; auto: when it is calls)."""
+    if plan is None or reason != "stop":
+        return text, None
+    if plan.auto:
+        return parse_auto(plan, text)
+    calls = tool_calls(plan, text)
+    return (None, calls) if calls else (text, None)

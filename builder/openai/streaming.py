@@ -4,9 +4,10 @@ Chat streams open with the assistant role, then the content deltas; the chunk of
 Triton response carries the finish reason; with `stream_options.include_usage` every chunk has
 `usage: null` and a last chunk without choices carries the counts. With `n` choices each chunk
 names its choice's `index` (each chat choice opens with its role) and chunks of different
-choices interleave as they come. With tools, a choice's text is held until it ends: then one
-chunk carries its whole `tool_calls` (or, for an answer cut at max_tokens, the text) and the
-finish reason. An error after the first event (headers are sent by then) becomes an `error`
+choices interleave as they come. With tools, a choice's text is held until it ends (with `auto`
+only while it may be a call: empty, or starting with `{`, `[` or `<`; a reply that starts as
+text streams from there on): then one chunk carries its whole `tool_calls` (or, for an answer
+that is not calls, the text) and the finish reason. An error after the first event (headers are sent by then) becomes an `error`
 event, which the official client raises.
 """
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import AsyncIterator
 
 from builder.openai import mapping
 from builder.openai.errors import OpenAIError, internal
-from builder.openai.service import ChoiceText, Generation, OpenAIService, usage_of
-from builder.openai.tools import tool_calls
+from builder.openai.service import ChoiceText, Generation, OpenAIService, answer, usage_of
 from builder.openai.triton import Chunk
 
 DONE = "data: [DONE]\n\n"
@@ -36,18 +36,30 @@ async def _with_first(first: tuple[int, Chunk],
 
 def _tool_events(service: OpenAIService, generation: Generation, index: int,
                  gathered: ChoiceText, reason: str, include_usage: bool) -> list[str]:
-    """A tool-calling choice at its end: its calls (or its text, if it is not a whole call) and
-    its finish reason."""
+    """A tool-calling choice at its end: its content, if any, its calls and its finish
+    reason."""
     builder = generation.builder
-    calls = tool_calls(generation.tools, gathered.text) if reason == "stop" else None
+    content, calls = answer(generation.tools, gathered.text, reason)
     logprobs = service.logprobs(generation, gathered.ids, gathered.log_probs, 0, gathered.top)
     if calls is None:
-        return [event(builder.chunk(gathered.text, reason, logprobs, include_usage,
-                                    index=index))]
+        return [event(builder.chunk(content, reason, logprobs, include_usage, index=index))]
+    events = [event(builder.chunk(content, None, None, include_usage, index=index))] \
+        if content else []
     deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-    return [event(builder.chunk(None, None, logprobs, include_usage, index=index,
-                                tool_calls=deltas)),
-            event(builder.chunk(None, "tool_calls", None, include_usage, index=index))]
+    return events + [event(builder.chunk(None, None, logprobs, include_usage, index=index,
+                                         tool_calls=deltas)),
+                     event(builder.chunk(None, "tool_calls", None, include_usage, index=index))]
+
+
+def _held(generation: Generation, gathered: ChoiceText, released: bool) -> bool:
+    """Whether a tool-calling choice's text waits for its end: always under a guide; with
+    `auto` while the reply may still be a call (it is empty, or starts like one)."""
+    if generation.tools is None or released:
+        return False
+    if not generation.tools.auto:
+        return True
+    head = gathered.text.lstrip()
+    return not head or head[0] in "{[<"
 
 
 async def sse_events(service: OpenAIService, generation: Generation, first: tuple[int, Chunk],
@@ -57,20 +69,27 @@ async def sse_events(service: OpenAIService, generation: Generation, first: tupl
     builder, include_usage = generation.builder, generation.request.include_usage
     choices = [ChoiceText() for _ in range(generation.n)]
     offsets = [0] * generation.n
+    released = [False] * generation.n  # an `auto` reply that turned out to be text
     if builder.kind == "chat":
         for index in range(generation.n):
             yield event(builder.chunk("", None, None, include_usage, role="assistant",
                                       index=index))
     try:
         async for index, chunk in _with_first(first, rest):
-            choices[index].add(chunk)
+            gathered = choices[index]
+            gathered.add(chunk)
             reason = mapping.finish_reason(chunk.finish_reason) if chunk.finish_reason else None
-            if generation.tools is not None:
+            if _held(generation, gathered, released[index]):
                 if reason:
-                    for text in _tool_events(service, generation, index, choices[index], reason,
+                    for text in _tool_events(service, generation, index, gathered, reason,
                                              include_usage):
                         yield text
                 continue
+            if generation.tools is not None and not released[index]:
+                released[index] = True  # what was held goes out as this chunk
+                chunk = Chunk(gathered.text, chunk.finish_reason, chunk.num_input_tokens,
+                              chunk.num_output_tokens, gathered.log_probs, gathered.ids,
+                              gathered.top)
             if not (chunk.text or reason or (generation.log_probs and chunk.token_ids)):
                 continue  # nothing new (e.g. bytes of a character not complete yet)
             logprobs = service.logprobs(generation, chunk.token_ids, chunk.log_probs,

@@ -1,15 +1,23 @@
-"""Tool calling on `/v1/chat/completions`, as vLLM serves `tool_choice: "required"` and a named
-function: the tools' parameter schemas become one JSON schema guide, so guided decoding writes a
-call that validates; the tools are shown to the model through its chat template's `tools`
-argument (or, for a template that ignores them, a system turn listing them); the answer is
-parsed back into OpenAI's `tool_calls`.
+"""Tool calling on `/v1/chat/completions`. For `tool_choice: "required"` and a named function, as
+vLLM serves them, the tools' parameter schemas become one JSON schema guide, so guided decoding
+writes a call that validates; for `"auto"` the model answers freely and a reply that is a call
+is recognised (`parse_auto`). The tools are shown to the model through its chat template's
+`tools` argument (or, for a template that ignores them, a system turn listing them); the answer
+is parsed back into OpenAI's `tool_calls`.
 
 | `tool_choice` | the model writes | the response |
 | --- | --- | --- |
 | `"none"`, or no tools | text (tools not shown) | `content` |
 | `"required"` | `[{"name": ..., "arguments": {...}}, ...]`, one call or more (one with `parallel_tool_calls: false`) | `tool_calls`, `finish_reason: "tool_calls"` |
 | `{"type": "function", "function": {"name": N}}` | `{"name": N, "arguments": {...}}` | one call of N |
-| `"auto"` (OpenAI's default with tools) | refused: telling a call from text needs a parser for the model's own tool-call format, which we do not have (vLLM refuses it too without `--enable-auto-tool-choice`) | 400 naming `tool_choice` |
+| `"auto"` (the default with tools, as OpenAI's) | text or calls, unconstrained | `tool_calls` when the reply is calls, else `content` |
+
+`auto` recognises the two call formats models are taught: Hermes/Qwen's `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks (text around them is the content), and a reply that is
+only the JSON of one call or a list of calls (what our system turn asks for, and Llama 3.x's
+JSON form; `parameters` is taken for `arguments`). A name that is not among the tools, or JSON
+that does not parse, leaves the reply as text. A model family with another format (Mistral's
+`[TOOL_CALLS]`, Llama's `<|python_tag|>`) gets its reply as text.
 
 A call that did not finish (the answer hit `max_tokens`) comes back as text with
 `finish_reason: "length"`.
@@ -34,9 +42,13 @@ CHOICES = ("none", "auto", "required")
 class ToolPlan:
     """What a request's tools change: the guide, the tools the template shows, how to parse."""
 
-    guide: Guide
+    guide: Guide | None  # None: `auto`, the model answers freely
     tools: list[dict]  # OpenAI's tool objects, validated, for the chat template
-    named: str | None  # the one function `tool_choice` names, else None ("required")
+    named: str | None  # the one function `tool_choice` names, else None ("required", "auto")
+
+    @property
+    def auto(self) -> bool:
+        return self.guide is None
 
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any,
@@ -56,9 +68,7 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any,
         raise bad_request("tool_choice", f"tool_choice {_describe(choice)} needs tools")
     functions = _functions(tools)
     if choice == "auto":
-        raise bad_request("tool_choice", "tool_choice: auto is not supported (this server has no "
-                                         "parser for the model's own tool-call format); send "
-                                         "tool_choice \"required\" or name a function")
+        return ToolPlan(None, tools, None)
     if choice == "required":
         calls = [_call_schema(name, parameters) for name, parameters in functions.items()]
         schema = {"type": "array", "minItems": 1,
@@ -132,15 +142,56 @@ def tool_calls(plan: ToolPlan, text: str) -> list[dict] | None:
     except json.JSONDecodeError:
         return None
     calls = [parsed] if plan.named is not None else parsed
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": call["name"],
-                          "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
-            for call in calls]
+    return [_openai_call(call["name"], call["arguments"]) for call in calls]
+
+
+TAGGED_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_auto(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | None]:
+    """(content, tool calls) of a free `auto` reply: calls when it holds them in a format we
+    know (see the module's docstring), else (text, None)."""
+    names = {tool["function"]["name"] for tool in plan.tools}
+    blocks = TAGGED_CALL.findall(text)
+    if blocks:
+        calls = [_loaded(block) for block in blocks]
+        rest = TAGGED_CALL.sub("", text).strip()
+    else:
+        parsed = _loaded(text.strip())
+        calls = parsed if isinstance(parsed, list) and parsed else [parsed]
+        rest = ""
+    calls = [_normalised(call, names) for call in calls]
+    if any(call is None for call in calls):
+        return text, None
+    return rest or None, [_openai_call(name, arguments) for name, arguments in calls]
+
+
+def _loaded(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _normalised(call, names: set[str]) -> tuple[str, dict] | None:
+    """(name, arguments) of one parsed call, None if it is not a call of a listed tool."""
+    if not isinstance(call, dict) or call.get("name") not in names:
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = _loaded(arguments)
+    return (call["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _openai_call(name: str, arguments: dict) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 def system_turn(tools: list[dict]) -> dict[str, str]:
     """For a chat template that does not take `tools`: the functions, as a system turn."""
     listed = json.dumps([tool["function"] for tool in tools], ensure_ascii=False)
-    return {"role": "system", "content": "You can call these functions. Answer with the call as "
-                                         f"JSON: {{\"name\": ..., \"arguments\": {{...}}}}.\n"
+    return {"role": "system", "content": "You can call these functions. To call one, answer "
+                                         "with only the call as JSON: {\"name\": ..., "
+                                         "\"arguments\": {...}}.\n"
                                          f"Functions: {listed}"}
