@@ -37,3 +37,21 @@ def test_defaults_survive_and_become_executor_keywords():
     command = EngineLaunch("/engines/x").command(fd=5)
     assert _options_from_argv(command) == EngineOptions()
     assert set(EngineOptions().executor_kwargs()) == set(NON_DEFAULT)
+
+
+def test_process_executor_passes_every_option_to_the_engine_launch(tiny_engines, monkeypatch):
+    """Each ProcessExecutor keyword lands in its own field (none defaulted, none swapped)."""
+    from triton_backend.engine import process_executor
+
+    launches = []
+
+    def capture(launch):
+        launches.append(launch)
+        raise process_executor.EngineProcessError("not started in this test")
+
+    monkeypatch.setattr(process_executor.EngineHandle, "start", staticmethod(capture))
+    try:
+        process_executor.ProcessExecutor(tiny_engines("llama_gqa"), **NON_DEFAULT)
+    except process_executor.EngineProcessError:
+        pass
+    assert launches[0].options == EngineOptions(**NON_DEFAULT)

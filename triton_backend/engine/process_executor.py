@@ -52,8 +52,12 @@ class ProcessExecutor:
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(self.engine_dir)
         self.tokenizer_dir = self.engine_dir / self.config.tokenizer.dir
-        options = EngineOptions(num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching,
-                                enable_speculative_decoding, admission, priority_aging_rate)
+        # By name: two options of one type (the enable_* pair) would swap silently by position.
+        options = EngineOptions(num_kv_blocks=num_kv_blocks,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                enable_prefix_caching=enable_prefix_caching,
+                                enable_speculative_decoding=enable_speculative_decoding,
+                                admission=admission, priority_aging_rate=priority_aging_rate)
         self._launch = EngineLaunch(self.engine_dir, options, num_threads, startup_timeout)
         self._crashes = CrashLoop(restart_policy)
         self._mailbox = ResponseQueue()
