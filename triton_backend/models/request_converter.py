@@ -14,6 +14,7 @@ import numpy as np
 
 from triton_backend.engine.config import Limits
 from triton_backend.engine.guided import GuidedDecodingParams
+from triton_backend.engine.numbers import is_int
 from triton_backend.engine.request import (MAX_TIMEOUT_MS, MAX_TOP_LOG_PROBS, PRIORITY_MAX,
                                            PRIORITY_MIN, Request)
 from triton_backend.engine.sampling_params import SamplingParams
@@ -175,7 +176,7 @@ def _sampling(inputs: Mapping[str, np.ndarray], defaults: RequestDefaults) -> Sa
 def _bounded_integer(inputs: Mapping[str, np.ndarray], name: str, low: int, high: int,
                      meaning: str = "") -> int | None:
     value = integer(inputs, name)
-    if value is not None and (isinstance(value, bool) or not low <= value <= high):
+    if value is not None and (not is_int(value) or not low <= value <= high):
         raise RequestError(f"{name} must be an integer in [{low}, {high}]{meaning}, "
                            f"got {value!r}")
     return value
@@ -228,7 +229,7 @@ def _lora(inputs: Mapping[str, np.ndarray]) -> dict:
         if weights is not None or config is not None:
             raise RequestError("lora_weights/lora_config need a lora_task_id to cache them under")
         return {}
-    if isinstance(task_id, bool) or not 0 <= task_id < 2**64:
+    if not is_int(task_id) or not 0 <= task_id < 2**64:
         raise RequestError(f"lora_task_id must be an integer in [0, 2^64), got {task_id!r}")
     if (weights is None) != (config is None):
         raise RequestError(f"lora_task_id {task_id}: lora_weights and lora_config come "
