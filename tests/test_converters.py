@@ -276,6 +276,17 @@ def test_bad_guided_decoding_inputs_name_the_field(values, message):
     assert {k: tensors[k][0, 0].decode() for k in values} == values
 
 
+@pytest.mark.parametrize("value, message", [
+    (np.array([[-1]], dtype=np.int32), r"guided_decoding_guide_type must be UTF-8 text \(a BYTES input\), got -1"),
+    (np.array([[5]], dtype=np.int64), r"guided_decoding_guide_type must be UTF-8 text \(a BYTES input\), got 5"),
+    (np.array([[b"\xff"]], dtype=object), r"guided_decoding_guide_type must be UTF-8 text$"),
+])
+def test_a_guide_type_that_is_not_text_is_refused_naming_the_field(value, message):
+    inputs = {**trt_inputs(), "guided_decoding_guide_type": value}
+    with pytest.raises(RequestError, match=message):
+        parse_request(inputs, LIMITS, 100)
+
+
 def test_top_log_probs_input_and_outputs():
     assert parse_request(trt_inputs(top_log_probs=3), LIMITS, 100).request.top_log_probs == 3
     with pytest.raises(RequestError, match=r"top_log_probs must be an integer in \[0, 20\], got 21"):

@@ -198,9 +198,11 @@ def _string(inputs: Mapping[str, np.ndarray], name: str) -> str | None:
     value = scalar(inputs, name)
     if value is None or isinstance(value, str):
         return value
+    if not isinstance(value, bytes):  # np.bytes_ is bytes; a number is not text
+        raise RequestError(f"{name} must be UTF-8 text (a BYTES input), got {value!r}")
     try:
-        return bytes(value).decode("utf-8")
-    except (TypeError, UnicodeDecodeError):
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
         raise RequestError(f"{name} must be UTF-8 text") from None
 
 
