@@ -1,6 +1,8 @@
 """The runtime half of quantization: INT4 packing, quantized linears, the one-byte KV cache."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -204,3 +206,18 @@ def test_kv_cache_without_scales_names_the_missing_field():
     config.extra = {}
     with pytest.raises(ValueError, match="extra.quantization.kv_cache_scales"):
         make_quantized_kv_cache(config, num_blocks=1)
+
+
+def test_a_group_size_torchs_int4_kernel_refuses_is_planned_for_ours(monkeypatch, tmp_path):
+    """torch's int4pack takes groups of 32..256 only: for group 16 the plan measures our kernel
+    alone (it raised inside the measurement before), and caches that choice."""
+    from triton_backend.engine.kernels import build_key, load_cpu_kernels
+    from triton_backend.engine.kernels.linear import int4_kernel_choice
+
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    choice = int4_kernel_choice(build_key(), 64, 32, 16)
+    assert choice.kernel == "cpp"
+    plan = json.loads(next(tmp_path.rglob("int4_plan.json")).read_text())
+    assert plan["64x32/g16"]["torch_over_ours_time"] == []

@@ -271,6 +271,9 @@ class Int4Choice:
     upcast_dtype: str = "float32"
 
 
+TORCH_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4pack kernel accepts
+
+
 def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int
                        ) -> Int4Choice:
     """Our kernel wins at 1 and 16 tokens (decode batch sizes) or torch's does; measured once
@@ -296,11 +299,11 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
             x, ours[0], ours[1], None, None, group_size, out_features),
         "torch": lambda x: torch._weight_int4pack_mm_for_cpu(x, theirs, group_size, zeros)}
     torch_over_ours = []
-    for m in (1, 16):
+    for m in (1, 16) if group_size in TORCH_INT4_GROUP_SIZES else ():
         x = torch.randn(m, in_features).to(torch.bfloat16)
         t_ours, t_torch = _best_times([lambda: kernels["cpp"](x), lambda: kernels["torch"](x)], 15)
         torch_over_ours.append(t_torch / t_ours)
-    wins = min(torch_over_ours) >= 1.0 or sum(torch_over_ours) >= 2.0
+    wins = not torch_over_ours or min(torch_over_ours) >= 1.0 or sum(torch_over_ours) >= 2.0
     winner = "cpp" if wins else "torch"
     # Large prefills: the winner against dequantizing (our layout) for torch's dense GEMM.
     dense = lambda: dequantize_int4(ours[0], ours[1], group_size, out_features)  # noqa: E731
