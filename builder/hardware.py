@@ -57,14 +57,10 @@ MAX_NUM_TOKENS = 8192     # TensorRT-LLM's default token budget per step
 
 
 def parameter_count(shape: ModelShape) -> int:
-    """Weights of a Llama-family decoder (embedding, layers, untied lm_head)."""
-    per_layer = (shape.hidden_size * (shape.q_size + 2 * shape.kv_size)   # qkv
-                 + shape.q_size * shape.hidden_size                       # dense
-                 + 3 * shape.hidden_size * shape.intermediate_size        # gate, up, down
-                 + 2 * shape.hidden_size)                                 # two norms
-    embeddings = shape.vocab_size * shape.hidden_size
-    lm_head = 0 if shape.tie_word_embeddings else embeddings
-    return shape.num_hidden_layers * per_layer + embeddings + lm_head + shape.hidden_size
+    """Weights of the model (its family's module tree: embedding, layers, untied lm_head)."""
+    from triton_backend.engine import models
+
+    return models.get(shape.architecture).parameter_count(shape)
 
 
 @dataclass(frozen=True)

@@ -19,19 +19,10 @@ import torch
 from torch import nn
 
 from builder.quantize.options import QuantizeOptions
+from triton_backend.engine import models
 from triton_backend.engine.quant import int4
 
 Progress = Callable[[str], None]
-
-# HF module -> the runtime module (TensorRT-LLM name with gate/up fused) it is part of.
-_RUNTIME_NAMES = {"self_attn.q_proj": "attention.qkv", "self_attn.k_proj": "attention.qkv",
-                  "self_attn.v_proj": "attention.qkv", "self_attn.o_proj": "attention.dense",
-                  "mlp.gate_proj": "mlp.gate_up", "mlp.up_proj": "mlp.gate_up",
-                  "mlp.down_proj": "mlp.proj"}
-# Linears that read the same input must share one AWQ pre-quant scale to be fused at run time.
-_SHARED_INPUT_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                        ("mlp.gate_proj", "mlp.up_proj"))
-
 
 def require_modelopt():
     """Import ModelOpt or explain how to get it (the `quant` extra)."""
@@ -43,15 +34,21 @@ def require_modelopt():
     return mtq
 
 
-def runtime_name(hf_name: str) -> str | None:
-    """`model.layers.3.mlp.up_proj` -> `transformer.layers.3.mlp.gate_up`; `lm_head` -> `lm_head`."""
-    if hf_name == "lm_head":
-        return "lm_head"
-    parts = hf_name.split(".")
-    if len(parts) == 5 and parts[:2] == ["model", "layers"]:
-        suffix = _RUNTIME_NAMES.get(".".join(parts[3:]))
-        return f"transformer.layers.{parts[2]}.{suffix}" if suffix else None
-    return None
+def family_of(model: nn.Module):
+    """The model family (engine/models/) of an HF model, whose table names the runtime modules;
+    None for a module that is not an HF model (nothing in it has a runtime name)."""
+    config = getattr(model, "config", None)
+    return None if config is None else models.for_model_type(config.model_type)
+
+
+def runtime_names(model: nn.Module) -> dict[str, str]:
+    """HF module name -> runtime module name (`model.layers.3.mlp.up_proj` ->
+    `transformer.layers.3.mlp.gate_up`, `lm_head` -> `lm_head`) for the model's projections."""
+    family = family_of(model)
+    if family is None:
+        return {}
+    names = ((name, family.runtime_name(name)) for name, _ in model.named_modules())
+    return {name: target for name, target in names if target}
 
 
 def is_excluded(name: str, patterns: list[str]) -> bool:
@@ -61,9 +58,9 @@ def is_excluded(name: str, patterns: list[str]) -> bool:
 
 def quantized_linears(model: nn.Module, options: QuantizeOptions) -> dict[str, nn.Linear]:
     """HF name -> linear for every projection that will be quantized (exclusions applied)."""
-    found = {}
+    found, targets = {}, runtime_names(model)
     for name, module in model.named_modules():
-        target = runtime_name(name)
+        target = targets.get(name)
         if isinstance(module, nn.Linear) and target and target != "lm_head":
             if not is_excluded(target, options.exclude_modules):
                 found[name] = module
@@ -72,7 +69,7 @@ def quantized_linears(model: nn.Module, options: QuantizeOptions) -> dict[str, n
 
 def check_exclusions(model: nn.Module, options: QuantizeOptions) -> None:
     """Every `exclude_modules` pattern must name something: a typo would quantize silently."""
-    names = {runtime_name(name) for name, _ in model.named_modules()} - {None}
+    names = set(runtime_names(model).values())
     for pattern in options.exclude_modules:
         if not any(pattern in name for name in names):
             raise ValueError(f"quantization.exclude_modules: {pattern!r} matches no module (names "
@@ -84,8 +81,9 @@ def check_group_size(model: nn.Module, options: QuantizeOptions) -> None:
     """Before any calibration: every INT4 linear's input size must divide by the group size."""
     if options.weights not in ("int4_awq", "int4_rtn"):
         return
+    targets = runtime_names(model)
     for name, linear in quantized_linears(model, options).items():
-        int4.check_group_size(linear.in_features, options.group_size, runtime_name(name))
+        int4.check_group_size(linear.in_features, options.group_size, targets[name])
 
 
 def modelopt_config(model: nn.Module, options: QuantizeOptions) -> dict:
@@ -101,8 +99,9 @@ def modelopt_config(model: nn.Module, options: QuantizeOptions) -> dict:
         block_sizes = entry.get("cfg", {}).get("block_sizes") if isinstance(entry, dict) else None
         if block_sizes and entry.get("quantizer_name") == "*weight_quantizer":
             entry["cfg"]["block_sizes"] = {-1: options.group_size, "type": "static"}
+    targets = runtime_names(model)
     for name, module in model.named_modules():
-        target = runtime_name(name)
+        target = targets.get(name)
         if isinstance(module, nn.Linear) and target and is_excluded(target, options.exclude_modules):
             config["quant_cfg"].append({"quantizer_name": f"{name}.*", "enable": False})
     if options.kv_cache != "none":
@@ -143,11 +142,14 @@ def share_prequant_scales(model: nn.Module) -> None:
     weights for it (ModelOpt's resmoothing), so the runtime can run them as one fused GEMM."""
     from modelopt.torch.export.quant_utils import preprocess_linear_fusion
 
+    family = family_of(model)
+    if family is None:
+        return
     for name, module in model.named_modules():
         parts = name.split(".")
         if len(parts) != 3 or parts[:2] != ["model", "layers"]:
             continue
-        for group in _SHARED_INPUT_GROUPS:
+        for group in family.fused_input_groups():
             linears = [module.get_submodule(n) for n in group]
             if all(getattr(lin, "input_quantizer", None) is not None and
                    lin.input_quantizer.pre_quant_scale is not None for lin in linears):

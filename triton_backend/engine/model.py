@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama GQA/MHA, Mistral, Qwen2 with QKV bias) over packed tokens.
+"""The Llama-family decoder over packed tokens; families (`engine/models/`) build it, swapping in
+their own attention module where they differ (e.g. Qwen3's QK-norm).
 
 Weight names follow TensorRT-LLM's checkpoint layout, with the gate/up projections fused:
 `transformer.vocab_embedding.weight`, `transformer.layers.{i}.input_layernorm.weight`,
@@ -34,12 +35,17 @@ class Attention(nn.Module):
                                shape.attention_bias, quant, f"{prefix}.qkv")
         self.dense = make_linear(self.q_size, shape.hidden_size, False, quant, f"{prefix}.dense")
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                cache: PagedKVCache, meta: AttentionMetadata, ops: TorchOps,
-                lora: LoRABatch | None = None) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor, ops: TorchOps, lora: LoRABatch | None) -> torch.Tensor:
+        """[T, q_size + 2 kv_size] before the rotary embedding (a family's hook)."""
         qkv = self.qkv(x)
         if lora is not None:
             lora.apply(self.layer, "qkv", x, qkv)
+        return qkv
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                cache: PagedKVCache, meta: AttentionMetadata, ops: TorchOps,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        qkv = self.project_qkv(x, ops, lora)
         o = ops.attention(self.layer, qkv, positions, rotary, cache, meta, self.num_heads,
                           self.num_kv_heads, self.head_dim, self.scale)
         out = self.dense(o)
@@ -69,11 +75,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden state so each RMSNorm can
     take the residual add with it (one fused op instead of add + norm)."""
 
-    def __init__(self, config: EngineConfig, layer: int) -> None:
+    def __init__(self, config: EngineConfig, layer: int, attention: type[Attention] = Attention
+                 ) -> None:
         super().__init__()
         shape = config.model
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.attention = Attention(config, layer)
+        self.attention = attention(config, layer)
         self.post_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = GatedMLP(config, layer)
 
@@ -91,12 +98,13 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, attention: type[Attention] = Attention) -> None:
         super().__init__()
         shape = config.model
         self.vocab_embedding = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.vocab_embedding.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(shape.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, attention)
+                                    for i in range(shape.num_hidden_layers))
         self.ln_f = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
@@ -105,11 +113,11 @@ class CausalLM(nn.Module):
     rows. `lm_head` is None while the embeddings are tied (the projection reads the embedding
     table) unless a kernel gave it a layout of its own (`kernels.linear.pack_linears`)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, attention: type[Attention] = Attention) -> None:
         super().__init__()
         shape = config.model
         self.config = config
-        self.transformer = Transformer(config)
+        self.transformer = Transformer(config, attention)
         self.rotary = RotaryEmbedding(shape, config.limits.max_seq_len)
         self.tie_word_embeddings = shape.tie_word_embeddings
         self.lm_head: nn.Module | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from triton_backend.engine import models
 from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.kernels.linear import PackedBf16Linear
 from triton_backend.engine.kv_cache import PagedKVCache
@@ -51,7 +52,8 @@ class DecodeForward:
         self.out_features: list[int] = []
         self.group_sizes: list[int] = []
         self.upcast_min_rows: int | None = None
-        self.supported = self._gather(model, dtype)
+        # The C++ side computes the Llama layer and nothing else: a family must declare it.
+        self.supported = models.get(shape.architecture).fused_decode and self._gather(model, dtype)
 
     def _gather(self, model: nn.Module, dtype: torch.dtype) -> bool:
         for layer in model.transformer.layers:
