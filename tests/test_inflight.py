@@ -45,9 +45,10 @@ def _staggered(engine: LLMEngine, requests: list[Request], arrivals: list[int]):
     return [finals[ids[i]] for i in range(len(requests))], max_batch
 
 
+@pytest.mark.parametrize("shape", ["llama_gqa", "qwen3_qk_norm"])
 @pytest.mark.parametrize("num_kv_blocks", [256, 14], ids=["roomy", "preempting"])
-def test_staggered_requests_match_their_solo_runs(tiny_engines, num_kv_blocks):
-    engine_dir = tiny_engines("llama_gqa")
+def test_staggered_requests_match_their_solo_runs(tiny_engines, num_kv_blocks, shape):
+    engine_dir = tiny_engines(shape)
     requests = _requests(seed=num_kv_blocks)
     expected = _alone(engine_dir, requests)
     engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks)

@@ -297,6 +297,20 @@ def test_the_decode_fast_path_gives_the_python_models_tokens(tmp_path, shape, dt
     assert steps > 10 and with_fast == without
 
 
+def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
+    """Qwen3's QK-norm is not in the C++ layer: its engine takes the Python model (and keeps
+    transformers' tokens, test_parity), where a Llama engine of the same dtype takes the fast path."""
+    import tiny
+    from triton_backend.engine.kernels.forward import DecodeForward
+    from triton_backend.engine.llm_engine import LLMEngine
+
+    for shape, declared in (("qwen3_qk_norm", False), ("llama_gqa", True)):
+        runner = LLMEngine(tiny.build_engine(tmp_path / shape, shape, dtype="bfloat16")).runner
+        assert DecodeForward(runner.model, runner.kv_cache, torch.bfloat16).supported is declared
+        if runner.decode_forward is not None:
+            assert runner.decode_forward.supported is declared
+
+
 def test_the_kernels_can_be_built_for_a_lower_instruction_set(monkeypatch):
     """LLM_FORGE_KERNEL_MARCH builds the code paths of another CPU (make test runs the kernel
     tests again with x86-64-v3: AVX2, no AVX-512); each choice is a build of its own."""

@@ -13,7 +13,7 @@ from triton_backend.engine import models
 
 
 def test_every_family_is_found_by_its_name_and_its_model_types():
-    assert models.architectures() == ["llama", "mistral", "qwen2"]
+    assert models.architectures() == ["llama", "mistral", "qwen2", "qwen3"]
     for name in models.architectures():
         family = models.get(name)
         assert all(models.for_model_type(t) is family for t in family.model_types)
@@ -21,10 +21,10 @@ def test_every_family_is_found_by_its_name_and_its_model_types():
 
 def test_an_unknown_family_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"checkpoint: model_type 'gpt2' is not supported "
-                                         r"\(supported: \['llama', 'mistral', 'qwen2'\]\)"):
+                                         r"\(supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]\)"):
         models.for_model_type("gpt2")
     with pytest.raises(ValueError, match=r"model.architecture must be one of \['llama', 'mistral', "
-                                         r"'qwen2'\], got 'gpt2'"):
+                                         r"'qwen2', 'qwen3'\], got 'gpt2'"):
         models.get("gpt2")
 
 
@@ -41,21 +41,22 @@ def test_the_table_converts_every_checkpoint_tensor_and_counts_every_parameter(t
 
 
 def test_the_projections_runtime_names_come_from_the_table():
-    llama = models.get("llama")
+    llama, qwen3 = models.get("llama"), models.get("qwen3")
     assert llama.runtime_name("model.layers.3.mlp.up_proj") == "transformer.layers.3.mlp.gate_up"
     assert llama.runtime_name("model.layers.0.self_attn.v_proj") == "transformer.layers.0.attention.qkv"
     assert llama.runtime_name("lm_head") == "lm_head"
-    assert llama.runtime_name("model.layers.1.input_layernorm") is None  # a norm, not a projection
-    assert llama.fused_input_groups() == [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    assert qwen3.runtime_name("model.layers.1.self_attn.q_norm") is None  # a norm, not a projection
+    assert qwen3.fused_input_groups() == [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                                           ("mlp.gate_proj", "mlp.up_proj")]
 
 
 @pytest.mark.parametrize("shape, count, first", [
     ("qwen2_bias_tied", 6, "model.layers.0.self_attn.k_proj.bias"),
+    ("qwen3_qk_norm", 4, "model.layers.0.self_attn.k_norm.weight"),
 ])
 def test_a_checkpoint_read_as_the_wrong_family_is_refused_not_half_loaded(tmp_path, shape, count,
                                                                           first):
-    """Read as Llama, a Qwen2 checkpoint would lose its QKV biases."""
+    """Read as Llama, a Qwen2 checkpoint would lose its QKV biases, a Qwen3 one its QK-norm."""
     hf_dir = tiny.make_checkpoint(tmp_path, shape)
     config = read_hf_config(hf_dir)
     config["model_type"] = "llama"

@@ -24,6 +24,8 @@ SHAPES = {
                                       sliding_window=None, tie_word_embeddings=False)),
     "qwen2_bias_tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                             tie_word_embeddings=True)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                          tie_word_embeddings=False)),
 }
 
 
@@ -66,6 +68,10 @@ def make_checkpoint(out_dir: Path, shape: str, seed: int = 0, init_std: float = 
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 torch.nn.init.normal_(p, std=init_std)
+    if class_name == "Qwen3Config":  # QK-norm weights start at one: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                torch.nn.init.normal_(p, mean=1.0, std=0.5)
     model.save_pretrained(str(out_dir))
     return out_dir
 
