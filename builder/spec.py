@@ -47,6 +47,7 @@ class QuantizationSpec:
     exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"])
     calibration: dict = field(default_factory=dict)
     quality: dict = field(default_factory=dict)
+    zero_point: bool = False
 
     def __post_init__(self) -> None:
         # The quantizer's and the gate's own validation, so a bad field fails before any work.
@@ -170,6 +171,9 @@ class BuildSpec:
         if self.speculative.enabled:
             raise SpecError(f"speculative.mode: {self.speculative.mode!r} runs on the torch target; "
                             f"TensorRT-LLM's speculative decoding is not wired up (use mode: none)")
+        if self.quantization.zero_point:
+            raise SpecError("quantization.zero_point: the trtllm target's INT4 (W4A16_AWQ) is "
+                            "symmetric; zero-point INT4 runs on the torch target")
         profile = PROFILES[self.hardware]
         for key in ("weights", "kv_cache"):
             if getattr(self.quantization, key) == "fp8" and not profile.fp8:

@@ -32,7 +32,9 @@ VARIANTS = {"fp32": ("float32", "none", "none"), "bf16": ("bfloat16", "none", "n
             "int4_awq": ("bfloat16", "int4_awq", "none"), "int4_rtn": ("bfloat16", "int4_rtn", "none"),
             "fp8": ("bfloat16", "fp8", "none"), "bf16+kv_fp8": ("bfloat16", "none", "fp8"),
             "bf16+kv_int8": ("bfloat16", "none", "int8"),
-            "int4_awq+kv_fp8": ("bfloat16", "int4_awq", "fp8")}
+            "int4_awq+kv_fp8": ("bfloat16", "int4_awq", "fp8"),
+            "int4_zp": ("bfloat16", "int4_rtn", "none")}
+ZERO_POINT_VARIANTS = {"int4_zp"}  # int4_rtn with `zero_point: true`
 DEFAULT_VARIANTS = "fp32,bf16,int4_awq,int4_rtn,fp8,bf16+kv_fp8"
 
 
@@ -53,6 +55,7 @@ def build_variant(name: str, hf_dir: Path, out_dir: Path, args) -> tuple[Path, d
     facts = {"build_seconds": round(time.perf_counter() - start, 1)}
     if weights != "none" or kv != "none":
         options = QuantizeOptions(weights=weights, kv_cache=kv, group_size=args.group_size,
+                                  zero_point=name in ZERO_POINT_VARIANTS,
                                   calibration=CalibrationOptions(samples=args.calibration_samples,
                                                                  seq_len=args.calibration_seq_len))
         start = time.perf_counter()

@@ -32,6 +32,12 @@ def test_from_a_spec_dataclass_like_section():
     ({"group_size": 0}, r"quantization\.group_size: must be an integer >= 1"),
     ({"calibration": {"samples": 0}}, r"quantization\.calibration\.samples: must be an integer"),
     ({"calibration": {"size": 3}}, r"quantization\.calibration\.size: unknown key"),
+    ({"weights": "int4_rtn", "zero_point": "yes"},
+     r"quantization\.zero_point: must be true or false, got 'yes'"),
+    ({"weights": "int4_awq", "zero_point": True},
+     r"quantization\.zero_point: needs weights int4_rtn \(int4_awq and fp8 are symmetric"),
+    ({"weights": "int4_rtn", "kv_cache": "int8", "zero_point": True},
+     r"quantization\.zero_point: quantizes weights only, without calibration"),
 ])
 def test_errors_name_the_field(section, message):
     with pytest.raises(ValueError, match=message):

@@ -221,3 +221,59 @@ def test_a_group_size_torchs_int4_kernel_refuses_is_planned_for_ours(monkeypatch
     assert choice.kernel == "cpp"
     plan = json.loads(next(tmp_path.rglob("int4_plan.json")).read_text())
     assert plan["64x32/g16"]["torch_over_ours_time"] == []
+
+
+def test_zero_point_int4_reproduces_weights_already_on_an_asymmetric_grid():
+    """A GGUF Q4_1-like weight (per group of 32: min + d * k, k in 0..15, both ends used) comes
+    back exactly; the symmetric grid of int4_rtn cannot hold it."""
+    torch.manual_seed(4)
+    groups = torch.randint(0, 16, (8, 4, 32)).float()
+    groups[..., 0], groups[..., 1] = 0, 15
+    d, low = torch.rand(8, 4, 1) * 0.01 + 0.001, torch.randn(8, 4, 1) * 0.05
+    w = (low + d * groups).reshape(8, 128)
+    q, scales, zeros = int4.quantize_rtn_zero_point(w, 32)
+    assert q.min() == -8 and q.max() == 7
+    torch.testing.assert_close(int4.dequantize(q, scales, zeros=zeros), w, atol=1e-6, rtol=0)
+    q_sym, s_sym = int4.quantize_rtn(w, 32)
+    assert (int4.dequantize(q_sym, s_sym) - w).abs().max() > 1e-3
+
+
+def _zero_point_linear(out_f: int, in_f: int, group: int):
+    w = torch.randn(out_f, in_f) + 0.5  # off-centre groups: the zeros matter
+    q, scales, zeros = int4.quantize_rtn_zero_point(w, group)
+    b = torch.randn(out_f)
+    linear = Int4WeightOnlyLinear(in_f, out_f, True, group, "test", zero_point=True)
+    linear.load_state_dict({"weight": int4.pack(q), "weights_scaling_factor": scales,
+                            "zero": zeros, "bias": b}, strict=True)
+    return linear, int4.dequantize(q, scales, zeros=zeros), b
+
+
+@pytest.mark.parametrize("plan, out_f, kernel", [
+    ("cpp", 96, "cpu_int4pack"),     # our kernel has no zeros: torch's, whatever the plan says
+    ("torch", 96, "cpu_int4pack"),
+    ("none", 40, "dequant"),         # no kernel takes 40 rows
+    ("upcast", 96, "cpu_int4pack"),  # prefills of 4+ rows dequantize (with the zeros)
+])
+def test_zero_point_int4_linear_matches_its_dequantized_weight(monkeypatch, plan, out_f, kernel):
+    from triton_backend.engine.kernels.linear import Int4Choice
+
+    choices = {"cpp": Int4Choice("cpp"), "torch": Int4Choice("torch"), "none": None,
+               "upcast": Int4Choice("cpp", 4, "float32")}
+    _plan_int4(monkeypatch, choices[plan])
+    torch.manual_seed(5)
+    linear, w_ref, b = _zero_point_linear(out_f, 64, 32)
+    assert linear.kernel == kernel
+    x = torch.randn(9, 64)
+    ref = F.linear(x, w_ref, b)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = linear(x.to(dtype)).float()
+        assert (y - ref).abs().max() / ref.abs().max() < 0.02
+    torch.testing.assert_close(linear.dequantized_weight(), w_ref, atol=2e-2, rtol=1e-2)
+
+
+def test_a_zero_point_layer_without_its_zeros_is_a_load_error():
+    linear = Int4WeightOnlyLinear(64, 32, False, 32, "test", zero_point=True)
+    q, scales, _ = int4.quantize_rtn_zero_point(torch.randn(32, 64), 32)
+    result = linear.load_state_dict({"weight": int4.pack(q), "weights_scaling_factor": scales},
+                                    strict=False)
+    assert result.missing_keys == ["zero"]

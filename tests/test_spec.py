@@ -1,5 +1,6 @@
 """The build spec and the engine config reject bad input with messages naming the key."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,9 @@ BASE = {"name": "m", "checkpoint": "some/dir"}
     ({"speculative": {"mode": "ngram", "lookahead": 3}}, "speculative.lookahead: unknown key"),
     ({"target": "trtllm", "hardware": "h100-80gb", "speculative": {"mode": "ngram"}},
      "speculative.mode: 'ngram' runs on the torch target"),
+    ({"target": "trtllm", "hardware": "h100-80gb",
+      "quantization": {"weights": "int4_rtn", "zero_point": True}},
+     "quantization.zero_point: the trtllm target's INT4 (W4A16_AWQ) is symmetric"),
     ({"serving": {"max_waiting_requests": -1}},
      "serving.max_waiting_requests must be an integer >= 0 (0: unbounded), got -1"),
     ({"serving": {"max_waiting_prompt_tokens": "lots"}},
@@ -137,3 +141,10 @@ def test_serving_defaults_size_the_prompt_token_bound_from_the_engine():
     assert serving.waiting_prompt_tokens(limits) == 16384  # eight full prefill steps
     explicit = spec_from_dict({**BASE, "serving": {"max_waiting_prompt_tokens": 0}}).serving
     assert explicit.waiting_prompt_tokens(limits) == 0  # unbounded
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_example_spec_is_valid(path):
+    spec = load_spec(path, {})
+    assert spec.name == path.stem

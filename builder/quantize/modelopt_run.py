@@ -69,8 +69,12 @@ def quantized_linears(model: nn.Module, options: QuantizeOptions) -> dict[str, n
 
 def check_exclusions(model: nn.Module, options: QuantizeOptions) -> None:
     """Every `exclude_modules` pattern must name something: a typo would quantize silently."""
-    names = set(runtime_names(model).values())
-    for pattern in options.exclude_modules:
+    check_exclusion_patterns(options.exclude_modules, set(runtime_names(model).values()))
+
+
+def check_exclusion_patterns(patterns: list[str], names: set[str]) -> None:
+    """Raise naming the first pattern that matches none of the runtime module `names`."""
+    for pattern in patterns:
         if not any(pattern in name for name in names):
             raise ValueError(f"quantization.exclude_modules: {pattern!r} matches no module (names "
                              f"look like transformer.layers.0.attention.qkv, .attention.dense, "

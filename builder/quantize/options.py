@@ -44,6 +44,9 @@ class QuantizeOptions:
     group_size: int = 128
     exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"])
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+    # INT4 with a zero per group (asymmetric round-to-nearest, by llm-forge, no calibration): keeps
+    # a checkpoint that is itself on such a grid (GGUF Q4_1, GPTQ) as it is. torch target only.
+    zero_point: bool = False
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:
@@ -53,6 +56,15 @@ class QuantizeOptions:
             raise ValueError(f"quantization.kv_cache: must be one of {list(KV_CACHE_MODES)}, "
                              f"got {self.kv_cache!r}")
         _positive_int("quantization.group_size", self.group_size)
+        if not isinstance(self.zero_point, bool):
+            raise ValueError(f"quantization.zero_point: must be true or false, "
+                             f"got {self.zero_point!r}")
+        if self.zero_point and self.weights != "int4_rtn":
+            raise ValueError(f"quantization.zero_point: needs weights int4_rtn (int4_awq and fp8 "
+                             f"are symmetric, as TensorRT-LLM runs them), got {self.weights!r}")
+        if self.zero_point and self.kv_cache != "none":
+            raise ValueError("quantization.zero_point: quantizes weights only, without "
+                             "calibration; a quantized kv_cache needs int4_rtn without it")
 
     @property
     def enabled(self) -> bool:
@@ -71,4 +83,5 @@ class QuantizeOptions:
         return cls(weights=get("weights", "none"), kv_cache=get("kv_cache", "none"),
                    group_size=get("group_size", 128),
                    exclude_modules=list(["lm_head"] if excludes is None else excludes),
-                   calibration=CalibrationOptions(**calibration))
+                   calibration=CalibrationOptions(**calibration),
+                   zero_point=get("zero_point", False))

@@ -22,7 +22,8 @@ from builder.quantize.options import QuantizeOptions
 from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig, QuantConfig
 
 Progress = Callable[[str], None]
-_QUANT_SUFFIXES = ("weights_scaling_factor", "prequant_scaling_factor", "activation_scaling_factor")
+_QUANT_SUFFIXES = ("weights_scaling_factor", "prequant_scaling_factor", "activation_scaling_factor",
+                   "zero")
 
 
 @dataclass
@@ -79,6 +80,10 @@ def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: Qua
 
     progress = progress or (lambda message: None)
     hf_dir, engine_dir = Path(hf_dir), Path(engine_dir)
+    if options.zero_point:  # ours, without ModelOpt: no calibration, no TensorRT-LLM checkpoint
+        from builder.quantize.zero_point import quantize_zero_point
+
+        return quantize_zero_point(hf_dir, engine_dir, options, dtype, progress)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     modelopt_run.check_exclusions(model, options)
     modelopt_run.check_group_size(model, options)

@@ -196,6 +196,7 @@ class QuantConfig:
     kv_cache: str = "none"
     group_size: int = 128
     exclude_modules: list[str] = field(default_factory=list)
+    zero_point: bool = False  # INT4 with a zero per group (weights_scaling_factor and zero)
 
 
 @dataclass

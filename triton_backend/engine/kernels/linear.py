@@ -271,9 +271,6 @@ class Int4Choice:
     upcast_dtype: str = "float32"
 
 
-TORCH_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4pack kernel accepts
-
-
 def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int
                        ) -> Int4Choice:
     """Our kernel wins at 1 and 16 tokens (decode batch sizes) or torch's does; measured once
@@ -299,7 +296,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
             x, ours[0], ours[1], None, None, group_size, out_features),
         "torch": lambda x: torch._weight_int4pack_mm_for_cpu(x, theirs, group_size, zeros)}
     torch_over_ours = []
-    for m in (1, 16) if group_size in TORCH_INT4_GROUP_SIZES else ():
+    for m in (1, 16) if group_size in int4.TORCH_INT4PACK_GROUP_SIZES else ():
         x = torch.randn(m, in_features).to(torch.bfloat16)
         t_ours, t_torch = _best_times([lambda: kernels["cpp"](x), lambda: kernels["torch"](x)], 15)
         torch_over_ours.append(t_torch / t_ours)

@@ -26,7 +26,8 @@ def make_quantized_linear(in_features: int, out_features: int, bias: bool, quant
                           name: str) -> nn.Module:
     """The linear factory's hook for `quant.weights` != 'none' (exclusions already applied)."""
     if quant.weights in INT4_MODES:
-        return Int4WeightOnlyLinear(in_features, out_features, bias, quant.group_size, name)
+        return Int4WeightOnlyLinear(in_features, out_features, bias, quant.group_size, name,
+                                    zero_point=quant.zero_point)
     if quant.weights == "fp8":
         return Fp8Linear(in_features, out_features, bias, name)
     raise ValueError(f"quantization.weights must be one of {WEIGHT_MODES}, got {quant.weights!r}")

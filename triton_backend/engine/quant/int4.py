@@ -7,6 +7,9 @@ The checkpoint layout (what ModelOpt exports and `trtllm-build` reads) for a lin
 - `weights_scaling_factor`: float32 [out, in/group_size]; w = q * scale, q in [-8, 7].
 - `prequant_scaling_factor`: [in]; the AWQ smoothing applied to the activations (x * s) before the
   matmul. Absent (or all ones) for round-to-nearest.
+- `zero` (only with `quantization.zero_point`): float32 [out, in/group_size]; w = q * scale + zero.
+  Asymmetric groups (the group's min and max map to q = -8 and 7), the grid GGUF's Q4_1 and
+  GPTQ/AWQ-with-zeros use: a checkpoint that was stored on such a grid is reproduced, not re-rounded.
 
 These helpers are pure tensor functions so the offline half (builder) and the runtime half share one
 definition of the format; tests pin it against ModelOpt's own packer.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import torch
 
 INT4_MIN, INT4_MAX = -8, 7
+TORCH_INT4PACK_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4pack matmul accepts
 
 
 def check_group_size(in_features: int, group_size: int, name: str = "linear") -> None:
@@ -45,13 +49,39 @@ def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
     return q.reshape(out_features, in_features).to(torch.int8), scales
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
-               ) -> torch.Tensor:
-    """q int8 [out, in] (unpacked) and scales [out, in/g] -> weight [out, in] in `dtype`."""
+def quantize_rtn_zero_point(weight: torch.Tensor, group_size: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest: weight [out, in] -> (q int8 [out, in] in [-8, 7], scales f32
+    [out, in/g], zeros f32 [out, in/g]) with w ~ q * scale + zero; the group's min is q = -8."""
+    out_features, in_features = weight.shape
+    check_group_size(in_features, group_size)
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = (high - low) / (INT4_MAX - INT4_MIN)
+    scales[scales == 0] = 1.0  # a constant group: its zero alone reproduces it
+    zeros = low - INT4_MIN * scales
+    q = ((groups - zeros[..., None]) / scales[..., None]).round().clamp(INT4_MIN, INT4_MAX)
+    return q.reshape(out_features, in_features).to(torch.int8), scales, zeros
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+               zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """q int8 [out, in] (unpacked), scales [out, in/g] and zeros (None: symmetric) -> weight
+    [out, in] in `dtype`."""
     out_features, in_features = q.shape
     groups = scales.shape[1]
     w = q.float().reshape(out_features, groups, in_features // groups) * scales.float()[..., None]
+    if zeros is not None:
+        w = w + zeros.float()[..., None]
     return w.reshape(out_features, in_features).to(dtype)
+
+
+def add_zeros(dense: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """A dense [out, in] weight dequantized without its zeros, plus them (group-wise)."""
+    out_features, in_features = dense.shape
+    groups = zeros.shape[1]
+    w = dense.reshape(out_features, groups, in_features // groups) + zeros.to(dense.dtype)[..., None]
+    return w.reshape(out_features, in_features)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:

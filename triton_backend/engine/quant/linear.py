@@ -1,13 +1,15 @@
 """Runtime quantized linears. They consume TensorRT-LLM checkpoint names and repack at load.
 
 `Int4WeightOnlyLinear` (W4A16_AWQ): keys `weight` (packed int8 [out/2, in]),
-`weights_scaling_factor` [out, in/g], `prequant_scaling_factor` [in], optional `bias`. On a CPU it
+`weights_scaling_factor` [out, in/g], `prequant_scaling_factor` [in], optional `bias`; with
+`zero_point`, `zero` [out, in/g] (w = q * scale + zero, see int4.py). On a CPU it
 repacks once for the faster of two packed-int4 kernels, chosen per weight shape by a measurement
 cached per machine: ours (`torch.ops.llm_forge.linear_int4_packed`, nibbles widened to fp32 in
 registers) or torch's (`_weight_int4pack_mm_for_cpu`, bf16 activations); elsewhere, or for shapes
 neither takes, it dequantizes per call (keeping 4-bit residency). Large prefills (from the
 measured `upcast_min_rows`) dequantize our layout per call for torch's dense GEMM; with torch's
-kernel that layout is kept beside its own (4 bits per weight more).
+kernel that layout is kept beside its own (4 bits per weight more). Our kernel has no zeros:
+zero-point layers take torch's kernel (which has them) whatever the plan measured.
 
 `Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
 per output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor
@@ -80,23 +82,24 @@ def _cpp_int4_choice(in_features: int, out_features: int, group_size: int):
 
 
 class Int4WeightOnlyLinear(_QuantizedLinear):
-    """y = (x * prequant_scale) @ dequant(W).T + b, with W symmetric INT4 per `group_size` group."""
+    """y = (x * prequant_scale) @ dequant(W).T + b, with W INT4 per `group_size` group, symmetric
+    or (`zero_point`) with a zero per group."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
-                 name: str = "linear") -> None:
+                 name: str = "linear", zero_point: bool = False) -> None:
         super().__init__()
         int4.check_group_size(in_features, group_size, name)
         if out_features % 2:
             raise ValueError(f"{name}: INT4 needs an even output size, got {out_features}")
         self.in_features, self.out_features = in_features, out_features
         self.group_size = group_size
-        self.has_bias = bias
+        self.has_bias, self.zero_point = bias, zero_point
         self.kernel = "unloaded"
         self.upcast_min_rows: int | None = None  # rows from which a call dequantizes (cpp_int4)
         self.upcast_dtype = torch.float32  # what bf16 activations meet the dequantized weight in
         # Runtime tensors are non-persistent buffers: they follow .to() but are never saved.
         for buffer in ("packed_weight", "scales", "scales_and_zeros", "prequant", "bias",
-                       "tiles", "tile_scales"):
+                       "tiles", "tile_scales", "zeros"):
             self.register_buffer(buffer, None, persistent=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -106,21 +109,26 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         scales = _take(state_dict, prefix, "weights_scaling_factor", missing_keys)
         prequant = state_dict.get(prefix + "prequant_scaling_factor")
         bias = _take(state_dict, prefix, "bias", missing_keys) if self.has_bias else None
-        if packed is None or scales is None:
+        zeros = _take(state_dict, prefix, "zero", missing_keys) if self.zero_point else None
+        if packed is None or scales is None or (self.zero_point and zeros is None):
             return
         ok = _check_shape(prefix + "weight", packed, (out_f // 2, in_f), error_msgs)
         ok &= _check_shape(prefix + "weights_scaling_factor", scales, (out_f, groups), error_msgs)
+        if zeros is not None:
+            ok &= _check_shape(prefix + "zero", zeros, (out_f, groups), error_msgs)
         if prequant is not None:
             ok &= _check_shape(prefix + "prequant_scaling_factor", prequant, (in_f,), error_msgs)
         if ok:
-            self.load_quantized(packed, scales, prequant, bias)
+            self.load_quantized(packed, scales, prequant, bias, zeros)
 
     def load_quantized(self, packed: torch.Tensor, scales: torch.Tensor,
-                       prequant: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+                       prequant: torch.Tensor | None, bias: torch.Tensor | None,
+                       zeros: torch.Tensor | None = None) -> None:
         """Take checkpoint tensors and build the runtime form (kernel repack or dequant fallback)."""
         unit = prequant is None or bool((prequant == 1).all())
         self.prequant = None if unit else prequant  # round-to-nearest carries no smoothing
         self.bias = bias
+        self.zeros = None if zeros is None else zeros.float()
         q = int4.unpack(packed)
         if packed.device.type == "cpu" and self._pack_for_cpu_kernel(q, scales):
             return
@@ -131,7 +139,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         """Repack for the faster CPU kernel of this shape: ours (`llm_forge.linear_int4_packed`)
         or torch's int4pack; False when neither is available."""
         choice = _cpp_int4_choice(self.in_features, self.out_features, self.group_size)
-        if choice is not None and choice.kernel == "cpp":
+        if choice is not None and choice.kernel == "cpp" and self.zeros is None:
             from triton_backend.engine.kernels.linear import pack_int4_tiles
 
             self.packed_weight, self.scales = pack_int4_tiles(q, scales)
@@ -139,14 +147,16 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
             self.upcast_dtype = getattr(torch, choice.upcast_dtype)
             return True
         # torch's kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero 0.
-        if self.out_features % 16 or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        if (self.out_features % 16 or self.group_size not in int4.TORCH_INT4PACK_GROUP_SIZES
+                or not hasattr(torch, "_weight_int4pack_mm_for_cpu")):
             return False
         try:
             packed = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
         except RuntimeError:
             return False
         scale_t = scales.t().to(torch.bfloat16)
-        self.scales_and_zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
+        zero_t = torch.zeros_like(scale_t) if self.zeros is None else self.zeros.t().to(torch.bfloat16)
+        self.scales_and_zeros = torch.stack((scale_t, zero_t), dim=-1).contiguous()
         self.packed_weight, self.kernel = packed, "cpu_int4pack"
         if choice is not None and choice.upcast_min_rows is not None:
             from triton_backend.engine.kernels.linear import pack_int4_tiles
@@ -163,13 +173,14 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
 
             tiles, scales = ((self.packed_weight, self.scales) if self.kernel == "cpp_int4"
                              else (self.tiles, self.tile_scales))
-            return dequantize_int4(tiles, scales, self.group_size, self.out_features).to(dtype)
+            dense = dequantize_int4(tiles, scales, self.group_size, self.out_features)
+            return (dense if self.zeros is None else int4.add_zeros(dense, self.zeros)).to(dtype)
         if self.kernel == "cpu_int4pack":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             dense = torch._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
                                                       self.scales_and_zeros)
             return dense.t().to(dtype)
-        return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype)
+        return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype, self.zeros)
 
     def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.upcast_min_rows is not None and x2.shape[0] >= self.upcast_min_rows:

@@ -1,0 +1,83 @@
+"""Zero-point INT4 (`int4_rtn` with `zero_point: true`), end to end on a tiny checkpoint: the
+weights written, the runtime computing what they say, the decode fast path on them."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tiny
+from builder.quantize import QuantizeOptions, quantize_engine
+from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.offline import prefill_logits
+from triton_backend.engine.quant import int4
+
+GROUP = 32
+
+
+@pytest.fixture(scope="module")
+def zero_point_engine(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero-point")
+    engine_dir = tiny.build_engine(tmp, "qwen2_bias_tied", dtype="bfloat16")
+    options = QuantizeOptions(weights="int4_rtn", zero_point=True, group_size=GROUP,
+                              exclude_modules=["lm_head", "layers.1.mlp.proj"])
+    result = quantize_engine(engine_dir, tmp / "hf-qwen2_bias_tied", options)
+    return engine_dir, tmp / "hf-qwen2_bias_tied", result
+
+
+def test_the_engine_records_and_stores_zero_point_int4(zero_point_engine):
+    engine_dir, _, result = zero_point_engine
+    quant = EngineConfig.load(engine_dir).quantization
+    assert (quant.weights, quant.zero_point, quant.group_size) == ("int4_rtn", True, GROUP)
+    assert result.extra["quant_algo"] == "W4A16_ZERO_POINT"
+    assert not (engine_dir / "trtllm_checkpoint").exists()
+    state = load_file(str(engine_dir / "model.safetensors"))
+    qkv = "transformer.layers.0.attention.qkv"
+    assert state[f"{qkv}.weight"].dtype == torch.int8
+    assert state[f"{qkv}.zero"].shape == state[f"{qkv}.weights_scaling_factor"].shape == (
+        state[f"{qkv}.weight"].shape[0] * 2, 64 // GROUP)
+    assert state[f"{qkv}.bias"].dtype == torch.bfloat16  # biases and norms stay in the engine dtype
+    assert state["transformer.layers.1.mlp.proj.weight"].dtype == torch.bfloat16  # excluded
+    assert 0.2 < result.linear_size_ratio < 0.5
+
+
+def _dequantized_reference(hf_dir):
+    """transformers on the checkpoint with each quantized projection replaced by its zero-point
+    INT4 dequantization (groups run along each row, so quantizing q/k/v apart or fused agree)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    for i, layer in enumerate(model.model.layers):
+        linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                   layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj]
+        if i != 1:
+            linears.append(layer.mlp.down_proj)
+        for linear in linears:
+            q, scales, zeros = int4.quantize_rtn_zero_point(linear.weight.data, GROUP)
+            linear.weight.data.copy_(int4.dequantize(q, scales, zeros=zeros))
+    return model
+
+
+def test_the_runtime_computes_what_the_weights_say(zero_point_engine):
+    engine_dir, hf_dir, _ = zero_point_engine
+    ids = list(range(5, 45))
+    ours = prefill_logits(engine_dir, ids)
+    with torch.inference_mode():
+        theirs = _dequantized_reference(hf_dir)(torch.tensor([ids])).logits[0]
+    cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).mean().item()
+    assert cosine > 0.995
+
+
+def test_zero_point_engines_decode_through_the_fast_path_with_the_python_models_tokens(
+        zero_point_engine):
+    from tests.test_kernels import _fast_and_python_ids
+    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.llm_engine import LLMEngine
+
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels did not build")
+    engine_dir = zero_point_engine[0]
+    qkv = LLMEngine(engine_dir).runner.model.transformer.layers[0].attention.qkv
+    assert qkv.kernel == "cpu_int4pack"  # the kernel with zeros, whatever this machine's plan
+    with_fast, without, steps = _fast_and_python_ids(engine_dir)
+    assert steps > 10 and with_fast == without
