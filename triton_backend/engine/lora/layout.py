@@ -18,15 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from triton_backend.engine.config import ModelShape
+from triton_backend.engine.models.llama import PROJECTIONS, LlamaFamily
 
-# HF projection -> (runtime projection, part index inside the fused projection)
-HF_MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
-              "o_proj": ("dense", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
-              "down_proj": ("proj", 0)}
-RUNTIME_PREFIX = {"qkv": "attention.qkv", "dense": "attention.dense",
-                  "gate_up": "mlp.gate_up", "proj": "mlp.proj"}
-HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-             "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# From the model families' one weight-name table (every family has the Llama projections):
+# (HF parent, HF projection, runtime projection, part index inside the fused projection).
+_PARTS = [(*hf.split("."), weight.runtime, index) for weight in LlamaFamily.layer_weights
+          if weight.runtime in PROJECTIONS for index, hf in enumerate(weight.hf)]
+# HF projection -> (runtime projection's short name, part index), e.g. k_proj -> (qkv, 1)
+HF_MODULES = {name: (runtime.split(".")[1], index) for _, name, runtime, index in _PARTS}
+RUNTIME_PREFIX = {runtime.split(".")[1]: runtime for _, _, runtime, _ in _PARTS}  # qkv -> attention.qkv
+HF_PARENT = {name: parent for parent, name, _, _ in _PARTS}  # q_proj -> self_attn
 
 
 class AdapterError(ValueError):
