@@ -210,17 +210,24 @@ def test_kv_cache_without_scales_names_the_missing_field():
 
 def test_a_group_size_torchs_int4_kernel_refuses_is_planned_for_ours(monkeypatch, tmp_path):
     """torch's int4pack takes groups of 32..256 only: for group 16 the plan measures our kernel
-    alone (it raised inside the measurement before), and caches that choice."""
+    alone (it raised inside the measurement before), and caches that choice with the prefill
+    row counts it timed."""
     from triton_backend.engine.kernels import build_key, load_cpu_kernels
     from triton_backend.engine.kernels.linear import int4_kernel_choice
 
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")
     monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    # A plan written by an older rule (no version) is measured again, not read.
+    path = tmp_path / "kernels" / build_key() / "int4_plan.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"64x32/g16": {"choice": {"kernel": "torch"}}}))
     choice = int4_kernel_choice(build_key(), 64, 32, 16)
     assert choice.kernel == "cpp"
-    plan = json.loads(next(tmp_path.rglob("int4_plan.json")).read_text())
-    assert plan["64x32/g16"]["torch_over_ours_time"] == []
+    plan = json.loads(path.read_text())["64x32/g16"]
+    assert plan["torch_over_ours_time"] == [] and plan["version"] == 2
+    assert sorted(map(int, plan["upcast_over_kernel_time"]["bfloat16"])) == [32, 64, 128, 256,
+                                                                            512, 1024]
 
 
 def test_zero_point_int4_reproduces_weights_already_on_an_asymmetric_grid():

@@ -271,6 +271,12 @@ class Int4Choice:
     upcast_dtype: str = "float32"
 
 
+# Prefill row counts where dequantizing for torch's GEMM is timed against the INT4 kernel: a
+# prompt of a hundred tokens already runs a GEMM that a 4-bit kernel does not make cheaper.
+INT4_UPCAST_ROWS = (32, 64, 128, 256, 512, 1024)
+INT4_PLAN_VERSION = 2  # plans measured by an older rule are measured again
+
+
 def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int
                        ) -> Int4Choice:
     """Our kernel wins at 1 and 16 tokens (decode batch sizes) or torch's does; measured once
@@ -282,7 +288,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if shape in cached:
+    if shape in cached and cached[shape].get("version") == INT4_PLAN_VERSION:
         return Int4Choice(**cached[shape]["choice"])
     from triton_backend.engine.quant import int4
 
@@ -305,7 +311,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     # Large prefills: the winner against dequantizing (our layout) for torch's dense GEMM.
     dense = lambda: dequantize_int4(ours[0], ours[1], group_size, out_features)  # noqa: E731
     upcast_over_kernel: dict[str, dict[int, float]] = {"float32": {}, "bfloat16": {}}
-    for m in UPCAST_ROWS:
+    for m in INT4_UPCAST_ROWS:
         x = torch.randn(m, in_features).to(torch.bfloat16)
         t_kernel, t_fp32, t_bf16 = _best_times([
             lambda: kernels[winner](x), lambda: F.linear(x.float(), dense()),
@@ -313,11 +319,11 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
         upcast_over_kernel["float32"][m] = t_fp32 / t_kernel
         upcast_over_kernel["bfloat16"][m] = t_bf16 / t_kernel
     # The dtype whose dequantize-and-GEMM is faster at the largest measured row count.
-    largest = max(UPCAST_ROWS)
+    largest = max(INT4_UPCAST_ROWS)
     dtype = min(upcast_over_kernel, key=lambda name: upcast_over_kernel[name][largest])
     choice = Int4Choice(winner, _upcast_threshold(upcast_over_kernel[dtype]), dtype)
     cached[shape] = {"choice": choice.__dict__, "torch_over_ours_time": torch_over_ours,
-                     "upcast_over_kernel_time": upcast_over_kernel}
+                     "upcast_over_kernel_time": upcast_over_kernel, "version": INT4_PLAN_VERSION}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cached, indent=1) + "\n")
     log.info("INT4 %s: %s", shape, choice)
