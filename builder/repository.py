@@ -20,7 +20,7 @@ from builder.install import swap_in
 from builder.template import render
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.numbers import is_int
-from triton_backend.engine.process_executor import ENGINE_ISOLATIONS
+from triton_backend.engine.process.executor import ENGINE_ISOLATIONS
 from triton_backend.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class RepositoryOptions:
 
     `triton_max_batch_size` None means the engine's `limits.max_batch_size`. `max_queue_size` 0
     means no queue limit (Triton's meaning). `engine_isolation` "process" runs the engine in a
-    process of its own (see `triton_backend.engine.engine_process`); `engine_num_threads` 0 gives
+    process of its own (see `triton_backend.engine.process.main`); `engine_num_threads` 0 gives
     it every core the server may use. KV budget: at most one of `kv_cache_num_blocks` and
     `kv_cache_memory_bytes`; neither means the engine's own `kv_cache` section decides. The
     `default_*` sampling values apply to requests that do not set them (greedy by default).

@@ -2,7 +2,7 @@
 import dataclasses
 
 from triton_backend.engine.admission import AdmissionLimits
-from triton_backend.engine.engine_handle import EngineLaunch
+from triton_backend.engine.process.handle import EngineLaunch
 from triton_backend.engine.engine_options import EngineOptions
 
 # One non-default value per field; a field missing here fails the test below.
@@ -12,7 +12,7 @@ NON_DEFAULT = {"num_kv_blocks": 48, "kv_cache_memory_bytes": 1 << 20,
 
 
 def _options_from_argv(argv: list[str]) -> EngineOptions:
-    from triton_backend.engine.engine_process import _parse_args
+    from triton_backend.engine.process.main import _parse_args
 
     args = _parse_args(argv[argv.index("--engine-dir"):])
     return EngineOptions.from_json(args.options)
@@ -41,7 +41,7 @@ def test_defaults_survive_and_become_executor_keywords():
 
 def test_process_executor_passes_every_option_to_the_engine_launch(tiny_engines, monkeypatch):
     """Each ProcessExecutor keyword lands in its own field (none defaulted, none swapped)."""
-    from triton_backend.engine import process_executor
+    from triton_backend.engine.process import executor as process_executor
 
     launches = []
 

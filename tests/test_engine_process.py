@@ -8,13 +8,13 @@ import time
 import pytest
 
 from triton_backend.engine import FinishReason, Request
-from triton_backend.engine.process_executor import EngineProcessError, ProcessExecutor
+from triton_backend.engine.process.executor import EngineProcessError, ProcessExecutor
 
 from tiny import final_response
 
 CLIENT = """
 import time
-from triton_backend.engine.process_executor import ProcessExecutor
+from triton_backend.engine.process.executor import ProcessExecutor
 ex = ProcessExecutor({engine!r}, num_kv_blocks=64)
 print(ex.get_stats()["engine_pid"], flush=True)
 time.sleep(600)

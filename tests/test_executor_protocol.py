@@ -5,7 +5,7 @@ import pytest
 
 from triton_backend.engine.executor import Executor
 from triton_backend.engine.executor_protocol import ExecutorVerbs
-from triton_backend.engine.process_executor import ProcessExecutor
+from triton_backend.engine.process.executor import ProcessExecutor
 from triton_backend.naive.executor import NaiveExecutor
 
 VERBS = [name for name, member in vars(ExecutorVerbs).items()

@@ -7,7 +7,7 @@ import re
 import jsonschema
 import pytest
 
-from test_spec_decode import speculative_engine
+from test_speculative import speculative_engine
 from triton_backend.engine import FinishReason, Request, SamplingParams
 from triton_backend.engine.guided import MAX_GUIDE_CHARS, GuidedDecodingParams
 from triton_backend.engine.guided.compiler import GrammarCompiler, GuideError

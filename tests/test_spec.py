@@ -93,7 +93,7 @@ def test_a_spec_with_a_draft_engine_builds(tiny_engines, tmp_path):
     """forge engine with `speculative: {mode: draft_model}`: the draft is checked and stored
     relative to the new engine (a build once failed here on a name the staging step lacked)."""
     import tiny
-    from triton_backend.engine.spec_decode.draft_model import resolve_draft_engine
+    from triton_backend.engine.speculative.draft_model import resolve_draft_engine
 
     draft = tiny_engines("llama_gqa")
     engine_dir = tiny.build_engine(tmp_path, speculative={
@@ -108,7 +108,7 @@ def test_a_draft_engine_must_share_the_targets_tokenizer(tiny_engines, tmp_path)
 
     import tiny
     from builder.speculative import check_draft_engine
-    from triton_backend.engine.spec_decode.draft_model import resolve_draft_engine
+    from triton_backend.engine.speculative.draft_model import resolve_draft_engine
 
     target = tiny_engines("llama_gqa")
     config = EngineConfig.load(target)

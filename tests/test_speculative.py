@@ -13,8 +13,8 @@ from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.offline import generate
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk
-from triton_backend.engine.spec_decode.ngram import NgramIndex
-from triton_backend.engine.spec_decode.verifier import accept_greedy, rejection_sample
+from triton_backend.engine.speculative.ngram import NgramIndex
+from triton_backend.engine.speculative.verifier import accept_greedy, rejection_sample
 
 
 # -- prompt lookup -----------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_sampling_with_drafts_keeps_the_target_distribution(tiny_engines, tmp_pa
     """Two fixed drafts, proposed for every decode of a top-4 sampled request: the tokens after
     them follow the target's own distribution, computed exactly from prefill logits."""
     from triton_backend.engine.offline import prefill_logits
-    from triton_backend.engine.spec_decode.speculator import Speculator
+    from triton_backend.engine.speculative.speculator import Speculator
 
     engine_dir = tiny_engines("llama_gqa")
     prompt = [random.Random(5).randrange(3, 380) for _ in range(12)]

@@ -4,7 +4,7 @@ over the same tokens (fp32 tiny engines, 1e-4); with speculation they are the sa
 import pytest
 import torch
 
-from test_spec_decode import speculative_engine
+from test_speculative import speculative_engine
 from triton_backend.engine import Request, SamplingParams
 from triton_backend.engine.guided import GuidedDecodingParams
 from triton_backend.engine.llm_engine import LLMEngine

@@ -7,7 +7,7 @@ with exactly one final response: output, an error, or a cancellation.
 
 The loop runs on a background thread by default, or on the caller's thread with
 `start_loop=False` + `run_loop()`: torch runs at full speed only when its ops come from the
-thread that owns the process's OpenMP team, so the engine process (`engine_process.py`) runs the
+thread that owns the process's OpenMP team, so the engine process (`process/main.py`) runs the
 loop on its main thread and only moves messages on other threads.
 
 Admission: with `AdmissionLimits`, a request that would make too much wait is refused at once

@@ -92,7 +92,7 @@ class LLMEngine:
         self.runner = ModelRunner(engine_dir, self.config, num_blocks, device, lora=self.lora)
         self.speculator = None
         if self.config.speculative.enabled and enable_speculative_decoding is not False:
-            from triton_backend.engine.spec_decode import make_speculator
+            from triton_backend.engine.speculative import make_speculator
 
             self.speculator = make_speculator(self.engine_dir, self.config, device)
         self.eos_ids = frozenset(self.config.tokenizer.eos_token_ids)

@@ -2,7 +2,7 @@
 KV cache, project only the rows that sample, and sample.
 
 A chunk carrying draft tokens (speculative decoding) samples from its last 1 + num_draft_tokens
-rows: the verifier (`spec_decode/verifier.py`) keeps the drafts the target agrees with.
+rows: the verifier (`speculative/verifier.py`) keeps the drafts the target agrees with.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
-from triton_backend.engine.spec_decode.verifier import verify
+from triton_backend.engine.speculative.verifier import verify
 from triton_backend.engine.weights import load_model, runtime_dtype
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.config import EngineConfig
-from triton_backend.engine.process_executor import ENGINE_ISOLATIONS, available_cores
+from triton_backend.engine.process.executor import ENGINE_ISOLATIONS, available_cores
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 
 
@@ -35,7 +35,7 @@ def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
     if config.target not in ("torch", "naive"):
         raise ValueError(f"{engine_dir}: target {config.target!r} has no executor")
     if isolation == "process":
-        from triton_backend.engine.process_executor import ProcessExecutor
+        from triton_backend.engine.process.executor import ProcessExecutor
 
         return ProcessExecutor(engine_dir, num_kv_blocks=num_kv_blocks,
                                kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -1,7 +1,7 @@
 """The `tensorrt_llm` Triton model: a thin adapter between Triton requests and one executor.
 
 `initialize` builds the executor (by default an engine process whose main thread steps the engine:
-see `engine_process.py`) and a response thread. `execute` only parses, enqueues and
+see `process/main.py`) and a response thread. `execute` only parses, enqueues and
 returns None: every request joins the executor the moment it arrives, so requests of all
 clients share steps. The response thread is the one place that sends responses (FINAL on the
 last), checks cancellation through each response sender and publishes the executor's counters.

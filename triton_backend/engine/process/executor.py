@@ -1,7 +1,7 @@
 """`ProcessExecutor`: the executor verbs, served by an engine process of its own.
 
 The Triton model (or any caller) keeps the verbs it knows (`enqueue_request`, `cancel_request`,
-`await_responses`, `get_stats`, `shutdown`); the engine runs in `engine_process.py`, whose main
+`await_responses`, `get_stats`, `shutdown`); the engine runs in `process/main.py`, whose main
 thread steps it at full speed. Requests are validated here, before they are sent, so a bad one
 is refused at once with the same field-naming `ValueError` as the in-process executor.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.config import EngineConfig
-from triton_backend.engine.engine_handle import EngineHandle, EngineLaunch, EngineProcessError
 from triton_backend.engine.engine_options import EngineOptions
+from triton_backend.engine.process.handle import EngineHandle, EngineLaunch, EngineProcessError
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.response_queue import ResponseQueue
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE

@@ -52,7 +52,7 @@ class EngineLaunch:
     startup_timeout: float = 900.0
 
     def command(self, fd: int) -> list[str]:
-        return [python_executable(), "-m", "triton_backend.engine.engine_process",
+        return [python_executable(), "-m", "triton_backend.engine.process.main",
                 "--engine-dir", str(self.engine_dir), "--fd", str(fd),
                 "--num-threads", str(self.num_threads), "--options", self.options.to_json()]
 

@@ -15,7 +15,7 @@ client -> engine: ("enqueue", request_id, Request), ("cancel", request_id), ("sh
 engine -> client: ("ready", info), ("error", message) at start-up, ("responses", [Response],
 stats), and ("closed",) once every final response has been sent.
 
-    python -m triton_backend.engine.engine_process --engine-dir DIR --fd N [--num-threads N] \
+    python -m triton_backend.engine.process.main --engine-dir DIR --fd N [--num-threads N] \
         [--options JSON]
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from triton_backend.engine.engine_options import EngineOptions
-from triton_backend.engine.process_executor import available_cores
+from triton_backend.engine.process.executor import available_cores
 from triton_backend.engine.request import FinishReason, Response
 
 log = logging.getLogger("llm_forge.engine_process")

@@ -5,18 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from triton_backend.engine.config import EngineConfig
-from triton_backend.engine.spec_decode.speculator import Speculator
+from triton_backend.engine.speculative.speculator import Speculator
 
 
 def make_speculator(engine_dir: Path, config: EngineConfig, device: str) -> Speculator:
     spec = config.speculative
     if spec.mode == "ngram":
-        from triton_backend.engine.spec_decode.ngram import NgramProposer
+        from triton_backend.engine.speculative.ngram import NgramProposer
 
         return Speculator(spec, NgramProposer(spec.num_draft_tokens, spec.prompt_lookup_min,
                                               spec.prompt_lookup_max))
     if spec.mode == "draft_model":
-        from triton_backend.engine.spec_decode.draft_model import DraftModelProposer
+        from triton_backend.engine.speculative.draft_model import DraftModelProposer
 
         return Speculator(spec, DraftModelProposer(engine_dir, config, device))
     raise ValueError(f"speculative.mode {spec.mode!r} has no proposer")
