@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from builder.errors import EXIT_INTERNAL, fail
-from builder.serve import ALLOCATOR_PACKAGES, MALLOC_CHOICES
+from builder.serving.serve import ALLOCATOR_PACKAGES, MALLOC_CHOICES
 
 @click.command("repository")
 @click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False))
@@ -99,7 +99,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                   openai_max_concurrent_requests, drain_timeout, max_reloads, malloc) -> None:
     """Start tritonserver on loopback for a repository and supervise it; Ctrl-C or SIGTERM drain
     it and exit 0; exit 1 if tritonserver itself dies."""
-    from builder.serve import engine_report, start_tritonserver
+    from builder.serving.serve import engine_report, start_tritonserver
 
     stop, openai, supervisors = threading.Event(), None, []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -142,7 +142,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                 fail("the OpenAI server stopped", code=EXIT_INTERNAL)
         for supervisor in supervisors:
             supervisor.stop()
-        from builder.supervisor import drain
+        from builder.serving.supervisor import drain
 
         click.echo(f"draining: no new requests; requests in flight may finish within "
                    f"{drain_timeout:g} s")
@@ -167,7 +167,7 @@ def _start_supervisors(server, repository_dir: Path, max_reloads: int) -> list:
     answer from them never reloads anything)."""
     import math
 
-    from builder.supervisor import Supervisor, supervised_models
+    from builder.serving.supervisor import Supervisor, supervised_models
 
     models = supervised_models(repository_dir)
     supervisors = [Supervisor(server.http_url, model=model, max_reloads=max_reloads,
@@ -202,8 +202,8 @@ def served_engine_line(repository_dir) -> str:
 
 def _start_openai(repository_dir, server, port, host, triton_model, max_concurrent_requests,
                   api_key):
-    from builder.openai.config import OpenAIServerConfig
-    from builder.openai.server import start_openai_server
+    from builder.serving.openai.config import OpenAIServerConfig
+    from builder.serving.openai.server import start_openai_server
 
     try:
         config = OpenAIServerConfig.from_repository(

@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--rebuild", action="store_true")
     args = parser.parse_args()
 
-    from builder.serve import start_tritonserver
+    from builder.serving.serve import start_tritonserver
 
     started = time.perf_counter()
     engine, repository = ensure_engine(args.spec.resolve(), args.rebuild)

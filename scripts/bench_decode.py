@@ -83,7 +83,7 @@ def _build_sides(args, protocol: EngineProtocol, names: list[str], stack: list) 
     if triton_models:
         from builder.bench.engine_level_triton import TritonSide
         from builder.repository import RepositoryOptions, emit_repository
-        from builder.serve import start_tritonserver
+        from builder.serving.serve import start_tritonserver
 
         repository = Path(tempfile.mkdtemp(prefix="bench-decode-repo-"))
         # Without KV reuse: the prompts repeat across repeats (see InProcessSide).

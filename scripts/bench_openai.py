@@ -33,7 +33,7 @@ def _log(message: str) -> None:
 
 def start_forge_serve(repository: Path, log_path: Path) -> tuple[subprocess.Popen, str, str]:
     """`forge serve --openai-port` on free ports; returns (process, openai host:port, gRPC)."""
-    from builder.serve import free_port
+    from builder.serving.serve import free_port
 
     http, grpc, metrics, openai = (free_port() for _ in range(4))
     log = open(log_path, "wb")

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from builder.checkpoint import sha256_file  # noqa: E402
-from builder.serve import free_port  # noqa: E402
+from builder.serving.serve import free_port  # noqa: E402
 
 # (key in vLLM's result JSON, column name, ratio shown)
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50 ms"),

@@ -488,7 +488,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from builder.repository import RepositoryOptions, emit_repository
-    from builder.serve import start_tritonserver
+    from builder.serving.serve import start_tritonserver
     from builder.spec import ServingSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="forge-soak-"))

@@ -92,7 +92,7 @@ def forge_generate_text(engine_dir, prompt, max_tokens) -> str:
 
 def test_the_engine_runs_in_its_own_process_with_every_core_and_the_kernels(server):
     """What `forge serve` reports: threads and kernels, read back from /metrics."""
-    from builder.serve import engine_report
+    from builder.serving.serve import engine_report
 
     stats = metrics(server)
     cores = len(os.sched_getaffinity(0))

@@ -81,7 +81,7 @@ def test_repository_is_swapped_in_and_keeps_other_files(tmp_path, tiny_engines):
 
 
 def test_tritonserver_exit_timeout_follows_the_drain_setting(tmp_path):
-    from builder.serve import TritonInstall, server_command
+    from builder.serving.serve import TritonInstall, server_command
 
     install = TritonInstall(binary=tmp_path / "tritonserver")
     cmd = server_command(install, tmp_path, (1, 2, 3), None, drain_timeout=12.5)

@@ -123,8 +123,8 @@ def test_text_models_pass_the_lora_inputs_on(server, nvidia_b, model):
 
 @pytest.fixture(scope="module")
 def openai_server(server, repo):
-    from builder.openai.config import OpenAIServerConfig
-    from builder.openai.server import start_openai_server
+    from builder.serving.openai.config import OpenAIServerConfig
+    from builder.serving.openai.server import start_openai_server
 
     config = OpenAIServerConfig.from_repository(repo, server.grpc_url)
     with start_openai_server(config) as running:

@@ -21,7 +21,7 @@ from rich.console import Console
 from builder.client import decode_text, stream_grpc, text_inputs
 from builder.engine_builder import build_engine
 from builder.repository import RepositoryOptions, emit_repository
-from builder.serve import free_port
+from builder.serving.serve import free_port
 from builder.spec import spec_from_dict
 
 pytestmark = pytest.mark.slow
@@ -163,8 +163,8 @@ def test_the_ensemble_path_answers_as_the_direct_one(served):
     """The endpoint calls `tensorrt_llm` with token ids by default (tokenizing and detokenizing
     itself); through the ensemble the same requests give the same texts, stop strings trimmed
     and split characters joined alike, streamed or not."""
-    from builder.openai.config import OpenAIServerConfig
-    from builder.openai.server import start_openai_server
+    from builder.serving.openai.config import OpenAIServerConfig
+    from builder.serving.openai.server import start_openai_server
 
     config = OpenAIServerConfig.from_repository(served.repository, served.grpc_url,
                                                 triton_model="ensemble")
@@ -300,8 +300,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, str
 
 
 def test_over_the_concurrency_limit_gets_429(served):
-    from builder.openai.config import OpenAIServerConfig
-    from builder.openai.server import start_openai_server
+    from builder.serving.openai.config import OpenAIServerConfig
+    from builder.serving.openai.server import start_openai_server
 
     config = OpenAIServerConfig.from_repository(served.repository, served.grpc_url,
                                                 max_concurrent_requests=1)
@@ -326,8 +326,8 @@ def test_over_the_concurrency_limit_gets_429(served):
 
 
 def test_triton_not_reachable_gets_503_and_no_template_gets_400(tmp_path):
-    from builder.openai.config import OpenAIServerConfig
-    from builder.openai.server import start_openai_server
+    from builder.serving.openai.config import OpenAIServerConfig
+    from builder.serving.openai.server import start_openai_server
     from tests.triton_helpers import build_tiny_tokenizer
     from triton_backend.engine.config import Limits
 
@@ -404,8 +404,8 @@ def test_forge_bench_compares_the_openai_and_grpc_paths(served, tmp_path):
 
 
 def test_api_key_guards_the_v1_routes(served):
-    from builder.openai.config import OpenAIServerConfig
-    from builder.openai.server import start_openai_server
+    from builder.serving.openai.config import OpenAIServerConfig
+    from builder.serving.openai.server import start_openai_server
 
     config = OpenAIServerConfig.from_repository(served.repository, served.grpc_url,
                                                 api_key="s3cret-key")

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from builder.openai.errors import OpenAIError, from_triton
-from builder.openai.mapping import ensemble_values
-from builder.openai.protocol import ChatCompletionRequest, CompletionRequest
-from builder.openai.structured import Guide, rename_guide_error, request_guide
+from builder.serving.openai.errors import OpenAIError, from_triton
+from builder.serving.openai.mapping import ensemble_values
+from builder.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+from builder.serving.openai.structured import Guide, rename_guide_error, request_guide
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

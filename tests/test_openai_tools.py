@@ -6,12 +6,12 @@ import json
 import jsonschema
 import pytest
 
-from builder.openai.chat import ChatRenderer, conversation
-from builder.openai.errors import OpenAIError
-from builder.openai.protocol import ChatCompletionRequest, ChatMessage, check_chat
-from builder.openai.service import Generation, OpenAIService
-from builder.openai.tools import parse_auto, tool_calls, tool_plan
-from builder.openai.triton import Chunk
+from builder.serving.openai.chat import ChatRenderer, conversation
+from builder.serving.openai.errors import OpenAIError
+from builder.serving.openai.protocol import ChatCompletionRequest, ChatMessage, check_chat
+from builder.serving.openai.service import Generation, OpenAIService
+from builder.serving.openai.tools import parse_auto, tool_calls, tool_plan
+from builder.serving.openai.triton import Chunk
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -158,7 +158,7 @@ def test_tool_turns_as_text_for_a_template_that_does_not(chat_tokenizer):
 def _generation(n, seed=None):
     request = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "n": n, "seed": seed})
-    from builder.openai.responses import ResponseBuilder
+    from builder.serving.openai.responses import ResponseBuilder
 
     return Generation(request, {"text_input": "hi", "seed": seed}, "messages", False,
                       ResponseBuilder("chat", "chatcmpl-x", 0, "m"))

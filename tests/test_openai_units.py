@@ -6,13 +6,13 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from builder.openai.chat import ChatRenderer, conversation
-from builder.openai.config import OpenAIServerConfig
-from builder.openai.errors import OpenAIError, from_triton
-from builder.openai.mapping import ensemble_values, finish_reason
-from builder.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+from builder.serving.openai.chat import ChatRenderer, conversation
+from builder.serving.openai.config import OpenAIServerConfig
+from builder.serving.openai.errors import OpenAIError, from_triton
+from builder.serving.openai.mapping import ensemble_values, finish_reason
+from builder.serving.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      check_chat, check_completion, validation_error)
-from builder.openai.responses import ResponseBuilder, completion_logprobs
+from builder.serving.openai.responses import ResponseBuilder, completion_logprobs
 from triton_backend.engine.config import Limits
 from triton_backend.models.request_converter import RequestError
 from triton_backend.models.text_request import prompt_ids

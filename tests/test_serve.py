@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.serve import find_tritonserver, free_port
+from builder.serving.serve import find_tritonserver, free_port
 from tests.triton_helpers import running_tritonserver
 
 ECHO_CONFIG = """
@@ -66,7 +66,7 @@ def test_server_runs_python_models_with_this_interpreter_and_stops(echo_reposito
 
 
 def test_the_allocator_is_jemalloc_then_tcmalloc_then_glibcs(tmp_path):
-    from builder.serve import find_allocator, with_allocator
+    from builder.serving.serve import find_allocator, with_allocator
 
     jemalloc_dir, tcmalloc_dir, empty = (tmp_path / "a", tmp_path / "b", tmp_path / "c")
     for directory, name in ((jemalloc_dir, "libjemalloc.so.2"),
@@ -115,7 +115,7 @@ def test_the_server_runs_with_the_preloaded_allocator(echo_repository, tmp_path,
 
 
 def test_start_refuses_a_missing_repository(tmp_path):
-    from builder.serve import start_tritonserver
+    from builder.serving.serve import start_tritonserver
 
     with pytest.raises(FileNotFoundError, match="no such directory"):
         start_tritonserver(tmp_path / "nope")
@@ -161,7 +161,7 @@ def test_forge_query_reports_an_unreachable_server(protocol):
 
 
 def test_a_stop_at_the_exit_timeout_is_reported_with_what_was_in_flight(tmp_path):
-    from builder.serve import TritonServer
+    from builder.serving.serve import TritonServer
 
     log = tmp_path / "tritonserver.log"
     server = TritonServer(None, 1, 2, 3, log_path=log, workdir=tmp_path)

@@ -96,7 +96,7 @@ def test_preprocessing_supplies_an_end_id_and_stops_on_every_eos():
 @pytest.mark.slow
 def test_cpu_tritonserver_parses_everything_and_misses_only_the_tensorrtllm_backend(trt_engine,
                                                                                   tmp_path):
-    from builder.serve import start_tritonserver
+    from builder.serving.serve import start_tritonserver
 
     repo = emit_repository(trt_engine, tmp_path / "repo")
     log = tmp_path / "server.log"

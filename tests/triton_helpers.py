@@ -1,6 +1,6 @@
 """Start and stop a real tritonserver on free loopback ports, for tests and benchmarks.
 
-Thin on purpose: the launcher is `builder.serve.start_tritonserver`; this module only adds the
+Thin on purpose: the launcher is `builder.serving.serve.start_tritonserver`; this module only adds the
 pytest-friendly pieces (a context manager and a readiness probe used after error matrices).
 
     from tests.triton_helpers import running_tritonserver
@@ -13,7 +13,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from builder.serve import TritonServer, free_port, start_tritonserver
+from builder.serving.serve import TritonServer, free_port, start_tritonserver
 
 __all__ = ["TritonServer", "free_port", "running_tritonserver", "start_tritonserver"]
 

@@ -54,7 +54,7 @@ def serve_naive_baseline(engine_dir: str | Path, log: Callable[[str], None] = pr
                          ) -> Iterator[object]:
     """A running tritonserver with the naive baseline of `engine_dir`; stopped on exit."""
     from builder.repository import RepositoryOptions, emit_repository
-    from builder.serve import start_tritonserver
+    from builder.serving.serve import start_tritonserver
 
     naive = ensure_naive_engine(engine_dir, log)
     workdir = Path(tempfile.mkdtemp(prefix="forge-bench-naive-"))

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from builder.openai.errors import bad_request
+from builder.serving.openai.errors import bad_request
 
 OBJECT_SCHEMA = '{"type": "object"}'
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
-from builder.openai import mapping
-from builder.openai.errors import OpenAIError, internal
-from builder.openai.service import ChoiceText, Generation, OpenAIService, answer, usage_of
-from builder.openai.triton import Chunk
+from builder.serving.openai import mapping
+from builder.serving.openai.errors import OpenAIError, internal
+from builder.serving.openai.service import ChoiceText, Generation, OpenAIService, answer, usage_of
+from builder.serving.openai.triton import Chunk
 
 DONE = "data: [DONE]\n\n"
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from builder.openai.errors import bad_request
-from builder.openai.protocol import ChatMessage
-from builder.openai.tools import system_turn
+from builder.serving.openai.errors import bad_request
+from builder.serving.openai.protocol import ChatMessage
+from builder.serving.openai.tools import system_turn
 
 # `developer` is the newer name OpenAI gives the system turn; templates only know `system`.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from builder.openai.errors import OpenAIError, bad_request
-from builder.openai.structured import request_guide
-from builder.openai.tools import ToolPlan, tool_plan
+from builder.serving.openai.errors import OpenAIError, bad_request
+from builder.serving.openai.structured import request_guide
+from builder.serving.openai.tools import ToolPlan, tool_plan
 
 FiniteFloat = dict(allow_inf_nan=False)
 UINT64_LIMIT = 2 ** 64

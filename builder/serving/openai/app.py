@@ -17,15 +17,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from builder.openai.config import OpenAIServerConfig
-from builder.openai.direct import TextCodec
-from builder.openai.errors import (OpenAIError, internal, model_not_found, not_ready,
+from builder.serving.openai.config import OpenAIServerConfig
+from builder.serving.openai.direct import TextCodec
+from builder.serving.openai.errors import (OpenAIError, internal, model_not_found, not_ready,
                                    unauthorized)
-from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+from builder.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error)
-from builder.openai.service import Generation, OpenAIService
-from builder.openai.streaming import sse_events
-from builder.openai.triton import TritonBackend
+from builder.serving.openai.service import Generation, OpenAIService
+from builder.serving.openai.streaming import sse_events
+from builder.serving.openai.triton import TritonBackend
 
 T = TypeVar("T")
 

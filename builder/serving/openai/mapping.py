@@ -16,9 +16,9 @@ OpenAI answer never repeats the prompt.
 """
 from __future__ import annotations
 
-from builder.openai.errors import internal
-from builder.openai.protocol import SamplingRequest
-from builder.openai.structured import Guide
+from builder.serving.openai.errors import internal
+from builder.serving.openai.protocol import SamplingRequest
+from builder.serving.openai.structured import Guide
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 FINISH_REASONS = {"end_id": "stop", "stop_words": "stop", "length": "length"}

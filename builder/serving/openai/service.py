@@ -19,17 +19,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from builder.openai import mapping
-from builder.openai.chat import ChatRenderer
-from builder.openai.config import OpenAIServerConfig
-from builder.openai.errors import OpenAIError, bad_request, busy, model_not_found
-from builder.openai.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
+from builder.serving.openai import mapping
+from builder.serving.openai.chat import ChatRenderer
+from builder.serving.openai.config import OpenAIServerConfig
+from builder.serving.openai.errors import OpenAIError, bad_request, busy, model_not_found
+from builder.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                      check_chat, check_completion)
-from builder.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
+from builder.serving.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
                                       usage)
-from builder.openai.structured import Guide, rename_guide_error, request_guide
-from builder.openai.tools import ToolPlan, parse_auto, tool_calls
-from builder.openai.triton import Chunk, TritonBackend
+from builder.serving.openai.structured import Guide, rename_guide_error, request_guide
+from builder.serving.openai.tools import ToolPlan, parse_auto, tool_calls
+from builder.serving.openai.triton import Chunk, TritonBackend
 
 SEED_LIMIT = 2 ** 64
 

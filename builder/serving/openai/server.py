@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from builder.openai.config import OpenAIServerConfig
+from builder.serving.openai.config import OpenAIServerConfig
 
 
 @dataclass
@@ -48,7 +48,7 @@ def start_openai_server(config: OpenAIServerConfig, ready_timeout: float = 60.0)
     """Build the app (loads the tokenizer), serve it in a thread, wait until it listens."""
     import uvicorn
 
-    from builder.openai.app import create_app
+    from builder.serving.openai.app import create_app
 
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,

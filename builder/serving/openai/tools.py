@@ -30,8 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from builder.openai.errors import bad_request
-from builder.openai.structured import Guide
+from builder.serving.openai.errors import bad_request
+from builder.serving.openai.structured import Guide
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
