@@ -31,9 +31,9 @@ demo: setup $(REPO)/ensemble/config.pbtxt
 
 # After the suite, the tests whose results go through the kernels run again as an AVX2-only
 # CPU would run them: the kernels built for x86-64-v3 (no AVX-512) and the widening GEMM forced.
-KERNEL_TESTS ?= tests/test_kernels.py tests/test_parity.py tests/test_inflight.py \
-	tests/test_prefix_cache.py tests/test_speculative.py tests/test_quant_runtime.py \
-	tests/test_lora_engines.py
+KERNEL_TESTS ?= tests/engine/test_kernels.py tests/engine/test_parity.py tests/engine/test_inflight.py \
+	tests/engine/test_prefix_cache.py tests/engine/test_speculative.py tests/engine/test_quant_runtime.py \
+	tests/engine/test_lora_engines.py
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$(uname -m)" = x86_64 ]; then \

@@ -8,7 +8,7 @@ at `--concurrency` through the official `openai` client:
 - `free`: unconstrained, every answer exactly `--tokens` tokens (`min_tokens` = `max_tokens`);
 - `regex`: a regex that cannot end before `--tokens` tokens, so every step of every request
   computes a mask (the same lengths as `free`: a pure per-token cost);
-- `schemas`: the 20 JSON schemas of tests/test_guided_e2e.py in turn (answers end when the
+- `schemas`: the 20 JSON schemas of tests/e2e/test_guided_e2e.py in turn (answers end when the
   document does, after 5 to 40 tokens);
 - `twin`: unconstrained, request i exactly as long as request i of the `schemas` run just
   before it (`min_tokens` = `max_tokens`): the same prefills, lengths and order without masks.
@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the schemas of test_guided_e2e
 
 from bench_compare import ensure_engine  # noqa: E402
 from bench_openai import start_forge_serve  # noqa: E402

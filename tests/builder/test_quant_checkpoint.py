@@ -248,7 +248,7 @@ def awq_plain_kv(tmp_path_factory):
 def test_int4_engines_decode_through_the_fast_path_with_the_python_models_tokens(awq_plain_kv,
                                                                                 monkeypatch,
                                                                                 kernel):
-    from tests.test_kernels import _fast_and_python_ids
+    from tests.engine.test_kernels import _fast_and_python_ids
     from triton_backend.engine.kernels import load_cpu_kernels
     from triton_backend.engine.llm_engine import LLMEngine
     from triton_backend.engine.kernels.linear import Int4Choice

@@ -14,7 +14,7 @@ import pytest
 from builder.client import generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from builder.spec import ServingSpec
-from tests.test_observability import scrape, value, wait_for
+from tests.e2e.test_observability import scrape, value, wait_for
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from builder.hardware import GPU_PROFILES, PROFILES, memory_plan, sized_limits
 from builder.spec import SpecError, spec_from_dict
 from triton_backend.engine.config import EngineConfig, Limits, ModelShape
 
-FLAGS = json.loads((Path(__file__).parent / "data" / "trtllm_build_flags.json").read_text())
+FLAGS = json.loads((Path(__file__).parents[1] / "data" / "trtllm_build_flags.json").read_text())
 REQUIRED = ("--checkpoint_dir", "--output_dir", "--gpt_attention_plugin", "--gemm_plugin",
             "--context_fmha", "--remove_input_padding", "--kv_cache_type", "--tokens_per_block",
             "--use_paged_context_fmha", "--use_fp8_context_fmha", "--max_batch_size",

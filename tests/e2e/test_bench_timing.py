@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("fake_triton")
     repo = work / "repo"
-    shutil.copytree(Path(__file__).parent / "fake_models" / MODEL, repo / MODEL)
+    shutil.copytree(Path(__file__).parents[1] / "fake_models" / MODEL, repo / MODEL)
     config = repo / MODEL / "config.pbtxt"
     text = config.read_text().replace('"0.4"', f'"{FIRST_S}"').replace('"0.15"', f'"{NEXT_S}"')
     config.write_text(text)

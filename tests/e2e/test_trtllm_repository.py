@@ -12,7 +12,7 @@ from builder.engine_builder import build_engine
 from builder.repository import RepositoryOptions, emit_repository
 from builder.spec import spec_from_dict
 
-NVIDIA = json.loads((Path(__file__).parent / "data" / "nvidia_tensorrt_llm_config_names.json")
+NVIDIA = json.loads((Path(__file__).parents[1] / "data" / "nvidia_tensorrt_llm_config_names.json")
                     .read_text())
 
 

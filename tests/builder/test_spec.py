@@ -143,7 +143,7 @@ def test_serving_defaults_size_the_prompt_token_bound_from_the_engine():
     assert explicit.waiting_prompt_tokens(limits) == 0  # unbounded
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.yaml")),
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_every_example_spec_is_valid(path):
     spec = load_spec(path, {})

@@ -172,7 +172,7 @@ def test_block_hashes_are_salted_by_adapter():
 
 
 def test_lora_metrics_per_adapter_and_state(lora_build):
-    from test_observability import FakeFamily, FakePbUtils
+    from tests.e2e.test_observability import FakeFamily, FakePbUtils
     from triton_backend.models.metrics import LORA_REQUEST_METRIC, ExecutorMetrics
 
     _, _, engine_dir = lora_build

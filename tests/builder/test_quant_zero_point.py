@@ -70,7 +70,7 @@ def test_the_runtime_computes_what_the_weights_say(zero_point_engine):
 
 def test_zero_point_engines_decode_through_the_fast_path_with_the_python_models_tokens(
         zero_point_engine):
-    from tests.test_kernels import _fast_and_python_ids
+    from tests.engine.test_kernels import _fast_and_python_ids
     from triton_backend.engine.kernels import load_cpu_kernels
     from triton_backend.engine.llm_engine import LLMEngine
 

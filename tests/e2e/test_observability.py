@@ -18,7 +18,7 @@ from builder.repository import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.metrics import HISTOGRAMS, METRIC_NAMES, ExecutorMetrics, outcome_of
 
-DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$')
 
 

@@ -150,7 +150,7 @@ def test_trtllm_target_lora_flags_and_nvidia_layout(lora_build, tmp_path):
     from builder.spec import spec_from_dict
 
     hf_dir, adapters, torch_engine = lora_build
-    table = json.loads((Path(__file__).parent / "data" / "trtllm_build_flags.json").read_text())
+    table = json.loads((Path(__file__).parents[1] / "data" / "trtllm_build_flags.json").read_text())
     spec = spec_from_dict({
         "name": "t", "checkpoint": str(hf_dir), "target": "trtllm", "hardware": "l4",
         "dtype": "bfloat16", "output": str(tmp_path / "engine"),
