@@ -29,14 +29,14 @@ from pathlib import Path
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.request import FinishReason, Request, Response
-from triton_backend.engine.response_queue import ResponseQueue
+from triton_backend.engine.response_queue import LoopMailbox, ResponseQueue
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 from triton_backend.engine.supervision import CrashLoop, RestartPolicy
 
 log = logging.getLogger(__name__)
 
 
-class Executor:
+class Executor(LoopMailbox):
     def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, device: str = "cpu",
                  start_loop: bool = True, enable_prefix_caching: bool | None = None,
@@ -95,16 +95,6 @@ class Executor:
         with self._lock:
             self._cancels.add(request_id)
             self._wakeup.notify()
-
-    def await_responses(self, request_id: int | None = None, timeout: float | None = None
-                        ) -> list[Response]:
-        """Responses ready for `request_id` (or for every request when None); waits up to
-        `timeout` seconds for at least one (forever when None). May return an empty list."""
-        return self._mailbox.take(request_id, timeout, lambda: self._loop_alive)
-
-    def is_alive(self) -> bool:
-        """True until the loop has ended (shut down or failed)."""
-        return self._loop_alive
 
     def get_stats(self) -> dict:
         """Counters as of the end of the last step (the engine is only touched by the loop)."""

@@ -49,3 +49,21 @@ class ResponseQueue:
         if request_id is None:
             return any(self._responses.values())
         return bool(self._responses.get(request_id))
+
+
+class LoopMailbox:
+    """Two verbs of an executor whose loop thread fills `self._mailbox` (a `ResponseQueue`) and
+    sets `self._loop_alive` False when it ends (the in-process and the naive executors)."""
+
+    _mailbox: ResponseQueue
+    _loop_alive: bool
+
+    def await_responses(self, request_id: int | None = None, timeout: float | None = None
+                        ) -> list[Response]:
+        """Responses ready for `request_id` (or for every request when None); waits up to
+        `timeout` seconds for at least one (forever when None). May return an empty list."""
+        return self._mailbox.take(request_id, timeout, lambda: self._loop_alive)
+
+    def is_alive(self) -> bool:
+        """True until the loop has ended (shut down or failed)."""
+        return self._loop_alive

@@ -20,7 +20,7 @@ import torch
 
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.request import FinishReason, Request, Response
-from triton_backend.engine.response_queue import ResponseQueue
+from triton_backend.engine.response_queue import LoopMailbox, ResponseQueue
 from triton_backend.engine.validation import validate_request
 from triton_backend.engine.weights import runtime_dtype
 from triton_backend.naive import generation as gen
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 HF_DIR = "hf"  # the HF checkpoint inside a naive engine directory
 
 
-class NaiveExecutor:
+class NaiveExecutor(LoopMailbox):
     def __init__(self, engine_dir: str | Path, *, device: str = "cpu",
                  start_loop: bool = True) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
@@ -99,16 +99,6 @@ class NaiveExecutor:
                                     num_input_tokens=len(queued[0][1].input_token_ids)))
             elif self._running is not None and self._running[0] == request_id:
                 self._running[1].set()
-
-    def await_responses(self, request_id: int | None = None, timeout: float | None = None
-                        ) -> list[Response]:
-        """Responses ready for `request_id` (or for every request when None); waits up to
-        `timeout` seconds for at least one (forever when None). May return an empty list."""
-        return self._mailbox.take(request_id, timeout, lambda: self._loop_alive)
-
-    def is_alive(self) -> bool:
-        """True until the loop has ended (shut down or failed)."""
-        return self._loop_alive
 
     def get_stats(self) -> dict:
         with self._lock:
