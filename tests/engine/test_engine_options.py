@@ -1,5 +1,6 @@
 """EngineOptions: every field survives the one serialisation to the engine process."""
 import dataclasses
+import json
 
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.process.handle import EngineLaunch
@@ -39,8 +40,30 @@ def test_defaults_survive_and_become_executor_keywords():
     assert set(EngineOptions().executor_kwargs()) == set(NON_DEFAULT)
 
 
-def test_process_executor_passes_every_option_to_the_engine_launch(tiny_engines, monkeypatch):
-    """Each ProcessExecutor keyword lands in its own field (none defaulted, none swapped)."""
+def _params(values: dict):
+    from triton_backend.models.model_params import ModelParams
+
+    parameters = {key: {"string_value": value} for key, value in values.items()}
+    return ModelParams({"model_config": json.dumps({"parameters": parameters}),
+                        "model_repository": "/repo/tensorrt_llm"})
+
+
+def test_the_repository_parameters_become_every_option_once():
+    """What the emitted `tensorrt_llm` config.pbtxt says, as the one EngineOptions value the
+    executor (and through it the engine process) is built with."""
+    from triton_backend.models.executor_factory import engine_options
+
+    params = _params({"kv_cache_num_blocks": "48", "kv_cache_memory_bytes": str(1 << 20),
+                      "enable_kv_cache_reuse": "false", "enable_speculative_decoding": "false",
+                      "max_waiting_requests": "7", "max_waiting_prompt_tokens": "900",
+                      "priority_aging_rate": "2.5"})
+    assert engine_options(params) == EngineOptions(**NON_DEFAULT)
+    defaults = _params({"kv_cache_num_blocks": "", "enable_kv_cache_reuse": "true"})
+    assert engine_options(defaults) == EngineOptions(admission=AdmissionLimits(0, 0))
+
+
+def test_process_executor_hands_its_options_to_the_engine_launch_whole(tiny_engines,
+                                                                       monkeypatch):
     from triton_backend.engine.process import executor as process_executor
 
     launches = []
@@ -50,8 +73,9 @@ def test_process_executor_passes_every_option_to_the_engine_launch(tiny_engines,
         raise process_executor.EngineProcessError("not started in this test")
 
     monkeypatch.setattr(process_executor.EngineHandle, "start", staticmethod(capture))
+    options = EngineOptions(**NON_DEFAULT)
     try:
-        process_executor.ProcessExecutor(tiny_engines("llama_gqa"), **NON_DEFAULT)
+        process_executor.ProcessExecutor(tiny_engines("llama_gqa"), options)
     except process_executor.EngineProcessError:
         pass
-    assert launches[0].options == EngineOptions(**NON_DEFAULT)
+    assert launches[0].options is options

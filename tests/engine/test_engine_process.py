@@ -8,14 +8,16 @@ import time
 import pytest
 
 from triton_backend.engine import FinishReason, Request
+from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.executor import EngineProcessError, ProcessExecutor
 
 from tiny import final_response
 
 CLIENT = """
 import time
+from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.executor import ProcessExecutor
-ex = ProcessExecutor({engine!r}, num_kv_blocks=64)
+ex = ProcessExecutor({engine!r}, EngineOptions(num_kv_blocks=64))
 print(ex.get_stats()["engine_pid"], flush=True)
 time.sleep(600)
 """
@@ -33,7 +35,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
 
 
 def test_engine_runs_in_its_own_process_with_the_threads_asked_for(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=64, num_threads=1)
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64), num_threads=1)
     try:
         stats = ex.get_stats()
         assert stats["engine_pid"] != os.getpid()
@@ -47,7 +49,7 @@ def test_engine_runs_in_its_own_process_with_the_threads_asked_for(tiny_engines)
 
 
 def test_a_killed_engine_ends_requests_in_flight_with_an_error(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=128)
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128))
     try:
         rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
         assert ex.await_responses(rid, timeout=30)  # it is running
@@ -68,7 +70,7 @@ def test_a_killed_engine_ends_requests_in_flight_with_an_error(tiny_engines):
 def test_an_engine_that_keeps_dying_is_down_after_the_crash_loop_limit(tiny_engines):
     from triton_backend.engine.supervision import RestartPolicy
 
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=64,
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64),
                          restart_policy=RestartPolicy(max_restarts=1, window_seconds=600))
     try:
         for _ in range(2):
@@ -112,14 +114,13 @@ def test_a_broken_engine_directory_fails_at_start_with_the_reason(tmp_path, tiny
             (broken / item.name).symlink_to(item)
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(EngineProcessError, match="failed to start"):
-        ProcessExecutor(broken, num_kv_blocks=64)
+        ProcessExecutor(broken, EngineOptions(num_kv_blocks=64))
 
 
 def test_the_engine_process_reports_the_options_it_was_built_with(tiny_engines):
     from test_engine_options import NON_DEFAULT
-    from triton_backend.engine.engine_options import EngineOptions
 
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_threads=1, **NON_DEFAULT)
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(**NON_DEFAULT), num_threads=1)
     try:
         assert ex.info["options"] == EngineOptions(**NON_DEFAULT)
         assert ex.get_stats()["num_total_blocks"] == NON_DEFAULT["num_kv_blocks"]
@@ -128,7 +129,7 @@ def test_the_engine_process_reports_the_options_it_was_built_with(tiny_engines):
 
 
 def test_a_caller_may_choose_the_request_id_as_with_the_in_process_executor(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), num_kv_blocks=64, num_threads=1)
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64), num_threads=1)
     try:
         assert ex.enqueue_request(Request([5, 6, 7], 2, ignore_eos=True), request_id=77) == 77
         assert final_response(ex, 77).request_id == 77

@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from triton_backend.engine import FinishReason, Request, SamplingParams
+from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.offline import generate
 from triton_backend.models.executor_factory import create_executor
@@ -23,7 +24,7 @@ def collect(executor, request_id: int, timeout: float = 60.0):
 
 @pytest.fixture(params=ISOLATIONS)
 def executor(tiny_engines, request):
-    ex = create_executor(tiny_engines("llama_gqa"), 128, isolation=request.param)
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128), isolation=request.param)
     yield ex
     ex.shutdown()
 
@@ -53,7 +54,7 @@ def test_bad_requests_are_refused_and_the_executor_keeps_serving(executor, make_
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_kv_budget_too_small_for_one_request_is_refused(tiny_engines, isolation):
-    ex = create_executor(tiny_engines("llama_gqa"), 4, isolation=isolation)  # 4 blocks x 8 tokens
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=4), isolation=isolation)  # 4 blocks x 8 tokens
     try:
         with pytest.raises(ValueError, match="needs 5 KV blocks but the cache holds 4"):
             ex.enqueue_request(Request([5] * 20, 20))
@@ -99,7 +100,7 @@ def test_cancel_streaming_request(executor):
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_shutdown_ends_requests_in_flight_with_a_final_response(tiny_engines, isolation):
-    ex = create_executor(tiny_engines("llama_gqa"), 128, isolation=isolation)
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128), isolation=isolation)
     rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
     assert ex.await_responses(rid, timeout=30)
     ex.shutdown()

@@ -16,19 +16,35 @@ from pathlib import Path
 
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.executor import ENGINE_ISOLATIONS, available_cores
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
+from triton_backend.models.model_params import ModelParams
 
 
-def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
-                    kv_cache_memory_bytes: int | None = None, *, isolation: str = "process",
-                    num_threads: int = 0, enable_prefix_caching: bool | None = None,
-                    enable_speculative_decoding: bool | None = None,
-                    admission: AdmissionLimits = AdmissionLimits(),
-                    priority_aging_rate: float = DEFAULT_AGING_RATE):
-    """`enable_*`: None follows the engine's config.json, False turns the feature off.
-    `admission` and `priority_aging_rate` apply to the torch runtime; the naive baseline serves
-    one request at a time in arrival order and applies neither (nor deadlines)."""
+def engine_options(params: ModelParams) -> EngineOptions:
+    """The `tensorrt_llm` model's parameters as the one options value its executor is built
+    with: KV cache size, the repository's off switches (true: as the engine's config.json says),
+    admission limits and priority aging (the build spec's `serving:` section; absent ones, in an
+    older repository, mean unbounded and the default)."""
+    def off_or_none(key: str) -> bool | None:
+        return None if params.flag(key, True) else False
+
+    return EngineOptions(
+        num_kv_blocks=params.integer("kv_cache_num_blocks"),
+        kv_cache_memory_bytes=params.integer("kv_cache_memory_bytes"),
+        enable_prefix_caching=off_or_none("enable_kv_cache_reuse"),
+        enable_speculative_decoding=off_or_none("enable_speculative_decoding"),
+        admission=AdmissionLimits(params.integer("max_waiting_requests", 0),
+                                  params.integer("max_waiting_prompt_tokens", 0)),
+        priority_aging_rate=params.number("priority_aging_rate", DEFAULT_AGING_RATE))
+
+
+def create_executor(engine_dir: Path, options: EngineOptions = EngineOptions(), *,
+                    isolation: str = "process", num_threads: int = 0):
+    """The executor of `engine_dir`'s target, built with `options` (see `EngineOptions`: the
+    naive baseline serves one request at a time in arrival order and applies neither admission
+    nor aging, nor deadlines)."""
     if isolation not in ENGINE_ISOLATIONS:
         raise ValueError(f"engine_isolation must be one of {ENGINE_ISOLATIONS}, got {isolation!r}")
     config = EngineConfig.load(engine_dir)
@@ -37,11 +53,7 @@ def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
     if isolation == "process":
         from triton_backend.engine.process.executor import ProcessExecutor
 
-        return ProcessExecutor(engine_dir, num_kv_blocks=num_kv_blocks,
-                               kv_cache_memory_bytes=kv_cache_memory_bytes,
-                               num_threads=num_threads, enable_prefix_caching=enable_prefix_caching,
-                               enable_speculative_decoding=enable_speculative_decoding,
-                               admission=admission, priority_aging_rate=priority_aging_rate)
+        return ProcessExecutor(engine_dir, options, num_threads=num_threads)
     import torch
 
     torch.set_num_threads(num_threads or available_cores())
@@ -51,8 +63,4 @@ def create_executor(engine_dir: Path, num_kv_blocks: int | None = None,
         return NaiveExecutor(engine_dir)
     from triton_backend.engine.executor import Executor
 
-    return Executor(engine_dir, num_kv_blocks=num_kv_blocks,
-                    kv_cache_memory_bytes=kv_cache_memory_bytes,
-                    enable_prefix_caching=enable_prefix_caching,
-                    enable_speculative_decoding=enable_speculative_decoding,
-                    admission=admission, priority_aging_rate=priority_aging_rate)
+    return Executor(engine_dir, **options.executor_kwargs())

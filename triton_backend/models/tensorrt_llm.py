@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
-from triton_backend.engine.admission import AdmissionLimits, ServerBusy
-from triton_backend.models.executor_factory import create_executor
+from triton_backend.engine.admission import ServerBusy
+from triton_backend.models.executor_factory import create_executor, engine_options
 from triton_backend.models.metrics import ExecutorMetrics, outcome_of
 from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import (INPUT_NAMES, RequestDefaults, RequestError,
@@ -62,10 +62,6 @@ def send_failure(sender, message: str, error_as_output: bool) -> None:
         send_error(sender, message)
 
 
-def _off_or_none(enabled: bool) -> bool | None:
-    return None if enabled else False
-
-
 def _parameters(request) -> dict:
     """The request's parameters (Triton's JSON of them); {} when there are none or they are bad."""
     try:
@@ -93,31 +89,13 @@ def client_of(request) -> str:
     return hashlib.sha256(json.dumps(found).encode()).hexdigest()
 
 
-def _overload_settings(params: ModelParams) -> dict:
-    """Admission limits and priority aging from the repository parameters (the build spec's
-    `serving:` section); absent ones (an older repository) mean unbounded and the default."""
-    from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
-
-    return {"admission": AdmissionLimits(params.integer("max_waiting_requests", 0),
-                                         params.integer("max_waiting_prompt_tokens", 0)),
-            "priority_aging_rate": params.number("priority_aging_rate", DEFAULT_AGING_RATE)}
-
-
 class TensorrtLlmModel:
     def initialize(self, args):
         params = ModelParams(args)
         self.decoupled = params.decoupled
-        self.executor = create_executor(params.path("engine_dir"),
-                                        params.integer("kv_cache_num_blocks"),
-                                        params.integer("kv_cache_memory_bytes"),
+        self.executor = create_executor(params.path("engine_dir"), engine_options(params),
                                         isolation=params.text("engine_isolation", "process"),
-                                        num_threads=params.integer("engine_num_threads", 0),
-                                        # the repository's off switches (true: as the engine says)
-                                        enable_prefix_caching=_off_or_none(
-                                            params.flag("enable_kv_cache_reuse", True)),
-                                        enable_speculative_decoding=_off_or_none(
-                                            params.flag("enable_speculative_decoding", True)),
-                                        **_overload_settings(params))
+                                        num_threads=params.integer("engine_num_threads", 0))
         config = self.executor.config
         self.limits, self.vocab_size = config.limits, config.model.vocab_size
         self.defaults = RequestDefaults(

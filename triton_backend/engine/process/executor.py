@@ -17,13 +17,11 @@ import os
 import threading
 from pathlib import Path
 
-from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.handle import EngineHandle, EngineLaunch, EngineProcessError
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.response_queue import ResponseQueue
-from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 from triton_backend.engine.supervision import CrashLoop, RestartPolicy
 from triton_backend.engine.validation import check_kv_capacity, validate_request
 
@@ -42,22 +40,12 @@ def available_cores() -> int:
 
 
 class ProcessExecutor:
-    def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, num_threads: int = 0,
-                 startup_timeout: float = 900.0, enable_prefix_caching: bool | None = None,
-                 enable_speculative_decoding: bool | None = None,
-                 restart_policy: RestartPolicy = RestartPolicy(),
-                 admission: AdmissionLimits = AdmissionLimits(),
-                 priority_aging_rate: float = DEFAULT_AGING_RATE) -> None:
+    def __init__(self, engine_dir: str | Path, options: EngineOptions = EngineOptions(), *,
+                 num_threads: int = 0, startup_timeout: float = 900.0,
+                 restart_policy: RestartPolicy = RestartPolicy()) -> None:
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(self.engine_dir)
         self.tokenizer_dir = self.engine_dir / self.config.tokenizer.dir
-        # By name: two options of one type (the enable_* pair) would swap silently by position.
-        options = EngineOptions(num_kv_blocks=num_kv_blocks,
-                                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                enable_prefix_caching=enable_prefix_caching,
-                                enable_speculative_decoding=enable_speculative_decoding,
-                                admission=admission, priority_aging_rate=priority_aging_rate)
         self._launch = EngineLaunch(self.engine_dir, options, num_threads, startup_timeout)
         self._crashes = CrashLoop(restart_policy)
         self._mailbox = ResponseQueue()
