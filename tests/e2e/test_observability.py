@@ -147,15 +147,30 @@ pytestmark_slow = pytest.mark.slow
 def test_histograms_move_by_what_the_client_saw(server):
     before = scrape(server)
     jobs = [(3, 6, True), (9, 12, True), (4, 5, False)]
-    received = []
+    received, spread = [], 0
     started = time.time()
     for prompt_len, max_tokens, stream in jobs:
         chunks = list(stream_grpc(server.grpc_url, "tensorrt_llm",
                                   ids_request(prompt_len, max_tokens, stream)))
         received.append(sum(c["output_ids"].size for c in chunks))
+        # Inter-token latency exists for a request whose tokens came in more than one chunk
+        # (a slow response thread may coalesce a short stream into one).
+        spread += sum(c["output_ids"].size > 0 for c in chunks) > 1
     elapsed = time.time() - started
     assert received == [6, 12, 5]
-    after = scrape(server)
+    # The stub's metric updates reach the server beside, not before, the responses: wait until
+    # the last observations of each request (time to first token, inter-token latency) are in.
+    ttft_count = value(before, "nv_llm_time_to_first_token_seconds_count") + 3
+    itl_count = value(before, "nv_llm_inter_token_latency_seconds_count") + spread
+
+    def settled():
+        samples = scrape(server)
+        done = (value(samples, "nv_llm_time_to_first_token_seconds_count") == ttft_count
+                and value(samples, "nv_llm_inter_token_latency_seconds_count") == itl_count)
+        return samples if done else None
+
+    after = wait_for(settled)
+    assert after, "the three requests' observations never reached /metrics"
 
     def delta(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
@@ -165,7 +180,7 @@ def test_histograms_move_by_what_the_client_saw(server):
     assert delta("nv_llm_output_token_len_sum") == sum(received)
     assert delta("nv_llm_e2e_request_latency_seconds_count") == 3
     assert delta("nv_llm_time_to_first_token_seconds_count") == 3
-    assert delta("nv_llm_inter_token_latency_seconds_count") == 2  # the two streamed ones
+    assert spread >= 1 and delta("nv_llm_inter_token_latency_seconds_count") == spread
     ttft, e2e = (delta("nv_llm_time_to_first_token_seconds_sum"),
                  delta("nv_llm_e2e_request_latency_seconds_sum"))
     assert 0 < ttft <= e2e <= elapsed + 0.5
