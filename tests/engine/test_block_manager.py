@@ -1,15 +1,10 @@
 """Block manager and scheduler on tiny pools, with exact block ids (no torch, no model)."""
 import pytest
 
-from triton_backend.engine import FinishReason, Request
+from scheduling import run, seq
+from triton_backend.engine import FinishReason
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.scheduler import Scheduler
-from triton_backend.engine.sequence import Sequence
-
-
-def seq(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
-    return Sequence.from_request(seq_id, Request(list(range(1, prompt_len + 1)), max_tokens),
-                                 frozenset())
 
 
 def test_allocation_on_demand_and_exact_ids():
@@ -34,24 +29,14 @@ def test_allocation_on_demand_and_exact_ids():
     assert c.block_table == [3, 1, 0]
 
 
-def _run(scheduler: Scheduler, steps: int) -> list[list[tuple[int, int]]]:
-    """Drive the scheduler with a fake runner that samples token 7; log (seq_id, num_tokens)."""
-    log = []
-    for _ in range(steps):
-        out = scheduler.schedule()
-        log.append([(c.seq_id, len(c.new_token_ids)) for c in out.chunks])
-        scheduler.update(out, {c.seq_id: (7, 0.0) for c in out.chunks if c.needs_sample})
-    return log
-
-
 def test_scheduler_budget_chunks_prefill_and_admits_in_flight():
     bm = BlockManager(num_blocks=16, tokens_per_block=4)
     sched = Scheduler(bm, max_num_tokens=6, max_batch_size=4)
     sched.add(seq(1, 10, max_tokens=3))
-    log = _run(sched, 2)
+    log = run(sched, 2)
     assert log == [[(1, 6)], [(1, 4)]]  # 10-token prompt in two chunks of the 6-token budget
     sched.add(seq(2, 2, max_tokens=2))
-    log = _run(sched, 3)
+    log = run(sched, 3)
     # seq 1 decodes while seq 2 joins mid-flight; seq 2 finishes after 2 tokens, seq 1 after 3
     assert log == [[(1, 1), (2, 2)], [(1, 1), (2, 1)], []]
     assert bm.num_free_blocks == 16 and not sched.has_work()
@@ -63,16 +48,16 @@ def test_scheduler_preempts_youngest_and_recomputes_it():
     old, young = seq(1, 2, max_tokens=3), seq(2, 2, max_tokens=3)
     sched.add(old)
     sched.add(young)
-    log = _run(sched, 1)
+    log = run(sched, 1)
     assert log == [[(1, 2), (2, 2)]] and old.block_table == [0] and young.block_table == [1]
     # both need a second block for their third token; one block is free: the older gets it and
     # the youngest is preempted (its block goes back to the pool)
-    log = _run(sched, 1)
+    log = run(sched, 1)
     assert log == [[(1, 1)]] and old.block_table == [0, 2]
     assert sched.num_preemptions == 1 and young.num_computed_tokens == 0 and young.block_table == []
-    log = _run(sched, 1)  # young needs 2 blocks to recompute, 1 is free: it waits
+    log = run(sched, 1)  # young needs 2 blocks to recompute, 1 is free: it waits
     assert log == [[(1, 1)]] and old.is_finished and bm.num_free_blocks == 3
-    log = _run(sched, 2)  # young recomputes prompt + its generated token in one chunk
+    log = run(sched, 2)  # young recomputes prompt + its generated token in one chunk
     assert log == [[(2, 3)], [(2, 1)]] and young.is_finished
     assert young.generated_token_ids == [7, 7, 7] and bm.num_free_blocks == 3
 
@@ -82,7 +67,7 @@ def test_max_batch_size_limits_running_sequences():
     sched = Scheduler(bm, max_num_tokens=100, max_batch_size=2)
     for i in range(1, 5):
         sched.add(seq(i, 3, max_tokens=2))
-    log = _run(sched, 1)
+    log = run(sched, 1)
     assert [s for s, _ in log[0]] == [1, 2]
     assert len(sched.waiting) == 2
 
@@ -92,7 +77,7 @@ def test_abort_frees_blocks_wherever_the_sequence_is():
     sched = Scheduler(bm, max_num_tokens=100, max_batch_size=8)
     running, waiting = seq(1, 6), seq(2, 3)
     sched.add(running)
-    _run(sched, 1)
+    run(sched, 1)
     sched.add(waiting)
     sched.abort(running, FinishReason.CANCELLED)
     sched.abort(waiting, FinishReason.CANCELLED)

@@ -2,14 +2,11 @@
 (pure Python: no torch, no model)."""
 import pytest
 
-from triton_backend.engine import FinishReason, Request
+from scheduling import run, seq
+from triton_backend.engine import FinishReason
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.scheduler import Scheduler
 from triton_backend.engine.sequence import Sequence
-
-
-def seq(seq_id: int, tokens: list[int], max_tokens: int = 8) -> Sequence:
-    return Sequence.from_request(seq_id, Request(list(tokens), max_tokens), frozenset())
 
 
 def cached_bm(num_blocks: int, tokens_per_block: int = 4, salt: str = "") -> BlockManager:
@@ -164,25 +161,15 @@ def test_duplicate_content_keeps_one_cached_block():
 
 
 # -- the scheduler -----------------------------------------------------------------------------
-def _run(scheduler: Scheduler, steps: int) -> list[list[tuple[int, int, int]]]:
-    """Fake runner sampling token 7; logs (seq_id, num_computed_tokens, num_new_tokens)."""
-    log = []
-    for _ in range(steps):
-        out = scheduler.schedule()
-        log.append([(c.seq_id, c.num_computed_tokens, len(c.new_token_ids)) for c in out.chunks])
-        scheduler.update(out, {c.seq_id: (7, 0.0) for c in out.chunks if c.needs_sample})
-    return log
-
-
 def test_scheduler_admits_from_the_cached_prefix_and_counts_hits():
     bm = cached_bm(16)
     sched = Scheduler(bm, max_num_tokens=64, max_batch_size=4)
     system = list(range(100, 112))        # 3 full blocks shared
     sched.add(seq(1, system + [1, 2], max_tokens=2))
-    assert _run(sched, 2) == [[(1, 0, 14)], [(1, 14, 1)]]
+    assert run(sched, 2, computed=True) == [[(1, 0, 14)], [(1, 14, 1)]]
     sched.add(seq(2, system + [3], max_tokens=1))
     sched.add(seq(3, system + [4, 5, 6, 7, 8], max_tokens=1))
-    assert _run(sched, 1) == [[(2, 12, 1), (3, 12, 5)]]
+    assert run(sched, 1, computed=True) == [[(2, 12, 1), (3, 12, 5)]]
     assert sched.num_prefix_queried_tokens == 14 + 13 + 17
     assert sched.num_prefix_hit_tokens == 24
     # 3 shared blocks + seq 3's fourth; seq 1's 16th token was never computed, so its fourth
@@ -196,7 +183,7 @@ def test_a_sequence_admitted_in_the_same_step_reuses_blocks_computed_in_it():
     system = list(range(100, 108))
     sched.add(seq(1, system + [1], max_tokens=1))
     sched.add(seq(2, system + [2], max_tokens=1))
-    assert _run(sched, 1) == [[(1, 0, 9), (2, 8, 1)]]
+    assert run(sched, 1, computed=True) == [[(1, 0, 9), (2, 8, 1)]]
     assert bm.num_free_blocks == 16
 
 
@@ -206,21 +193,21 @@ def test_preempted_sequence_recomputes_from_its_own_cached_blocks():
     old, young = seq(1, [1, 2, 3], max_tokens=4), seq(2, [4, 5, 6], max_tokens=4)
     sched.add(old)
     sched.add(young)
-    assert _run(sched, 1) == [[(1, 0, 3), (2, 0, 3)]]
+    assert run(sched, 1, computed=True) == [[(1, 0, 3), (2, 0, 3)]]
     assert old.block_table == [0, 1] and young.block_table == [2, 3]
     # Both decode their 4th token into the blocks they hold; the 5th needs a new block each.
-    _run(sched, 1)
-    assert _run(sched, 1) == [[(1, 4, 1)]] and sched.num_preemptions == 1
+    run(sched, 1, computed=True)
+    assert run(sched, 1, computed=True) == [[(1, 4, 1)]] and sched.num_preemptions == 1
     # young's blocks were released tail first; old's new block evicted the least recent (3).
     assert young.block_table == [] and list(bm.reusable_block_ids) == [2]
     assert old.block_table == [0, 1, 3] and bm.num_evictions == 1
-    _run(sched, 1)                        # old finishes (4 tokens) and frees its blocks
+    run(sched, 1, computed=True)                        # old finishes (4 tokens) and frees its blocks
     assert old.is_finished
     # young comes back: block 2 (tokens 4, 5) is still cached; it recomputes from token 2.
-    assert _run(sched, 1) == [[(2, 2, 3)]]
+    assert run(sched, 1, computed=True) == [[(2, 2, 3)]]
     assert young.num_reused_blocks == 1
     while sched.has_work():
-        _run(sched, 1)
+        run(sched, 1, computed=True)
     assert young.generated_token_ids == [7, 7, 7, 7]
     assert bm.num_free_blocks == 4 and bm.ref_counts == [0] * 4
 
@@ -230,9 +217,9 @@ def test_abort_keeps_computed_blocks_cached_and_frees_the_rest():
     sched = Scheduler(bm, max_num_tokens=64, max_batch_size=4)
     running = seq(1, range(1, 11), max_tokens=8)
     sched.add(running)
-    _run(sched, 1)
+    run(sched, 1, computed=True)
     sched.abort(running, FinishReason.CANCELLED)
     assert bm.num_free_blocks == 8 and bm.num_reusable_blocks == 2 and not sched.has_work()
     again = seq(2, range(1, 11), max_tokens=1)
     sched.add(again)
-    assert _run(sched, 1) == [[(2, 8, 2)]]
+    assert run(sched, 1, computed=True) == [[(2, 8, 2)]]

@@ -2,6 +2,7 @@
 injected clock (no torch, no model, no sleeps)."""
 import pytest
 
+from scheduling import seq, step
 from triton_backend.engine import FinishReason, Request
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.scheduler import Scheduler
@@ -27,18 +28,6 @@ def scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_num_tokens: i
                      max_batch_size=max_batch_size, clock=clock, **options), clock
 
 
-def seq(seq_id: int, prompt_len: int = 2, max_tokens: int = 1, priority: int = 0) -> Sequence:
-    request = Request(list(range(1, prompt_len + 1)), max_tokens, priority=priority)
-    return Sequence.from_request(seq_id, request, frozenset())
-
-
-def step(sched: Scheduler):
-    """One step with a fake runner that samples token 7; returns the scheduler output."""
-    out = sched.schedule()
-    sched.update(out, {c.seq_id: (7, 0.0) for c in out.chunks if c.needs_sample})
-    return out
-
-
 def admitted_order(sched: Scheduler, steps: int) -> list[int]:
     order = []
     for _ in range(steps):
@@ -51,7 +40,7 @@ def admitted_order(sched: Scheduler, steps: int) -> list[int]:
 def test_higher_priority_is_admitted_first_and_equal_priorities_in_arrival_order():
     sched, clock = scheduler()
     for seq_id, priority in [(1, 0), (2, 5), (3, -3), (4, 5), (5, 0)]:
-        sched.add(seq(seq_id, priority=priority))
+        sched.add(seq(seq_id, max_tokens=1, priority=priority))
         clock.now += 1_000_000  # 1 ms apart: far less than aging could make up
     assert [s.seq_id for s in sched.waiting] == [2, 4, 1, 5, 3]
     assert admitted_order(sched, 5) == [2, 4, 1, 5, 3]
@@ -104,11 +93,11 @@ def test_aging_admits_a_low_priority_request_however_many_high_ones_arrive():
     # priority-5 one arriving at t=5s; one high-priority request arrives every second and each
     # step admits (and finishes) one request.
     sched, clock = scheduler(num_blocks=64, priority_aging_rate=1.0)
-    sched.add(seq(100, priority=0))
+    sched.add(seq(100, max_tokens=1, priority=0))
     order = []
     for k in range(1, 8):
         clock.now = k * SECOND
-        sched.add(seq(k, priority=5))
+        sched.add(seq(k, max_tokens=1, priority=5))
         order += admitted_order(sched, 1)
     # h1..h4 (virtual arrival -4..-1 s) go first, then the low one ties with h5 (0 s) and wins
     # on its earlier real arrival, then the rest
@@ -117,15 +106,15 @@ def test_aging_admits_a_low_priority_request_however_many_high_ones_arrive():
 
 def test_a_faster_aging_rate_admits_the_low_priority_request_sooner():
     sched, clock = scheduler(num_blocks=64, priority_aging_rate=10.0)
-    sched.add(seq(100, priority=0))
+    sched.add(seq(100, max_tokens=1, priority=0))
     order = []
     for k in range(1, 4):
         clock.now = k * SECOND // 10  # one every 100 ms; +5 levels = a 500 ms head start
-        sched.add(seq(k, priority=5))
+        sched.add(seq(k, max_tokens=1, priority=5))
         order += admitted_order(sched, 1)
     assert order == [1, 2, 3]
     clock.now = 6 * SECOND // 10  # virtual arrival 0.1 s: after the low one's 0 s
-    sched.add(seq(4, priority=5))
+    sched.add(seq(4, max_tokens=1, priority=5))
     assert admitted_order(sched, 2) == [100, 4]
 
 
@@ -148,7 +137,7 @@ def test_arrival_comes_from_the_request_when_it_has_one():
     sched, clock = scheduler()
     clock.now = 50 * SECOND
     early = Sequence.from_request(1, Request([1, 2], 1, arrival_time_ns=10 * SECOND), frozenset())
-    now = seq(2, priority=30)  # stamped at 50 s: virtual arrival 20 s, after `early`'s 10 s
+    now = seq(2, max_tokens=1, priority=30)  # stamped at 50 s: virtual arrival 20 s, after `early`'s 10 s
     sched.add(now)
     sched.add(early)
     assert early.arrival_ns == 10 * SECOND and now.arrival_ns == 50 * SECOND

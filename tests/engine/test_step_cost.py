@@ -1,7 +1,7 @@
 """Prefill chunks beside decodes: the step-cost line and the scheduler's room for prefill rows."""
 import pytest
 
-from test_block_manager import _run, seq
+from scheduling import run, seq
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import Limits
 from triton_backend.engine.scheduler import Scheduler
@@ -42,9 +42,9 @@ def test_prefill_beside_decodes_is_cut_to_the_room_and_finishes():
                       long_prefill_tokens=0)  # every prefill counts as long
     for i in range(4):
         sched.add(seq(i, 3, max_tokens=40))
-    assert _run(sched, 2)[1] == [(i, 1) for i in range(4)]  # prefilled, now decoding
+    assert run(sched, 2)[1] == [(i, 1) for i in range(4)]  # prefilled, now decoding
     sched.add(seq(9, 30, max_tokens=2))
-    log = _run(sched, 16)
+    log = run(sched, 16)
     # nothing measured: all cost is per row, so 4 decode rows leave room for 2 prefill rows
     assert log[0] == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 2)]
     prefill = [n for step in log for s, n in step if s == 9]
@@ -57,9 +57,9 @@ def test_a_long_prompt_is_cut_until_its_rest_is_short_then_goes_whole():
     assert sched.long_prefill_threshold == 8  # max_num_tokens // 8 when not given
     for i in range(4):
         sched.add(seq(i, 3, max_tokens=40))
-    _run(sched, 2)
+    run(sched, 2)
     sched.add(seq(9, 30, max_tokens=2))
-    prefill = [n for step in _run(sched, 16) for s, n in step if s == 9]
+    prefill = [n for step in run(sched, 16) for s, n in step if s == 9]
     # 2 rows a step beside 4 decodes while more than 8 tokens are left, then the 8 at once
     assert prefill[:12] == [2] * 11 + [8] and sum(prefill[:12]) == 30
 
@@ -69,12 +69,12 @@ def test_short_prompts_are_prefilled_whole_beside_decodes_even_past_the_room():
     sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5,
                       long_prefill_tokens=12)
     sched.add(seq(0, 3, max_tokens=40))
-    _run(sched, 1)  # one sequence decodes: the room beside it is 1 row
+    run(sched, 1)  # one sequence decodes: the room beside it is 1 row
     for i in (1, 2, 3):
         sched.add(seq(i, 12, max_tokens=4))
     sched.add(seq(4, 13, max_tokens=4))  # long: waits for room, and keeps its place in line
     sched.add(seq(5, 4, max_tokens=4))
-    assert _run(sched, 1)[0] == [(0, 1), (1, 12), (2, 12), (3, 12)]
+    assert run(sched, 1)[0] == [(0, 1), (1, 12), (2, 12), (3, 12)]
 
 
 def test_long_prefill_tokens_is_validated_naming_the_field():
@@ -92,22 +92,22 @@ def test_measured_fixed_cost_widens_the_room():
         sched.step_cost.observe(8, 0.048)
     for i in range(4):
         sched.add(seq(i, 3, max_tokens=40))
-    _run(sched, 1)
+    run(sched, 1)
     sched.add(seq(9, 60, max_tokens=2))
-    assert _run(sched, 1)[0][-1] == (9, 44)  # 2x of 44 ms leaves 44 rows
+    assert run(sched, 1)[0][-1] == (9, 44)  # 2x of 44 ms leaves 44 rows
 
 
 def test_no_cap_without_decodes_or_when_off():
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
     sched = Scheduler(bm, max_num_tokens=16, max_batch_size=8, max_decode_slowdown=1.5)
     sched.add(seq(1, 40, max_tokens=2))
-    assert _run(sched, 1) == [[(1, 16)]]  # nothing decodes: the whole budget
+    assert run(sched, 1) == [[(1, 16)]]  # nothing decodes: the whole budget
     off = Scheduler(BlockManager(num_blocks=64, tokens_per_block=4), max_num_tokens=16,
                     max_batch_size=8, max_decode_slowdown=0)
     off.add(seq(1, 3, max_tokens=40))
-    _run(off, 1)
+    run(off, 1)
     off.add(seq(2, 40, max_tokens=2))
-    assert _run(off, 1) == [[(1, 1), (2, 15)]]
+    assert run(off, 1) == [[(1, 1), (2, 15)]]
 
 
 @pytest.mark.parametrize("value", [1.0, 0.5, -1, True, "fast", 101])
@@ -132,7 +132,7 @@ def test_with_only_short_prompts_the_default_schedules_as_the_throttle_off():
                 for _ in range(min(1 + step % 4, 48 - next_id)):
                     sched.add(seq(next_id, 128, max_tokens=64))
                     next_id += 1
-            log += _run(sched, 1)
+            log += run(sched, 1)
         assert next_id == 48 and not sched.has_work()
         return log
 
