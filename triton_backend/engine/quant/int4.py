@@ -71,9 +71,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch
     out_features, in_features = q.shape
     groups = scales.shape[1]
     w = q.float().reshape(out_features, groups, in_features // groups) * scales.float()[..., None]
-    if zeros is not None:
-        w = w + zeros.float()[..., None]
-    return w.reshape(out_features, in_features).to(dtype)
+    w = w.reshape(out_features, in_features)
+    return (w if zeros is None else add_zeros(w, zeros)).to(dtype)
 
 
 def add_zeros(dense: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
