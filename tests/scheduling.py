@@ -1,5 +1,5 @@
-"""Sequences and a fake model runner for the scheduler and block-manager tests (pure Python: no
-torch, no model). Shared by the test modules (import it as `scheduling`)."""
+"""Sequences, a fake model runner and an injected clock for the scheduler, block-manager and
+admission tests (pure Python: no torch, no model). Import it as `scheduling`."""
 from __future__ import annotations
 
 from triton_backend.engine import Request
@@ -7,6 +7,16 @@ from triton_backend.engine.scheduler import Scheduler, SchedulerOutput
 from triton_backend.engine.sequence import Sequence
 
 SAMPLED = 7  # the token the fake runner samples for every sequence
+
+
+class Clock:
+    """An injected clock (ns) that moves only when a test sets `now`."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
 
 
 def seq(seq_id: int, prompt: int | list[int] = 2, max_tokens: int = 8, priority: int = 0

@@ -9,17 +9,10 @@ from triton_backend.engine.admission import AdmissionLimits, ServerBusy
 from triton_backend.engine.executor import Executor
 from triton_backend.engine.llm_engine import LLMEngine
 
+from scheduling import Clock
 from tiny import final_response
 
 MS = 1_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        return self.now
 
 
 def test_admission_limits_count_requests_then_prompt_tokens():

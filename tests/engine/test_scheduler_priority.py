@@ -2,7 +2,7 @@
 injected clock (no torch, no model, no sleeps)."""
 import pytest
 
-from scheduling import seq, step
+from scheduling import Clock, seq, step
 from triton_backend.engine import FinishReason, Request
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.scheduler import Scheduler
@@ -10,14 +10,6 @@ from triton_backend.engine.sequence import Sequence
 from triton_backend.engine.waiting_queue import WaitingQueue
 
 SECOND = 1_000_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        return self.now
 
 
 def scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_num_tokens: int = 64,
