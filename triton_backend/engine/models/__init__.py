@@ -2,8 +2,9 @@
 
 A family (`llama.LlamaFamily` or a subclass) holds everything that differs between model
 families: reading the shape from an HF `config.json`, the one table of HF -> runtime weight names
-(used by conversion, ModelOpt's quantization and parameter arithmetic), the module tree the
-runtime builds, and whether the C++ one-call decode path (`kernels/forward.py`) runs its layers.
+(used by conversion, ModelOpt's quantization and LoRA), the module tree the runtime builds (and
+the parameter count, read off it), and whether the C++ one-call decode path
+(`kernels/forward.py`) runs its layers.
 Adding a family is adding a module here that calls `register`; nothing else lists families.
 The engine config names its family in `model.architecture`.
 """

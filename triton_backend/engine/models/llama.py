@@ -1,8 +1,9 @@
 """The Llama family: Llama (GQA/MHA, rope scaling), Mistral (full attention) and Qwen2 (QKV bias).
 
 The runtime layout uses TensorRT-LLM's names with fused projections: q/k/v become
-`attention.qkv`, gate/up become `mlp.gate_up` (see triton_backend/engine/model.py). `LAYER_WEIGHTS`
-is the one table of HF -> runtime names; conversion, quantization and the parameter count read it.
+`attention.qkv`, gate/up become `mlp.gate_up` (see triton_backend/engine/model.py).
+`LlamaFamily.layer_weights` / `model_weights` are the one table of HF -> runtime names;
+conversion, ModelOpt's quantization and LoRA's projection tables read it.
 """
 from __future__ import annotations
 
