@@ -11,7 +11,7 @@ from builder.serving.openai.config import OpenAIServerConfig
 from builder.serving.openai.errors import OpenAIError, from_triton
 from builder.serving.openai.mapping import ensemble_values, finish_reason
 from builder.serving.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                     check_chat, check_completion, validation_error)
+                                             check_chat, check_completion, validation_error)
 from builder.serving.openai.responses import ResponseBuilder, completion_logprobs
 from triton_backend.engine.config import Limits
 from triton_backend.models.request_converter import RequestError

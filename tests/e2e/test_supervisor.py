@@ -32,8 +32,8 @@ import pytest
 from builder.client import decode_text, generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port, http_ok
-from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, _control_request, active_requests,
-                               probe_model, supervised_models)
+from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, _control_request,
+                                        active_requests, probe_model, supervised_models)
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.serving_control import (CONTROL_TOKEN_ENV, DRAIN_REFUSED,
                                                    DRAIN_REQUEST_ID, PROBE_REQUEST_ID,

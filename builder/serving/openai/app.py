@@ -20,9 +20,9 @@ from starlette.exceptions import HTTPException
 from builder.serving.openai.config import OpenAIServerConfig
 from builder.serving.openai.direct import TextCodec
 from builder.serving.openai.errors import (OpenAIError, internal, model_not_found, not_ready,
-                                   unauthorized)
+                                           unauthorized)
 from builder.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                     validation_error)
+                                             validation_error)
 from builder.serving.openai.service import Generation, OpenAIService
 from builder.serving.openai.streaming import sse_events
 from builder.serving.openai.triton import TritonBackend

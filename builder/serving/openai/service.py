@@ -23,10 +23,10 @@ from builder.serving.openai import mapping
 from builder.serving.openai.chat import ChatRenderer
 from builder.serving.openai.config import OpenAIServerConfig
 from builder.serving.openai.errors import OpenAIError, bad_request, busy, model_not_found
-from builder.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
-                                     check_chat, check_completion)
+from builder.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                             SamplingRequest, check_chat, check_completion)
 from builder.serving.openai.responses import (ResponseBuilder, chat_logprobs, completion_logprobs,
-                                      usage)
+                                              usage)
 from builder.serving.openai.structured import Guide, rename_guide_error, request_guide
 from builder.serving.openai.tools import ToolPlan, parse_auto, tool_calls
 from builder.serving.openai.triton import Chunk, TritonBackend

@@ -22,8 +22,9 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from builder.client import text_inputs
-from builder.serving.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS, DIRECT_TOP_OUTPUTS, RequestError,
-                                   TextCodec, direct_request)
+from builder.serving.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS,
+                                           DIRECT_TOP_OUTPUTS, RequestError, TextCodec,
+                                           direct_request)
 from builder.serving.openai.errors import OpenAIError, from_triton, internal, not_ready
 
 BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
