@@ -56,14 +56,16 @@ def is_excluded(name: str, patterns: list[str]) -> bool:
     return any(pattern in name for pattern in patterns)
 
 
-def quantized_linears(model: nn.Module, options: QuantizeOptions) -> dict[str, nn.Linear]:
-    """HF name -> linear for every projection that will be quantized (exclusions applied)."""
+def quantized_linears(model: nn.Module, options: QuantizeOptions
+                      ) -> dict[str, tuple[str, nn.Linear]]:
+    """HF name -> (runtime name, linear) for every projection that will be quantized
+    (exclusions applied)."""
     found, targets = {}, runtime_names(model)
     for name, module in model.named_modules():
         target = targets.get(name)
         if isinstance(module, nn.Linear) and target and target != "lm_head":
             if not is_excluded(target, options.exclude_modules):
-                found[name] = module
+                found[name] = (target, module)
     return found
 
 
@@ -85,9 +87,8 @@ def check_group_size(model: nn.Module, options: QuantizeOptions) -> None:
     """Before any calibration: every INT4 linear's input size must divide by the group size."""
     if options.weights not in ("int4_awq", "int4_rtn"):
         return
-    targets = runtime_names(model)
-    for name, linear in quantized_linears(model, options).items():
-        int4.check_group_size(linear.in_features, options.group_size, targets[name])
+    for target, linear in quantized_linears(model, options).values():
+        int4.check_group_size(linear.in_features, options.group_size, target)
 
 
 def modelopt_config(model: nn.Module, options: QuantizeOptions) -> dict:
