@@ -231,13 +231,15 @@ class TritonServer:
         return stuck[-1] if stuck else "Exit timeout expired"
 
     def wait_ready(self, timeout: float) -> None:
-        """Block until the server answers ready; raise with the log tail if it dies or times out."""
+        """Block until the server answers ready and its /metrics answers (Triton starts the
+        metrics service just after the HTTP one: a scrape right after "ready" could find its port
+        closed); raise with the log tail if it dies or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.is_alive():
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}:\n"
                                    f"{self.log_tail()}")
-            if self.is_ready():
+            if self.is_ready() and http_ok(self.metrics_url):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log_tail()}")
