@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -140,21 +141,22 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                       f"{server.log_tail()}", code=EXIT_INTERNAL)
             if openai is not None and not openai.is_alive():
                 fail("the OpenAI server stopped", code=EXIT_INTERNAL)
-        for supervisor in supervisors:
-            supervisor.stop()
-        from builder.serving.supervisor import drain
+        from builder.serving.supervisor import drain, stop_supervisors
 
+        stop_supervisors(supervisors, report=click.echo)
         click.echo(f"draining: no new requests; requests in flight may finish within "
                    f"{drain_timeout:g} s")
         drain(server, drain_timeout, report=click.echo)
     finally:
         for supervisor in supervisors:
-            supervisor.stop()
+            supervisor.halt()  # a failed start or drain: nothing may reload what is stopping
         if openai is not None:
             click.echo("stopping the OpenAI server")
             openai.stop()
         click.echo("stopping tritonserver")
+        stopping = time.monotonic()
         server.stop()
+        click.echo(f"tritonserver stopped in {time.monotonic() - stopping:.1f} s")
         stuck = server.stuck_at_exit()
         if stuck:
             click.echo(f"warning: tritonserver stopped at its exit timeout: {stuck} "

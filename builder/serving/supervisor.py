@@ -43,6 +43,8 @@ from triton_backend.models.serving_control import (PROBE_REQUEST_ID, STOP_REQUES
 FAILURE_MARKERS = ("is not healthy", "the engine is down")
 NOT_READY_MODEL = "forge_serve_not_ready"
 RELAY_SECONDS = 1.0  # for a final response to pass from tensorrt_llm through the ensemble
+CONTROL_SECONDS = 10.0  # for each of the drain's two calls (the drain request, readiness off)
+SLOW_SECONDS = 2.0  # a drain phase that takes longer is reported with its time
 _NOT_READY_SOURCE = ("class TritonPythonModel:\n"
                      "    def initialize(self, args):\n"
                      "        raise RuntimeError({reason!r})\n")
@@ -153,12 +155,14 @@ def load_model(http_url: str, model: str, timeout: float, parameters: dict | Non
     return _repository_call(http_url, model, "load", body, timeout)
 
 
-def mark_not_ready(http_url: str, reason: str, timeout: float = 60.0) -> None:
-    """Make `/v2/health/ready` answer not ready for good (see the module), `reason` in the log."""
+def mark_not_ready(http_url: str, reason: str, timeout: float = 60.0) -> str | None:
+    """Make `/v2/health/ready` answer not ready for good (see the module), `reason` in the log;
+    the error text, or None."""
     source = _NOT_READY_SOURCE.format(reason=reason).encode()
-    load_model(http_url, NOT_READY_MODEL, timeout, {
+    error = load_model(http_url, NOT_READY_MODEL, timeout, {
         "config": json.dumps({"backend": "python", "max_batch_size": 0}),
         "file:1/model.py": base64.b64encode(source).decode()})
+    return None if error is None or reason in error else error  # its refusal is the point
 
 
 class Supervisor(threading.Thread):
@@ -180,8 +184,12 @@ class Supervisor(threading.Thread):
         self.gave_up = threading.Event()
         self._halt = threading.Event()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def halt(self) -> None:
+        """Probe and reload nothing more; a probe in flight ends within `probe_timeout`."""
         self._halt.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.halt()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
 
@@ -211,6 +219,8 @@ class Supervisor(threading.Thread):
         error = unload_model(self.http_url, self.model)
         if error:
             self.report(f"supervisor: unloading {self.model} failed: {error}")
+        if self._halt.is_set():  # the server is stopping: a reload would only delay it
+            return
         if not self.reloads.allow_restart():
             self._give_up(reason)
             return
@@ -236,6 +246,23 @@ class Supervisor(threading.Thread):
                 f"reload limit {policy.max_restarts}")
 
 
+def stop_supervisors(supervisors: list[Supervisor], timeout: float = 6.0,
+                     report: Callable[[str], None] = print) -> None:
+    """Halt every supervisor at once, then wait for them against one deadline (`timeout`, a probe's
+    timeout and a little more): stopping them one after the other, each maybe inside a probe of
+    a model busy with streams, delayed the drain by their sum. One still inside its probe is
+    left to end it (a halted supervisor acts on no answer)."""
+    for supervisor in supervisors:
+        supervisor.halt()
+    deadline = time.monotonic() + timeout
+    for supervisor in supervisors:
+        if supervisor.is_alive() and threading.current_thread() is not supervisor:
+            supervisor.join(max(0.0, deadline - time.monotonic()))
+    busy = [supervisor.model for supervisor in supervisors if supervisor.is_alive()]
+    if busy:
+        report(f"supervisor: still waiting for a probe of {', '.join(busy)}; draining anyway")
+
+
 def active_requests(metrics_url: str, model: str = "tensorrt_llm") -> int | None:
     """Requests the model is still answering, from its `model_active_requests` counter."""
     try:
@@ -256,10 +283,16 @@ def drain(server, timeout: float, report: Callable[[str], None] = print,
     SIGTERM with nothing in flight, unloads the models and exits."""
     started = time.monotonic()
     result = _control_request(server.http_url, model, drain_request_id(server.control_token),
-                              10.0)
+                              CONTROL_SECONDS)
     if result.ok is not True:
         report(f"drain: {model} did not take the drain request ({result.message})")
-    mark_not_ready(server.http_url, "the server is shutting down (draining)")
+    _slow(report, "the drain request", started)
+    marked = time.monotonic()
+    error = mark_not_ready(server.http_url, "the server is shutting down (draining)",
+                           timeout=CONTROL_SECONDS)
+    if error:
+        report(f"drain: readiness could not be turned off ({error}); draining anyway")
+    _slow(report, "turning readiness off", marked)
     at_start = active_requests(server.metrics_url, model)
     deadline = started + timeout + 5.0  # the model ends what is left at `timeout`
     while server.is_alive() and time.monotonic() < deadline:
@@ -275,3 +308,11 @@ def drain(server, timeout: float, report: Callable[[str], None] = print,
         count = f"{at_start} " if at_start else ""
         report(f"drain: {count}requests in flight ended after {time.monotonic() - started:.1f} s "
                f"(drain timeout {timeout:g} s)")
+
+
+def _slow(report: Callable[[str], None], phase: str, started: float) -> None:
+    """Say how long `phase` took when it held the drain up (a stopping server should show where
+    its time went)."""
+    took = time.monotonic() - started
+    if took > SLOW_SECONDS:
+        report(f"drain: {phase} took {took:.1f} s")

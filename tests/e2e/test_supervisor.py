@@ -33,7 +33,8 @@ from builder.client import decode_text, generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port, http_ok
 from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, _control_request,
-                                        active_requests, probe_model, supervised_models)
+                                        active_requests, probe_model, stop_supervisors,
+                                        supervised_models)
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.serving_control import (CONTROL_TOKEN_ENV, DRAIN_REFUSED,
                                                    DRAIN_REQUEST_ID, PROBE_REQUEST_ID,
@@ -161,6 +162,48 @@ def test_a_failed_probe_unloads_and_reloads_until_the_limit(fake_triton):
     import base64
 
     assert repr(why) in base64.b64decode(stand_in["file:1/model.py"]).decode()
+
+
+def test_a_supervisor_halted_while_it_unloads_does_not_reload(fake_triton):
+    """forge serve halts its supervisors before the drain: one that was already recovering a
+    model must not load it again into a stopping server."""
+    supervisor = Supervisor(fake_triton.url, period=0.01, max_reloads=3,
+                            report=lambda line: supervisor.halt())  # halted at its first report
+    fake_triton.probe = (400, {"error": STUB_DEAD})
+    supervisor.start()
+    supervisor.join(10)
+    assert not supervisor.is_alive()
+    assert fake_triton.repository_calls() == ["tensorrt_llm/unload"]
+
+
+class _Stoppable:
+    """A stand-in supervisor that records, when it is joined, which of its peers were halted."""
+
+    def __init__(self, model: str, peers: list, busy: bool = False):
+        self.model, self.peers, self.busy = model, peers, busy
+        self.halted, self.alive, self.seen_halted = False, True, None
+
+    def halt(self):
+        self.halted = True
+
+    def join(self, timeout):
+        self.seen_halted = [peer.halted for peer in self.peers]
+        self.alive = self.busy  # a busy one is still inside its probe when the wait ends
+
+    def is_alive(self):
+        return self.alive
+
+
+def test_supervisors_are_all_halted_before_any_is_waited_for():
+    """Stopped one after the other, each maybe inside a probe of a model busy with streams, they
+    held the drain up by the sum of their waits (forge serve once did not reach the drain)."""
+    peers: list = []
+    peers += [_Stoppable(model, peers, busy=model == "postprocessing")
+              for model in ("tensorrt_llm", "preprocessing", "postprocessing")]
+    lines: list[str] = []
+    stop_supervisors(peers, timeout=1.0, report=lines.append)
+    assert [peer.seen_halted for peer in peers] == [[True, True, True]] * 3
+    assert lines == ["supervisor: still waiting for a probe of postprocessing; draining anyway"]
 
 
 def test_inconclusive_probes_count_only_after_hung_seconds(fake_triton):
@@ -449,13 +492,17 @@ def forge_serve(repository, torch_kernels):
                 pass
 
 
-def _stream(url: str, model: str, max_tokens: int) -> tuple[str, int, str]:
-    """('done', tokens, finish_reason) or ('error', tokens, message) for one streamed request."""
+def _stream(url: str, model: str, max_tokens: int, answered: threading.Event | None = None
+            ) -> tuple[str, int, str]:
+    """('done', tokens, finish_reason) or ('error', tokens, message) for one streamed request;
+    `answered` is set at its first response."""
     tokens, reason = 0, ""
     try:
         for chunk in stream_grpc(url, model, text_inputs(text_input="The quick brown fox",
                                                          max_tokens=max_tokens, stream=True),
                                  timeout=120):
+            if answered is not None:
+                answered.set()
             decode_text(chunk)
             tokens += int(chunk["output_ids"].size)
             reason = chunk["finish_reason"].reshape(-1)[0].decode()
@@ -471,8 +518,12 @@ def test_sigterm_drains_sixteen_streams_and_exits_zero(forge_serve):
     plans = [("ensemble" if i % 2 else "tensorrt_llm_bls", 24 if i % 4 < 2 else 1000)
              for i in range(16)]
     pool = ThreadPoolExecutor(16)
-    futures = [pool.submit(_stream, serve.grpc_url, model, n) for model, n in plans]
-    time.sleep(1.5)
+    answered = [threading.Event() for _ in plans]
+    futures = [pool.submit(_stream, serve.grpc_url, model, n, event)
+               for (model, n), event in zip(plans, answered)]
+    # Every stream in flight before the signal (on a busy machine 16 clients take a while to
+    # send): one sent after it is refused, as the late one below shows.
+    assert all(event.wait(60) for event in answered), [f.result() for f in futures if f.done()]
     serve.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     not_ready = _poll(lambda: not http_ok(f"http://{serve.http_url}/v2/health/ready"), 15)
