@@ -7,12 +7,13 @@ Inputs are given with the ensemble's names (`text_input`, `max_tokens`, `stream`
 from __future__ import annotations
 
 import json
-import queue
 import urllib.error
 import urllib.request
 from typing import Iterator
 
 import numpy as np
+
+from builder.grpc_stream import GrpcStream, StreamError, infer_inputs
 
 # The ensemble / BLS inputs and their numpy dtypes (the contract table in README.md).
 INPUT_DTYPES = {
@@ -47,12 +48,6 @@ def text_inputs(**values) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _triton_dtype(array: np.ndarray) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-
-    return np_to_triton_dtype(array.dtype)
-
-
 def decode_text(outputs: dict) -> str:
     value = outputs["text_output"].reshape(-1)[0]
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
@@ -61,7 +56,8 @@ def decode_text(outputs: dict) -> str:
 def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id: str = "",
                 timeout: float = 120.0, headers: dict[str, str] | None = None,
                 request_timeout_us: int = 0) -> Iterator[dict]:
-    """Stream one request over gRPC; yields each response's outputs; raises on an error response.
+    """Stream one request over gRPC; yields each response's outputs; raises `RuntimeError` with
+    the server's message on an error response. `timeout`: the longest wait for a response;
     `request_timeout_us`: Triton's own request timeout (0: none), a deadline the models honour.
 
     `headers` go out as the stream's gRPC metadata (e.g. `x-llm-forge-client`).
@@ -69,42 +65,19 @@ def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id:
     The stream is closed (and the request cancelled if still running) when the caller stops
     iterating early.
     """
-    import tritonclient.grpc as grpcclient
-
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        client.is_server_live()
-    except Exception as exc:
-        client.close()
-        raise ConnectionError(f"{url}: server not reachable ({exc})") from None
-    tensors = []
-    for name, array in inputs.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), _triton_dtype(array))
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    client.start_stream(callback=lambda result, error: results.put((result, error)),
-                        headers=headers)
+    stream = GrpcStream.connect(url, headers)
     finished = False
     try:
-        client.async_stream_infer(model, tensors, request_id=request_id,
-                                  enable_empty_final_response=True,
-                                  timeout=request_timeout_us or None)
-        while True:
-            result, error = results.get(timeout=timeout)
-            if error is not None:
-                finished = True
-                raise RuntimeError(str(error))
-            response = result.get_response()
-            final = response.parameters.get("triton_final_response")
-            if response.outputs:
-                yield {o.name: result.as_numpy(o.name) for o in response.outputs}
-            if final is not None and final.bool_param:
-                finished = True
-                return
+        stream.send(model, infer_inputs(inputs), request_id, request_timeout_us)
+        for response in stream.responses(request_id, timeout):
+            finished = response.final
+            if response.result.get_response().outputs:
+                yield response.outputs()
+    except StreamError as exc:
+        finished = True
+        raise RuntimeError(str(exc)) from None
     finally:
-        client.stop_stream(cancel_requests=not finished)
-        client.close()
+        stream.close(cancel=not finished)
 
 
 def infer_http(url: str, model: str, inputs: dict[str, np.ndarray], timeout: float = 120.0) -> dict:
@@ -114,12 +87,7 @@ def infer_http(url: str, model: str, inputs: dict[str, np.ndarray], timeout: flo
     client = httpclient.InferenceServerClient(url, network_timeout=timeout,
                                               connection_timeout=timeout)
     try:
-        tensors = []
-        for name, array in inputs.items():
-            tensor = httpclient.InferInput(name, list(array.shape), _triton_dtype(array))
-            tensor.set_data_from_numpy(array, binary_data=False)
-            tensors.append(tensor)
-        result = client.infer(model, tensors)
+        result = client.infer(model, infer_inputs(inputs, httpclient))
         return {o["name"]: result.as_numpy(o["name"])
                 for o in result.get_response()["outputs"]}
     finally:

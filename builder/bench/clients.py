@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import queue
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from builder.bench.records import RequestRecord
+from builder.grpc_stream import GrpcStream, StreamError, infer_inputs
 from builder.bench.workloads import WorkItem
 
 _NUMPY_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64,
@@ -79,85 +79,50 @@ def _new_record(item: WorkItem, index: int) -> RequestRecord:
 
 
 class GrpcStreamClient:
-    """One tritonclient gRPC stream (decoupled models need the streaming API even unstreamed)."""
+    """One gRPC stream (decoupled models need the streaming API even unstreamed)."""
 
     def __init__(self, url: str, model: str, inputs: ModelInputs, fixed_output: bool,
                  timeout_s: float) -> None:
-        import tritonclient.grpc as grpcclient
-
-        self._grpc = grpcclient
-        self._url, self._model, self._inputs = url, model, inputs
+        self._model, self._inputs = model, inputs
         self._fixed_output, self._timeout_s = fixed_output, timeout_s
-        self._client = grpcclient.InferenceServerClient(url)
-        self._start_stream()
+        self._stream = GrpcStream(url)
 
-    def _start_stream(self) -> None:
-        responses: queue.Queue = queue.Queue()
-        self._responses = responses
-
-        def on_response(result: Any, error: Any) -> None:
-            responses.put((time.perf_counter(), result, error))
-
-        self._client.start_stream(callback=on_response)
-
-    def _tensors(self, item: WorkItem) -> list:
-        tensors = []
+    def _arrays(self, item: WorkItem) -> dict[str, np.ndarray]:
+        arrays = {}
         for name, value in request_fields(item, self._inputs, self._fixed_output).items():
             datatype, batched = self._inputs.inputs[name]
-            shape = [1, 1] if batched else [1]
             if datatype == "BYTES":
                 value = value.encode("utf-8")
-            array = np.array(value, dtype=_NUMPY_DTYPES[datatype]).reshape(shape)
-            tensor = self._grpc.InferInput(name, shape, datatype)
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-        return tensors
+            arrays[name] = np.array(value, dtype=_NUMPY_DTYPES[datatype]).reshape(
+                [1, 1] if batched else [1])
+        return arrays
 
     def send(self, item: WorkItem, index: int, level_start: float) -> RequestRecord:
         record = _new_record(item, index)
         request_id = f"bench-{index}"
-        tensors = self._tensors(item)
+        tensors = infer_inputs(self._arrays(item))
         sent = time.perf_counter()
         record.start = sent - level_start
         try:
-            self._client.async_stream_infer(self._model, tensors, request_id=request_id,
-                                            enable_empty_final_response=True)
+            self._stream.send(self._model, tensors, request_id)
+            for response in self._stream.responses(request_id, self._timeout_s,
+                                                   deadline=sent + self._timeout_s):
+                record.add_chunk(response.arrived - sent, _text(response.output("text_output")))
+                record.note_server_tokens(_int(response.output("num_output_tokens")))
+                if response.final:
+                    record.end = response.arrived - sent
+        except TimeoutError:
+            record.cancelled, record.error = True, f"timeout after {self._timeout_s:g}s"
+        except StreamError as exc:
+            record.error = str(exc)
         except Exception as exc:  # tritonclient raises its own exception types for a dead stream
             record.error = f"{type(exc).__name__}: {exc}"
-            self._restart()
-            return record
-        deadline = sent + self._timeout_s
-        while True:
-            try:
-                arrived, result, error = self._responses.get(
-                    timeout=max(0.0, deadline - time.perf_counter()))
-            except queue.Empty:
-                record.cancelled, record.error = True, f"timeout after {self._timeout_s:g}s"
-                self._restart()
-                return record
-            if error is not None:
-                record.error = str(error)
-                self._restart()  # the stream may be broken; a fresh one costs little
-                return record
-            response = result.get_response()
-            if response.id != request_id:  # late response of an earlier, abandoned request
-                continue
-            record.add_chunk(arrived - sent, _text(result.as_numpy("text_output")))
-            record.note_server_tokens(_int(result.as_numpy("num_output_tokens")))
-            if response.parameters["triton_final_response"].bool_param:
-                record.end = arrived - sent
-                return record
-
-    def _restart(self) -> None:
-        # Cancelling the stream cancels its requests on the server, freeing their slots.
-        self._client.stop_stream(cancel_requests=True)
-        self._start_stream()
+        if record.error is not None:
+            self._stream.restart()  # the stream may be broken; a fresh one costs little
+        return record
 
     def close(self) -> None:
-        try:
-            self._client.stop_stream(cancel_requests=True)
-        finally:
-            self._client.close()
+        self._stream.close()
 
 
 def _text(array: np.ndarray | None) -> str:

@@ -17,15 +17,17 @@ from typing import AsyncIterator
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.grpc import InferRequestedOutput
 from tritonclient.grpc.aio import InferenceServerClient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 from builder.client import text_inputs
+from builder.grpc_stream import infer_inputs
 from builder.serving.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS,
                                            DIRECT_TOP_OUTPUTS, RequestError, TextCodec,
                                            direct_request)
 from builder.serving.openai.errors import OpenAIError, from_triton, internal, not_ready
+from triton_backend.models.serving_control import STOP_REQUEST_INPUTS
 
 BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
 GENERATION_MODEL = "tensorrt_llm"  # the ensemble's step that holds the request's KV blocks
@@ -87,17 +89,8 @@ def _top(result) -> list[list[tuple[int, float]]]:
     return [list(zip(map(int, row), map(float, vals))) for row, vals in zip(ids, values)]
 
 
-def _tensors(values: dict[str, object]) -> list[InferInput]:
-    return _infer_inputs(text_inputs(**values))
-
-
-def _infer_inputs(arrays: dict[str, np.ndarray]) -> list[InferInput]:
-    tensors = []
-    for name, array in arrays.items():
-        tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
+def _tensors(values: dict[str, object]) -> list:
+    return infer_inputs(text_inputs(**values))
 
 
 class TritonBackend:
@@ -174,7 +167,7 @@ class TritonBackend:
             names = DIRECT_OUTPUTS + (DIRECT_LOG_PROB_OUTPUTS if log_probs else ())
             if values.get("top_log_probs"):
                 names += DIRECT_TOP_OUTPUTS
-            inputs = _infer_inputs(direct.tensors)
+            inputs = infer_inputs(direct.tensors)
             to_chunk = lambda result: _direct_chunk(result, direct.detokenizer)  # noqa: E731
         request = {"model_name": self.model, "inputs": inputs, "request_id": request_id,
                    "outputs": [InferRequestedOutput(name) for name in names]}
@@ -182,15 +175,8 @@ class TritonBackend:
 
     async def _stop(self, request_id: str) -> None:
         """`stop: true` with the request's id cancels it in the tensorrt_llm model."""
-        values = {"input_ids": np.zeros((1, 1), np.int32),
-                  "input_lengths": np.ones((1, 1), np.int32),
-                  "request_output_len": np.ones((1, 1), np.int32),
-                  "stop": np.ones((1, 1), np.bool_)}
-        tensors = []
-        for name, array in values.items():
-            tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
+        tensors = infer_inputs({name: np.array([[value]], np.bool_ if name == "stop" else np.int32)
+                                for name, value in STOP_REQUEST_INPUTS.items()})
 
         async def requests():
             yield {"model_name": GENERATION_MODEL, "inputs": tensors, "request_id": request_id}
