@@ -44,6 +44,7 @@ test: lint
 lint: setup
 	$(PY) -m compileall -q builder triton_backend scripts tests
 	$(PY) -m ruff check -q builder triton_backend scripts tests
+	$(PY) -m mypy --no-error-summary
 
 # Our engine vs the naive baseline on the demo model (chat workload); report in $(BENCH_OUT).
 bench: setup

@@ -174,7 +174,9 @@ class BlockManager:
         if self.free_block_ids:
             return self.free_block_ids.popleft()
         block_id, _ = self.reusable_block_ids.popitem(last=False)  # evict the least recent
-        del self.cached_block_ids[self.block_hashes[block_id]]
+        block_hash = self.block_hashes[block_id]
+        assert block_hash is not None, "a reusable block is a cached block: it has a hash"
+        del self.cached_block_ids[block_hash]
         self.block_hashes[block_id] = self.block_tokens[block_id] = None
         self.num_evictions += 1
         return block_id

@@ -3,8 +3,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from triton_backend.engine.request import FinishReason, Request
+
+
+class Grammar(Protocol):
+    """What a sequence asks of its guided-decoding state (`guided.state.GrammarState`)."""
+
+    def accept(self, token_id: int) -> None: ...
+
+    def is_complete(self) -> bool: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -46,7 +55,7 @@ class Sequence:
     num_accepted_tokens: int = 0
     # Guided decoding: the grammar state (`guided.state.GrammarState`), advanced with every
     # kept token.
-    grammar: object | None = None
+    grammar: Grammar | None = None
     # top_log_probs: per generated token, the most likely ids and their raw log probs.
     top_ids: list[list[int]] = field(default_factory=list)
     top_log_probs: list[list[float]] = field(default_factory=list)

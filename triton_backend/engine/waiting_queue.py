@@ -23,8 +23,11 @@ NS_PER_SECOND = 1_000_000_000
 
 def urgency_key(seq: Sequence, aging_rate: float) -> tuple[float, int, int]:
     """Sort key: smaller is admitted sooner and preempted later (`seq.arrival_ns` must be set)."""
-    virtual_arrival = seq.arrival_ns / NS_PER_SECOND - seq.request.priority / aging_rate
-    return (virtual_arrival, seq.arrival_ns, seq.seq_id)
+    arrival_ns = seq.arrival_ns
+    if arrival_ns is None:
+        raise ValueError(f"sequence {seq.seq_id}: no arrival time to order it by")
+    virtual_arrival = arrival_ns / NS_PER_SECOND - seq.request.priority / aging_rate
+    return (virtual_arrival, arrival_ns, seq.seq_id)
 
 
 class WaitingQueue:
@@ -48,8 +51,9 @@ class WaitingQueue:
             self._seqs.insert(index, seq)
             self._num_tokens += seq.num_tokens
 
-    def peek(self) -> Sequence | None:
-        return self._seqs[0] if self._seqs else None
+    def peek(self) -> Sequence:
+        """The most urgent waiting sequence (the queue must not be empty)."""
+        return self._seqs[0]
 
     def pop(self) -> Sequence:
         with self._lock:
