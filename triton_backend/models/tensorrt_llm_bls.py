@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -36,6 +37,50 @@ PASSED_OUTPUTS = ("cum_log_probs", "batch_index", "sequence_index", "num_input_t
 # its message there, a response that reaches this model's stream even after text has streamed
 # (an error response would not).
 INNER_OUTPUTS = ("output_ids", "output_log_probs", ERROR_OUTPUT, *PASSED_OUTPUTS)
+
+
+@dataclass(frozen=True)
+class InnerChunk:
+    """One response of the inner `tensorrt_llm` request, read once."""
+
+    ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "" until the last
+    passed: dict[str, np.ndarray]  # the PASSED_OUTPUTS it carries, relayed as they are
+
+    @classmethod
+    def read(cls, outputs: dict[str, np.ndarray]) -> InnerChunk | str | None:
+        """The chunk; the error message when the inner request failed (`ERROR_OUTPUT`); None for
+        an empty closing response."""
+        if ERROR_OUTPUT in outputs:
+            return outputs[ERROR_OUTPUT].reshape(-1)[0].decode("utf-8", "replace")
+        if "output_ids" not in outputs:
+            return None
+        return cls(ids=outputs["output_ids"].reshape(-1).tolist(),
+                   log_probs=outputs["output_log_probs"].reshape(-1).tolist(),
+                   finish_reason=outputs["finish_reason"].reshape(-1)[0].decode(),
+                   passed={name: outputs[name] for name in PASSED_OUTPUTS if name in outputs})
+
+
+@dataclass
+class Reply:
+    """Text, log probs and ids to send: one chunk's (streamed) or all of them gathered."""
+
+    pieces: list[str] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+    def add(self, text: str, chunk: InnerChunk) -> None:
+        self.pieces.append(text)
+        self.log_probs.extend(chunk.log_probs)
+        self.ids.extend(chunk.ids)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        n = len(self.ids)
+        return {"text_output": np.asarray([["".join(self.pieces).encode("utf-8")]], dtype=object),
+                "output_log_probs": np.asarray(self.log_probs, np.float32).reshape(
+                    1, 1, len(self.log_probs)),
+                "output_ids": np.asarray(self.ids, dtype=np.int32).reshape(1, 1, n)}
 
 
 class BlsModel:
@@ -108,49 +153,38 @@ class BlsModel:
         return inner, detokenizer
 
     def _relay(self, inner, detokenizer, sender, stream: bool) -> None:
-        stop_sent, pieces, log_probs, token_ids = False, [], [], []
+        stop_sent, reply = False, Reply()
         responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
         for response in responses:
             if response.has_error():
                 send_error(sender, response.error().message())
                 return
-            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
-            if ERROR_OUTPUT in outputs:
-                send_error(sender, outputs[ERROR_OUTPUT].reshape(-1)[0].decode("utf-8",
-                                                                             "replace"))
+            chunk = InnerChunk.read({t.name(): t.as_numpy() for t in response.output_tensors()})
+            if isinstance(chunk, str):
+                send_error(sender, chunk)
                 return
-            if "output_ids" not in outputs:
+            if chunk is None:
                 continue  # an empty closing response
-            reason = outputs["finish_reason"].reshape(-1)[0].decode()
-            ids = outputs["output_ids"].reshape(-1).tolist()
-            text = detokenizer.add(ids, reason)
+            text = detokenizer.add(chunk.ids, chunk.finish_reason)
             if not stop_sent and sender.is_cancelled():
                 self._stop_inner(inner.request_id())
                 stop_sent = True
-            chunk_log_probs = outputs["output_log_probs"].reshape(-1).tolist()
+            final = bool(chunk.finish_reason)
             if stream:
-                self._send(sender, text, chunk_log_probs, ids, outputs, bool(reason))
+                self._send(sender, Reply([text], chunk.log_probs, chunk.ids), chunk.passed, final)
             else:
-                pieces.append(text)
-                log_probs.extend(chunk_log_probs)
-                token_ids.extend(ids)
-                if reason:
-                    self._send(sender, "".join(pieces), log_probs, token_ids, outputs, True)
-            if reason:
+                reply.add(text, chunk)
+                if final:
+                    self._send(sender, reply, chunk.passed, True)
+            if final:
                 return
         # Never a stream without its end, even if the inner one stopped short of a final answer.
         send_error(sender, "tensorrt_llm_bls: the tensorrt_llm stream ended without a final "
                            "response")
 
-    def _send(self, sender, text: str, log_probs: list, ids: list, outputs: dict,
-              final: bool) -> None:
-        tensors = {name: outputs[name] for name in PASSED_OUTPUTS if name in outputs}
-        tensors["text_output"] = np.asarray([[text.encode("utf-8")]], dtype=object)
-        tensors["output_log_probs"] = np.asarray([[log_probs]], dtype=np.float32).reshape(
-            1, 1, len(log_probs))
-        tensors["output_ids"] = np.asarray(ids, dtype=np.int32).reshape(1, 1, len(ids))
+    def _send(self, sender, reply: Reply, passed: dict[str, np.ndarray], final: bool) -> None:
         try:
-            sender.send(make_response(tensors), flags=FINAL if final else 0)
+            sender.send(make_response({**passed, **reply.tensors()}), flags=FINAL if final else 0)
         except Exception:
             pass  # the client went away; the inner request is stopped on the next chunk
 
