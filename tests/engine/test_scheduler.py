@@ -220,12 +220,18 @@ def test_the_least_urgent_running_sequence_is_preempted_first():
     assert bm.num_free_blocks == 3 and sched.num_preemptions == 1
 
 
-def test_a_preempted_sequence_goes_back_by_its_urgency():
+def two_on_three_blocks() -> tuple[Scheduler, Clock, Sequence, Sequence]:
+    """Two 2-token prompts that will want 4 blocks of 2 on a pool of 3 (one gets preempted)."""
     sched, clock = scheduler(num_blocks=3, tokens_per_block=2, max_num_tokens=16,
                              max_batch_size=2)
     a, b = seq(1, max_tokens=3), seq(2, max_tokens=3)
     sched.add(a)
     sched.add(b)
+    return sched, clock, a, b
+
+
+def test_a_preempted_sequence_goes_back_by_its_urgency():
+    sched, clock, a, b = two_on_three_blocks()
     step(sched)
     clock.now = SECOND
     late = seq(3, max_tokens=1)  # same priority, arrives after b
@@ -266,11 +272,7 @@ def test_a_faster_aging_rate_admits_the_low_priority_request_sooner():
 
 
 def test_waiting_load_counts_requests_and_tokens_including_preempted_ones():
-    sched, clock = scheduler(num_blocks=3, tokens_per_block=2, max_num_tokens=16,
-                             max_batch_size=2)
-    a, b = seq(1, max_tokens=3), seq(2, max_tokens=3)
-    sched.add(a)
-    sched.add(b)
+    sched, clock, a, b = two_on_three_blocks()
     assert sched.waiting.load() == (2, 4)
     step(sched)
     assert sched.waiting.load() == (0, 0)
