@@ -65,7 +65,7 @@ def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id:
     The stream is closed (and the request cancelled if still running) when the caller stops
     iterating early.
     """
-    stream = GrpcStream.connect(url, headers)
+    stream = GrpcStream(url, headers, check_live=True)
     finished = False
     try:
         stream.send(model, infer_inputs(inputs), request_id, request_timeout_us)

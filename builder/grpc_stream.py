@@ -58,26 +58,21 @@ class GrpcStream:
     """A tritonclient gRPC connection with one open stream; `send` a request, then read its
     `responses`; `restart` cancels whatever the stream still carries and opens a fresh one."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, url: str, headers: dict[str, str] | None = None,
+                 check_live: bool = False) -> None:
+        """`check_live`: first ask the server whether it answers (`ConnectionError` naming `url`
+        if not), on the connection the stream then uses."""
         import tritonclient.grpc as grpcclient
 
         self.url, self._headers = url, headers
         self._client = grpcclient.InferenceServerClient(url)
+        if check_live:
+            try:
+                self._client.is_server_live()
+            except Exception as exc:  # tritonclient's own exception types
+                self._client.close()
+                raise ConnectionError(f"{url}: server not reachable ({exc})") from None
         self._start()
-
-    @classmethod
-    def connect(cls, url: str, headers: dict[str, str] | None = None) -> GrpcStream:
-        """A stream to a server that answers now; `ConnectionError` naming `url` otherwise."""
-        import tritonclient.grpc as grpcclient
-
-        client = grpcclient.InferenceServerClient(url)
-        try:
-            client.is_server_live()
-        except Exception as exc:  # tritonclient's own exception types
-            raise ConnectionError(f"{url}: server not reachable ({exc})") from None
-        finally:
-            client.close()
-        return cls(url, headers)
 
     def _start(self) -> None:
         arrivals: queue.Queue = queue.Queue()

@@ -13,7 +13,7 @@ from builder.serving.serve import free_port
 def test_a_server_that_does_not_answer_is_a_connection_error_naming_it():
     url = f"127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionError, match=f"{url}: server not reachable"):
-        GrpcStream.connect(url)
+        GrpcStream(url, check_live=True)
     with pytest.raises(ConnectionError, match=f"{url}: server not reachable"):
         next(stream_grpc(url, "ensemble", text_inputs(text_input="hi", max_tokens=1)))
 
