@@ -29,8 +29,8 @@ from triton_backend.engine.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("register.cpp", "gemm.cpp", "gemm_bf16_dot.cpp", "layer_ops.cpp", "attention.cpp",
-           "forward.cpp", "lora.cpp")
+SOURCES = ("register.cpp", "gemm.cpp", "gemm_bf16_dot.cpp", "gemm_int4_dot.cpp", "layer_ops.cpp",
+           "attention.cpp", "forward.cpp", "lora.cpp")
 HEADERS = ("vec.h", "ops.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # No implicit FMA contraction: elementwise kernels round like the torch ops they replace; the

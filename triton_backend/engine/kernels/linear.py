@@ -240,22 +240,36 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     return plan
 
 
-def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT4 q [N, K] (values in [-8, 7]) and scales [N, K / group] -> the INT4 kernel's
-    layout: uint8 [ceil(N/16), K, 8] (byte j of k: column j in the low nibble, column j + 8 in
-    the high one, each value + 8: one widening load gives both 8-lane vectors) and fp32 scales
-    [ceil(N/16), K / group, 16]."""
+INT4_PANEL = 32  # output columns per panel of the INT4 kernel (four registers of 8)
+
+
+def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT4 q [N, K] (values in [-8, 7]), scales [N, K / group] and optional zeros (w = q * scale
+    + zero) -> the INT4 kernel's layout (gemm_int4_dot.cpp): uint8 [ceil(N/32), K/8, 128], the
+    stored nibbles u = q + 8 of column 8r + c for k = 8s + j (low) and 8s + 4 + j (high) in byte
+    32r + 4c + j of step s; and fp16 [ceil(N/32), K / group, 64], per register r of 8 columns
+    their 8 scales then their 8 offsets c = zero - 8 * scale (so that w = u * scale + c). K must
+    be a multiple of 8."""
     n, k = q.shape
-    padded = -(-n // TILE) * TILE
-    nibbles = torch.full((padded, k), 8, dtype=torch.uint8)  # padding columns hold zero weights
-    nibbles[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
-    nibbles = nibbles.view(padded // TILE, TILE, k).permute(0, 2, 1)  # [tiles, K, 16]
-    packed = nibbles[..., :8] | (nibbles[..., 8:] << 4)
+    if k % 8:
+        raise ValueError(f"the INT4 kernel needs in_features divisible by 8, got {k}")
+    panels = -(-n // INT4_PANEL)
+    padded = panels * INT4_PANEL
+    u = torch.zeros(padded, k, dtype=torch.uint8)  # padding columns: scale 0, offset 0
+    u[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
+    u = u.view(panels, 4, 8, k // 8, 2, 4)  # [panel, register, column, step, half, j]
+    packed = (u[..., 0, :] | (u[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)  # [p, step, r, c, j]
     groups = scales.shape[1]
-    tile_scales = torch.zeros(padded, groups, dtype=torch.float32)
-    tile_scales[:n] = scales.float()
-    tile_scales = tile_scales.view(padded // TILE, TILE, groups).permute(0, 2, 1).contiguous()
-    return packed.contiguous(), tile_scales
+    scale = torch.zeros(padded, groups, dtype=torch.float32)
+    scale[:n] = scales.float()
+    offset = -8 * scale
+    if zeros is not None:
+        offset[:n] = zeros.float() - 8 * scales.float()
+    params = torch.stack((scale.view(panels, 4, 8, groups),
+                          offset.view(panels, 4, 8, groups)), dim=2)  # [p, r, 2, c, g]
+    params = params.permute(0, 4, 1, 2, 3).reshape(panels, groups, 64)
+    return packed.reshape(panels, k // 8, 128).contiguous(), params.to(torch.float16).contiguous()
 
 
 @dataclass(frozen=True)
@@ -274,7 +288,7 @@ class Int4Choice:
 # Prefill row counts where dequantizing for torch's GEMM is timed against the INT4 kernel: a
 # prompt of a hundred tokens already runs a GEMM that a 4-bit kernel does not make cheaper.
 INT4_UPCAST_ROWS = (32, 64, 128, 256, 512, 1024)
-INT4_PLAN_VERSION = 2  # plans measured by an older rule are measured again
+INT4_PLAN_VERSION = 3  # plans measured by an older rule or kernel are measured again
 
 
 def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int
@@ -293,7 +307,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     from triton_backend.engine.quant import int4
 
     q, scales = int4.quantize_rtn(torch.randn(out_features, in_features), group_size)
-    ours = pack_int4_tiles(q, scales)
+    ours = pack_int4_dot(q, scales)
     theirs = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     scale_t = scales.t().to(torch.bfloat16)
     zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
@@ -332,5 +346,5 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
                     out_features: int) -> torch.Tensor:
-    """The dense fp32 [out, in] weight of the INT4 kernel's packed layout."""
+    """The dense fp32 [out, in] weight of the INT4 kernel's packed layout (offsets included)."""
     return torch.ops.llm_forge.dequantize_int4_packed(packed, scales, group_size, out_features)

@@ -4,12 +4,12 @@
 `weights_scaling_factor` [out, in/g], `prequant_scaling_factor` [in], optional `bias`; with
 `zero_point`, `zero` [out, in/g] (w = q * scale + zero, see int4.py). On a CPU it
 repacks once for the faster of two packed-int4 kernels, chosen per weight shape by a measurement
-cached per machine: ours (`torch.ops.llm_forge.linear_int4_packed`, nibbles widened to fp32 in
-registers) or torch's (`_weight_int4pack_mm_for_cpu`, bf16 activations); elsewhere, or for shapes
-neither takes, it dequantizes per call (keeping 4-bit residency). Large prefills (from the
-measured `upcast_min_rows`) dequantize our layout per call for torch's dense GEMM; with torch's
-kernel that layout is kept beside its own (4 bits per weight more). Our kernel has no zeros:
-zero-point layers take torch's kernel (which has them) whatever the plan measured.
+cached per machine: ours (`torch.ops.llm_forge.linear_int4_packed`: int8 activations quantized
+per block of 32 inputs, integer dot products, scales and zeros as fp16) or torch's
+(`_weight_int4pack_mm_for_cpu`, bf16 activations); elsewhere, or for shapes neither takes, it
+dequantizes per call (keeping 4-bit residency). Large prefills (from the measured
+`upcast_min_rows`) dequantize our layout per call for torch's dense GEMM; with torch's kernel
+that layout is kept beside its own (4 bits per weight more).
 
 `Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
 per output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor
@@ -138,11 +138,13 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
     def _pack_for_cpu_kernel(self, q: torch.Tensor, scales: torch.Tensor) -> bool:
         """Repack for the faster CPU kernel of this shape: ours (`llm_forge.linear_int4_packed`)
         or torch's int4pack; False when neither is available."""
-        choice = _cpp_int4_choice(self.in_features, self.out_features, self.group_size)
-        if choice is not None and choice.kernel == "cpp" and self.zeros is None:
-            from triton_backend.engine.kernels.linear import pack_int4_tiles
+        fits_ours = self.in_features % 8 == 0 and self.group_size % 8 == 0
+        choice = (_cpp_int4_choice(self.in_features, self.out_features, self.group_size)
+                  if fits_ours else None)
+        if choice is not None and choice.kernel == "cpp":
+            from triton_backend.engine.kernels.linear import pack_int4_dot
 
-            self.packed_weight, self.scales = pack_int4_tiles(q, scales)
+            self.packed_weight, self.scales = pack_int4_dot(q, scales, self.zeros)
             self.kernel, self.upcast_min_rows = "cpp_int4", choice.upcast_min_rows
             self.upcast_dtype = getattr(torch, choice.upcast_dtype)
             return True
@@ -159,9 +161,9 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         self.scales_and_zeros = torch.stack((scale_t, zero_t), dim=-1).contiguous()
         self.packed_weight, self.kernel = packed, "cpu_int4pack"
         if choice is not None and choice.upcast_min_rows is not None:
-            from triton_backend.engine.kernels.linear import pack_int4_tiles
+            from triton_backend.engine.kernels.linear import pack_int4_dot
 
-            self.tiles, self.tile_scales = pack_int4_tiles(q, scales)
+            self.tiles, self.tile_scales = pack_int4_dot(q, scales, self.zeros)
             self.upcast_min_rows = choice.upcast_min_rows
             self.upcast_dtype = getattr(torch, choice.upcast_dtype)
         return True
@@ -173,8 +175,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
 
             tiles, scales = ((self.packed_weight, self.scales) if self.kernel == "cpp_int4"
                              else (self.tiles, self.tile_scales))
-            dense = dequantize_int4(tiles, scales, self.group_size, self.out_features)
-            return (dense if self.zeros is None else int4.add_zeros(dense, self.zeros)).to(dtype)
+            return dequantize_int4(tiles, scales, self.group_size, self.out_features).to(dtype)
         if self.kernel == "cpu_int4pack":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             dense = torch._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
@@ -191,7 +192,8 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
             gemm_dtype = self.upcast_dtype if x2.dtype == torch.bfloat16 else torch.float32
             return F.linear(x2.to(gemm_dtype), self.dequantized_weight(gemm_dtype)).to(dtype)
         if self.kernel == "cpp_int4":
-            # The AWQ scale is applied inside, rounded as torch would round it.
+            # The AWQ scale is applied inside (rounded as torch would round it), then the rows
+            # are quantized to int8 per block of 32 inputs.
             return torch.ops.llm_forge.linear_int4_packed(x2, self.packed_weight, self.scales,
                                                           self.prequant, None, self.group_size,
                                                           self.out_features).to(dtype)

@@ -1,15 +1,13 @@
-// y[M, N] = x[M, K] . W[N, K]^T (+ bias) for weights kept compact in memory: bf16, or symmetric
-// INT4 with one fp32 scale per (output, group of input) — TensorRT-LLM's W4A16 AWQ numbers.
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias) for bf16 weights kept compact in memory (INT4 weights:
+// gemm_int4_dot.cpp).
 //
 // Why: decoding reads every weight once per step, so bytes in memory bound it, while CPUs
-// without bf16/int4 dot-product instructions (AVX2-only x86, for one) run torch's bf16 GEMM an
+// without bf16 dot-product instructions (AVX2-only x86, for one) run torch's bf16 GEMM an
 // order of magnitude below its fp32 GEMM. Here each weight is widened to fp32 in registers right
 // before its FMAs: compact in memory, fp32 FMA speed in the arithmetic.
 //
-// Layout (packed once at load): output columns in tiles of 16. bf16: [tiles, K, 16], the 16
-// values of one k side by side. INT4: [tiles, K, 2] 32-bit words, word j holding columns
-// 8j..8j+7 of one k as unsigned nibbles (value + 8), and scales [tiles, K / group, 16]. The
-// micro-kernel reads two 8-lane vectors of weights per k and broadcasts one x value per row:
+// Layout (packed once at load): output columns in tiles of 16: [tiles, K, 16], the 16 values of
+// one k side by side. The micro-kernel reads two 8-lane vectors of weights per k and broadcasts one x value per row:
 // MR rows x 16 columns of accumulators (x NT tiles for tiny M). Every output element is summed over
 // k in the same order whatever M is, so a row's result does not depend on the rows batched with it.
 #include "ops.h"
@@ -28,7 +26,6 @@ constexpr int64_t kRowBlock = 96;  // rows of x kept hot in L2 while the tiles s
 constexpr int64_t kPrefetch = 32;  // k steps ahead of the reads
 
 struct Bf16Tiles {
-  static constexpr bool kGrouped = false;
   const uint16_t* data;
   int64_t K;
   const uint16_t* tile(int64_t t) const { return data + t * K * kTile; }
@@ -39,29 +36,6 @@ struct Bf16Tiles {
     w0 = load_bits(tile + k * kTile);
     w1 = load_bits(tile + k * kTile + kLanes);
   }
-  int64_t group() const { return K; }
-  const float* scales(int64_t, int64_t) const { return nullptr; }
-};
-
-struct Int4Tiles {
-  static constexpr bool kGrouped = true;
-  const uint8_t* data;
-  const float* scale_data;
-  int64_t K, group_size;
-  const uint8_t* tile(int64_t t) const { return data + t * K * kLanes; }
-  void prefetch(const uint8_t* tile, int64_t k) const {
-    if (k % 8 == 0) __builtin_prefetch(tile + (k + 4 * kPrefetch) * kLanes);
-  }
-  // 8 bytes of one k: byte j holds column j (low nibble) and column j + 8 (high), each value + 8.
-  void load(const uint8_t* tile, int64_t k, vf& w0, vf& w1) const {
-    const vu lanes = widen_bytes(tile + k * kLanes);
-    w0 = __builtin_convertvector((vi)(lanes & 15u) - 8, vf);
-    w1 = __builtin_convertvector((vi)(lanes >> 4) - 8, vf);
-  }
-  int64_t group() const { return group_size; }
-  const float* scales(int64_t t, int64_t g) const {
-    return scale_data + (t * (K / group_size) + g) * kTile;
-  }
 };
 
 template <typename T>
@@ -71,41 +45,26 @@ inline void store_row(T* out, const float* values, const float* bias, int64_t n0
     out[n0 + j] = static_cast<T>(values[j] + (bias ? bias[n0 + j] : 0.f));
 }
 
-// MR rows x NT tiles. Ungrouped weights keep their sums in registers over all of K; grouped
-// ones sum one group in registers, then add it, scaled, to sums in L1.
+// MR rows x NT tiles, sums in registers over all of K.
 template <int MR, int NT, typename W, typename T>
 void micro_kernel(const float* x, int64_t K, const W& w, int64_t tile0, int64_t num_tiles,
                   int64_t N, const float* bias, T* out) {
   vf acc[MR][NT][2];
-  float sums[W::kGrouped ? MR : 1][NT][kTile] = {};
   decltype(w.tile(0)) tiles[NT];
   for (int t = 0; t < NT; ++t) tiles[t] = w.tile(tile0 + t);
-  const int64_t group = w.group();
-  for (int64_t k0 = 0; k0 < K; k0 += group) {
-    for (int m = 0; m < MR; ++m)
-      for (int t = 0; t < NT; ++t) acc[m][t][0] = acc[m][t][1] = splat(0.f);
-    for (int64_t k = k0; k < k0 + group; ++k) {
-      vf w0[NT], w1[NT];
-      for (int t = 0; t < NT; ++t) {
-        w.prefetch(tiles[t], k);
-        w.load(tiles[t], k, w0[t], w1[t]);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const vf xb = splat(x[m * K + k]);
-        for (int t = 0; t < NT; ++t) {
-          acc[m][t][0] = fmadd(xb, w0[t], acc[m][t][0]);
-          acc[m][t][1] = fmadd(xb, w1[t], acc[m][t][1]);
-        }
-      }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t][0] = acc[m][t][1] = splat(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    vf w0[NT], w1[NT];
+    for (int t = 0; t < NT; ++t) {
+      w.prefetch(tiles[t], k);
+      w.load(tiles[t], k, w0[t], w1[t]);
     }
-    if constexpr (W::kGrouped) {
+    for (int m = 0; m < MR; ++m) {
+      const vf xb = splat(x[m * K + k]);
       for (int t = 0; t < NT; ++t) {
-        const float* s = w.scales(tile0 + t, k0 / group);
-        const vf s0 = load(s), s1 = load(s + kLanes);
-        for (int m = 0; m < MR; ++m) {
-          store(sums[m][t], fmadd(s0, acc[m][t][0], load(sums[m][t])));
-          store(sums[m][t] + kLanes, fmadd(s1, acc[m][t][1], load(sums[m][t] + kLanes)));
-        }
+        acc[m][t][0] = fmadd(xb, w0[t], acc[m][t][0]);
+        acc[m][t][1] = fmadd(xb, w1[t], acc[m][t][1]);
       }
     }
   }
@@ -113,14 +72,10 @@ void micro_kernel(const float* x, int64_t K, const W& w, int64_t tile0, int64_t 
     const int64_t n0 = (tile0 + t) * kTile;
     const int64_t n_valid = std::min<int64_t>(kTile, N - n0);
     for (int m = 0; m < MR; ++m) {
-      if constexpr (W::kGrouped) {
-        store_row(out + m * N, sums[m][t], bias, n0, n_valid);
-      } else {
-        float values[kTile];
-        store(values, acc[m][t][0]);
-        store(values + kLanes, acc[m][t][1]);
-        store_row(out + m * N, values, bias, n0, n_valid);
-      }
+      float values[kTile];
+      store(values, acc[m][t][0]);
+      store(values + kLanes, acc[m][t][1]);
+      store_row(out + m * N, values, bias, n0, n_valid);
     }
   }
 }
@@ -211,6 +166,8 @@ void widen_rows_into(const T* x, const P* prequant, int64_t M, int64_t K, float*
   });
 }
 
+}  // namespace
+
 at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& prequant) {
   if (!prequant.has_value() && x2.scalar_type() == at::kFloat && x2.is_contiguous()) return x2;
   const at::Tensor xc = x2.contiguous();
@@ -234,6 +191,8 @@ at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& pre
   else return widen_rows(xc.to(at::kFloat), prequant);
   return out;
 }
+
+namespace {
 
 template <typename W>
 at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, int64_t N,
@@ -267,50 +226,6 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
   const Bf16Tiles w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                     packed.size(1)};
   return gemm(x, w, packed.size(1), packed.size(0), N, bias, c10::nullopt, fp32_out);
-}
-
-at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
-                              const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
-                  packed.size(2) == kLanes && packed.is_contiguous(),
-              "packed weight must be a contiguous uint8 [tiles, K, 8] tensor");
-  const int64_t K = packed.size(1), num_tiles = packed.size(0);
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({num_tiles, K / group_size, kTile}),
-              "scales must be a contiguous fp32 [tiles, K / group_size, 16] tensor");
-  const Int4Tiles w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), K, group_size};
-  return gemm(x, w, K, num_tiles, N, bias, prequant);
-}
-
-at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& scales,
-                                  int64_t group_size, int64_t N) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
-                  packed.size(2) == kLanes && packed.is_contiguous(),
-              "packed weight must be a contiguous uint8 [tiles, K, 8] tensor");
-  const int64_t num_tiles = packed.size(0), K = packed.size(1);
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, "group_size must divide K");
-  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
-  const Int4Tiles w{packed.data_ptr<uint8_t>(), scales.contiguous().data_ptr<float>(), K,
-                    group_size};
-  at::Tensor out = at::empty({N, K}, packed.options().dtype(at::kFloat));
-  float* dst = out.data_ptr<float>();
-  parallel_chunks(num_tiles, 4, [&](int64_t t_begin, int64_t t_end) {
-    float values[kTile];
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t n_valid = std::min<int64_t>(kTile, N - t * kTile);
-      for (int64_t k = 0; k < K; ++k) {
-        vf w0, w1;
-        w.load(w.tile(t), k, w0, w1);
-        const float* s = w.scales(t, k / group_size);
-        store(values, w0 * load(s));
-        store(values + kLanes, w1 * load(s + kLanes));
-        for (int64_t j = 0; j < n_valid; ++j) dst[(t * kTile + j) * K + k] = values[j];
-      }
-    }
-  });
-  return out;
 }
 
 }  // namespace llm_forge

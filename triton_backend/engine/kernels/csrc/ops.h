@@ -32,10 +32,15 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out);
 bool bf16_dot_available();
+// x as fp32 rows [M, K], times the AWQ `prequant` scale when given (rounded as torch would).
+at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& prequant);
+// INT4 weights in gemm_int4_dot.cpp's layout, int8 activations: [tiles, K / 8, 32] uint8 and fp16
+// scales and offsets [tiles, K / group_size, 16].
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales, const c10::optional<at::Tensor>& prequant,
+                              const at::Tensor& scale_offsets,
+                              const c10::optional<at::Tensor>& prequant,
                               const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N);
-at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& scale_offsets,
                                   int64_t group_size, int64_t N);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,

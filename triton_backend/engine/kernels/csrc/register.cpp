@@ -8,9 +8,10 @@ TORCH_LIBRARY(llm_forge, m) {
         "-> Tensor",
         &llm_forge::linear_bf16_packed);
   m.def("bf16_dot_available() -> bool", &llm_forge::bf16_dot_available);
-  m.def("linear_int4_packed(Tensor x, Tensor packed, Tensor scales, Tensor? prequant, "
+  m.def("linear_int4_packed(Tensor x, Tensor packed, Tensor scale_offsets, Tensor? prequant, "
         "Tensor? bias, int group_size, int n) -> Tensor", &llm_forge::linear_int4_packed);
-  m.def("dequantize_int4_packed(Tensor packed, Tensor scales, int group_size, int n) -> Tensor",
+  m.def("dequantize_int4_packed(Tensor packed, Tensor scale_offsets, int group_size, int n) "
+        "-> Tensor",
         &llm_forge::dequantize_int4_packed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &llm_forge::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",

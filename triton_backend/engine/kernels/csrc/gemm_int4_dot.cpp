@@ -1,0 +1,373 @@
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias) for INT4 weights with int8 activations (W4A8): integer
+// dot products of 4-bit weights and 8-bit activations, scaled once per block.
+//
+// Why: a decode step of a small batch reads every weight once, and an INT4 weight is a quarter
+// of a bf16 one; but widening each nibble to fp32 for an FMA costs more instructions per byte
+// than the memory saves (the INT4 engine measured no faster than bf16 at one row on an AVX2 CPU,
+// and slower at 16 rows and in prefill). Integer dot products do 32 multiply-adds per
+// instruction (AVX2 vpmaddubsw: unsigned bytes x signed bytes, pairs summed into int16), where
+// fp32 FMAs do 8.
+//
+// Numbers: a weight is w = u * s + c with u in [0, 15] (the stored nibble), s the group's scale
+// and c its offset (-8 s for symmetric INT4, z - 8 s with a zero point z). Each row of x is
+// quantized per block of `block` inputs (32, or the group when smaller): a = max |x| / 127,
+// q = round(x / a) in [-127, 127]. Then for one output
+//   y = sum over groups g of  s_g * (sum over blocks b of g:  a_b * sum_k u_k q_k)  +  c_g * X_g
+// where X_g = sum over blocks b of g of a_b * sum_k q_k (the group's activations as quantized).
+// The inner sums are exact integers, so every CPU computes the same int32 values; the float part
+// runs in the same order for every row whatever M is, and a row's result does not depend on the
+// rows batched with it.
+//
+// Layout (packed once at load): output columns in panels of 32 (four registers of 8), input in
+// steps of 8: [panels, K / 8, 4, 32] bytes; byte 4c + j of register r's 32 holds column 8r + c's
+// nibbles for k = 8s + j (low) and k = 8s + 4 + j (high). One 32-byte load and two masks give two
+// registers of 8 columns x 4 consecutive k, the operand shape of a 4-byte broadcast of x, and a
+// panel is one sequential stream (short per-column-tile streams left the hardware prefetcher
+// idle: a third of the bandwidth). Scales and offsets: fp16 [panels, K / group, 4, 16], per
+// register its 8 scales then its 8 offsets.
+#include "ops.h"
+#include "vec.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <vector>
+
+namespace llm_forge {
+namespace {
+
+constexpr int kCols = 8;             // output columns per register of sums
+constexpr int kRegs = 4;             // registers per panel
+constexpr int64_t kPanel = kCols * kRegs;  // output columns per panel
+constexpr int64_t kStep = 8;         // inputs per step
+constexpr int64_t kRegBytes = 32;    // one register's nibbles for one step
+constexpr int64_t kStepBytes = kRegs * kRegBytes;
+constexpr int64_t kMaxBlock = 32;    // int16 sums of 4 steps stay below 2^15 (4 * 2 * 2 * 15 * 127)
+
+int64_t block_of(int64_t group) { return group % kMaxBlock == 0 ? kMaxBlock : group; }
+
+// One block of a row: q = round(x * 127 / amax) (ties to even, as torch.round), its scale and the
+// sum of its q.
+inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* q_sum) {
+  float amax = 0.f;
+  int64_t k = 0;
+#if defined(__AVX2__)
+  vf vmax = splat(0.f);
+  for (; k + kLanes <= n; k += kLanes) {
+    const vf v = load(x + k);
+    const vf a = v < -v ? -v : v;
+    vmax = a > vmax ? a : vmax;
+  }
+  amax = hmax(vmax);
+#endif
+  for (; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  k = 0;
+#if defined(__AVX2__)
+  __m256i vsum = _mm256_setzero_si256();
+  for (; k + kLanes <= n; k += kLanes) {
+    const __m256 v = _mm256_mul_ps(load(x + k), _mm256_set1_ps(inv));
+    const __m256i qi = _mm256_cvtps_epi32(
+        _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    vsum = _mm256_add_epi32(vsum, qi);
+    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+    const __m128i q8 = _mm_packs_epi16(q16, q16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), q8);
+  }
+  alignas(32) int32_t lanes[kLanes];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vsum);
+  for (int i = 0; i < kLanes; ++i) sum += lanes[i];
+#endif
+  for (; k < n; ++k) {
+    const int32_t qi = static_cast<int32_t>(std::nearbyint(x[k] * inv));  // |x * inv| <= 127
+    q[k] = static_cast<int8_t>(qi);
+    sum += qi;
+  }
+  *q_sum = sum;
+  return amax / 127.f;
+}
+
+// A row block's inputs as fp32 (bf16 widened exactly).
+inline void block_as_float(const float* x, int64_t n, float* out) { std::memcpy(out, x, n * 4); }
+inline void block_as_float(const bf16* x, int64_t n, float* out) {
+  for (int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(x[k]);
+}
+
+// Rows of activations quantized per block, and their per-group sums (see above); kept per
+// thread and reused, so a decode step's hundred calls allocate nothing here.
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> a;       // [M, K / block]
+  std::vector<float> x_sums;  // [M, K / group]
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t group, QuantizedRows& r) {
+  const int64_t block = block_of(group);
+  const int64_t blocks = K / block, groups = K / group, per_group = group / block;
+  r.q.resize(M * K);
+  r.a.resize(M * blocks);
+  r.x_sums.resize(M * groups);
+  int8_t* q = r.q.data();
+  float* a = r.a.data();
+  float* sums = r.x_sums.data();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m_begin, int64_t m_end) {
+    float values[kMaxBlock];
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float x_sum = 0.f;
+        for (int64_t bi = 0; bi < per_group; ++bi) {
+          const int64_t b = g * per_group + bi, k0 = m * K + b * block;
+          int32_t q_sum;
+          block_as_float(x + k0, block, values);
+          a[m * blocks + b] = quantize_block(values, block, q + k0, &q_sum);
+          x_sum = std::fma(a[m * blocks + b], static_cast<float>(q_sum), x_sum);
+        }
+        sums[m * groups + g] = x_sum;
+      }
+    }
+  });
+}
+
+struct Weights {
+  const uint8_t* packed;
+  const at::Half* scale_offsets;
+  int64_t K, group, block;
+  int64_t steps() const { return K / kStep; }
+  const uint8_t* panel(int64_t p) const { return packed + p * steps() * kStepBytes; }
+  const at::Half* group_params(int64_t p, int64_t g) const {
+    return scale_offsets + (p * (K / group) + g) * kRegs * 2 * kCols;
+  }
+};
+
+struct Activations {
+  const int8_t* q;
+  const float* a;
+  const float* x_sums;
+  int64_t K, blocks, groups;
+};
+
+template <typename T>
+inline void store_row(T* out, const float* values, const float* bias, int64_t n0,
+                      int64_t n_valid) {
+  for (int64_t j = 0; j < n_valid; ++j)
+    out[n0 + j] = static_cast<T>(values[j] + (bias ? bias[n0 + j] : 0.f));
+}
+
+// The stored nibble of column c (of the panel) for input k.
+inline int32_t nibble(const uint8_t* panel, int64_t c, int64_t k) {
+  const uint8_t byte = panel[(k / kStep) * kStepBytes + (c / kCols) * kRegBytes + 4 * (c % kCols) +
+                             k % 4];
+  return (k % kStep) < 4 ? (byte & 15) : (byte >> 4);
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline __m256 load_halves(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// MR rows (from m0) x one panel, all of K. The panel's bytes are one sequential stream, which the
+// hardware prefetcher follows (software prefetches measured no faster).
+template <int MR, typename T>
+void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p, int64_t N,
+                  const float* bias, T* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t steps = w.block / kStep, per_group = w.group / w.block;
+  const uint8_t* panel = w.panel(p);
+  const int8_t* rows[MR];
+  for (int m = 0; m < MR; ++m) rows[m] = x.q + (m0 + m) * x.K;
+  __m256 acc[MR][kRegs];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < kRegs; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m256 gacc[MR][kRegs];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < kRegs; ++r) gacc[m][r] = _mm256_setzero_ps();
+    for (int64_t bi = 0; bi < per_group; ++bi) {
+      const int64_t b = g * per_group + bi;
+      __m256i sums[MR][kRegs];
+      for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < kRegs; ++r) sums[m][r] = _mm256_setzero_si256();
+      for (int64_t s = b * steps; s < (b + 1) * steps; ++s) {
+        const uint8_t* step = panel + s * kStepBytes;
+        __m256i xa[MR], xb[MR];
+        for (int m = 0; m < MR; ++m) {
+          xa[m] = _mm256_set1_epi32(load_i32(rows[m] + s * kStep));
+          xb[m] = _mm256_set1_epi32(load_i32(rows[m] + s * kStep + 4));
+        }
+        for (int r = 0; r < kRegs; ++r) {
+          const __m256i bytes =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + r * kRegBytes));
+          const __m256i lo = _mm256_and_si256(bytes, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+          for (int m = 0; m < MR; ++m)
+            sums[m][r] = _mm256_add_epi16(
+                sums[m][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[m]),
+                                             _mm256_maddubs_epi16(hi, xb[m])));
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 a = _mm256_set1_ps(x.a[(m0 + m) * x.blocks + b]);
+        for (int r = 0; r < kRegs; ++r)
+          gacc[m][r] = _mm256_fmadd_ps(
+              a, _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m][r], ones)), gacc[m][r]);
+      }
+    }
+    const at::Half* params = w.group_params(p, g);
+    for (int r = 0; r < kRegs; ++r) {
+      const __m256 scale = load_halves(params + r * 2 * kCols);
+      const __m256 offset = load_halves(params + r * 2 * kCols + kCols);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][r] = _mm256_fmadd_ps(scale, gacc[m][r], acc[m][r]);
+        acc[m][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.x_sums[(m0 + m) * x.groups + g]),
+                                    acc[m][r]);
+      }
+    }
+  }
+  const int64_t n_valid = std::min<int64_t>(kPanel, N - p * kPanel);
+  for (int m = 0; m < MR; ++m) {
+    float values[kPanel];
+    for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(values + r * kCols, acc[m][r]);
+    store_row(out + (m0 + m) * N, values, bias, p * kPanel, n_valid);
+  }
+}
+#else
+// The portable path: the same integers and the same float operations in the same order, one
+// output at a time.
+template <int MR, typename T>
+void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p, int64_t N,
+                  const float* bias, T* out) {
+  const int64_t per_group = w.group / w.block;
+  const uint8_t* panel = w.panel(p);
+  const int64_t n_valid = std::min<int64_t>(kPanel, N - p * kPanel);
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* row = x.q + (m0 + m) * x.K;
+    float values[kPanel];
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < x.groups; ++g) {
+        float gacc = 0.f;
+        for (int64_t bi = 0; bi < per_group; ++bi) {
+          const int64_t b = g * per_group + bi;
+          int32_t dot = 0;
+          for (int64_t k = b * w.block; k < (b + 1) * w.block; ++k)
+            dot += nibble(panel, c, k) * row[k];
+          gacc = std::fma(x.a[(m0 + m) * x.blocks + b], static_cast<float>(dot), gacc);
+        }
+        const at::Half* params = w.group_params(p, g) + (c / kCols) * 2 * kCols;
+        acc = std::fma(static_cast<float>(params[c % kCols]), gacc, acc);
+        acc = std::fma(static_cast<float>(params[kCols + c % kCols]),
+                       x.x_sums[(m0 + m) * x.groups + g], acc);
+      }
+      values[c] = acc;
+    }
+    store_row(out + (m0 + m) * N, values, bias, p * kPanel, n_valid);
+  }
+}
+#endif
+
+// Threads claim chunks of panels; each panel meets every row, two rows at a time, while it is in
+// L1/L2, so the weights stream from memory once per call.
+template <typename T>
+void run_gemm(const Activations& x, int64_t M, const Weights& w, int64_t panels, int64_t N,
+              const float* bias, T* out) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, panels / (8 * threads));
+  parallel_chunks(panels, chunk, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) micro_kernel<2>(x, m, w, p, N, bias, out);
+      if (m < M) micro_kernel<1>(x, m, w, p, N, bias, out);
+    }
+  });
+}
+
+void check_layout(const at::Tensor& packed, const at::Tensor& scale_offsets, int64_t group_size,
+                  int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.size(2) == kStepBytes && packed.is_contiguous(),
+              "packed weight must be a contiguous uint8 [panels, K / 8, 128] tensor");
+  const int64_t panels = packed.size(0), K = packed.size(1) * kStep;
+  TORCH_CHECK(group_size > 0 && group_size % kStep == 0 && K % group_size == 0,
+              "group_size must be a multiple of 8 that divides K");
+  TORCH_CHECK(scale_offsets.scalar_type() == at::kHalf && scale_offsets.is_contiguous() &&
+                  scale_offsets.sizes() ==
+                      at::IntArrayRef({panels, K / group_size, kRegs * 2 * kCols}),
+              "scale_offsets must be a contiguous fp16 [panels, K / group_size, 64] tensor");
+  TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, "N does not fit the panels");
+}
+
+}  // namespace
+
+at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scale_offsets,
+                              const c10::optional<at::Tensor>& prequant,
+                              const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N) {
+  check_layout(packed, scale_offsets, group_size, N);
+  const int64_t K = packed.size(1) * kStep;
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x must be bf16 or fp32");
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  GemmOutput o(x, bias, M, N, false);
+  if (M == 0) return o.result();
+  thread_local QuantizedRows qr;
+  if (prequant.has_value()) {  // the AWQ scale first, rounded as torch rounds x * prequant
+    const at::Tensor xf = widen_rows(x2, prequant);
+    quantize_rows(xf.data_ptr<float>(), M, K, group_size, qr);
+  } else {
+    const at::Tensor xc = x2.contiguous();
+    if (xc.scalar_type() == at::kBFloat16)
+      quantize_rows(xc.data_ptr<at::BFloat16>(), M, K, group_size, qr);
+    else
+      quantize_rows(xc.data_ptr<float>(), M, K, group_size, qr);
+  }
+  const int64_t block = block_of(group_size);
+  const Activations acts{qr.q.data(), qr.a.data(), qr.x_sums.data(), K, K / block,
+                         K / group_size};
+  const Weights w{packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<at::Half>(), K, group_size,
+                  block_of(group_size)};
+  if (o.out.scalar_type() == at::kBFloat16)
+    run_gemm(acts, M, w, packed.size(0), N, o.bias(), o.out.data_ptr<at::BFloat16>());
+  else
+    run_gemm(acts, M, w, packed.size(0), N, o.bias(), o.out.data_ptr<float>());
+  return o.result();
+}
+
+at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& scale_offsets,
+                                  int64_t group_size, int64_t N) {
+  check_layout(packed, scale_offsets, group_size, N);
+  const int64_t panels = packed.size(0), K = packed.size(1) * kStep;
+  const Weights w{packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<at::Half>(), K, group_size,
+                  block_of(group_size)};
+  at::Tensor out = at::empty({N, K}, packed.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  parallel_chunks(panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const uint8_t* panel = w.panel(p);
+      const int64_t n_valid = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t c = 0; c < n_valid; ++c) {
+        float* row = dst + (p * kPanel + c) * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const at::Half* params = w.group_params(p, k / group_size) + (c / kCols) * 2 * kCols;
+          row[k] = std::fma(static_cast<float>(nibble(panel, c, k)),
+                            static_cast<float>(params[c % kCols]),
+                            static_cast<float>(params[kCols + c % kCols]));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace llm_forge
