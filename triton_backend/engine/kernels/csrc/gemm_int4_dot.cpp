@@ -175,38 +175,40 @@ inline __m256 load_halves(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// MR rows (from m0) x one panel, all of K. The panel's bytes are one sequential stream, which the
-// hardware prefetcher follows (software prefetches measured no faster).
-template <int MR, typename T>
+// MR rows (from m0) x NP panels (from p), all of K. Each panel's bytes are one sequential stream,
+// which the hardware prefetcher follows (software prefetches measured no faster); one row takes
+// two panels at a time, two streams in flight.
+template <int MR, int NP, typename T>
 void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p, int64_t N,
                   const float* bias, T* out) {
+  constexpr int R = NP * kRegs;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t steps = w.block / kStep, per_group = w.group / w.block;
-  const uint8_t* panel = w.panel(p);
+  const uint8_t* panels[NP];
+  for (int i = 0; i < NP; ++i) panels[i] = w.panel(p + i);
   const int8_t* rows[MR];
   for (int m = 0; m < MR; ++m) rows[m] = x.q + (m0 + m) * x.K;
-  __m256 acc[MR][kRegs];
+  __m256 acc[MR][R];
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < kRegs; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
-    __m256 gacc[MR][kRegs];
+    __m256 gacc[MR][R];
     for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < kRegs; ++r) gacc[m][r] = _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) gacc[m][r] = _mm256_setzero_ps();
     for (int64_t bi = 0; bi < per_group; ++bi) {
       const int64_t b = g * per_group + bi;
-      __m256i sums[MR][kRegs];
+      __m256i sums[MR][R];
       for (int m = 0; m < MR; ++m)
-        for (int r = 0; r < kRegs; ++r) sums[m][r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r) sums[m][r] = _mm256_setzero_si256();
       for (int64_t s = b * steps; s < (b + 1) * steps; ++s) {
-        const uint8_t* step = panel + s * kStepBytes;
         __m256i xa[MR], xb[MR];
         for (int m = 0; m < MR; ++m) {
           xa[m] = _mm256_set1_epi32(load_i32(rows[m] + s * kStep));
           xb[m] = _mm256_set1_epi32(load_i32(rows[m] + s * kStep + 4));
         }
-        for (int r = 0; r < kRegs; ++r) {
-          const __m256i bytes =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + r * kRegBytes));
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* reg = panels[r / kRegs] + s * kStepBytes + (r % kRegs) * kRegBytes;
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg));
           const __m256i lo = _mm256_and_si256(bytes, low4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
           for (int m = 0; m < MR; ++m)
@@ -217,15 +219,14 @@ void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p,
       }
       for (int m = 0; m < MR; ++m) {
         const __m256 a = _mm256_set1_ps(x.a[(m0 + m) * x.blocks + b]);
-        for (int r = 0; r < kRegs; ++r)
+        for (int r = 0; r < R; ++r)
           gacc[m][r] = _mm256_fmadd_ps(
               a, _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m][r], ones)), gacc[m][r]);
       }
     }
-    const at::Half* params = w.group_params(p, g);
-    for (int r = 0; r < kRegs; ++r) {
-      const __m256 scale = load_halves(params + r * 2 * kCols);
-      const __m256 offset = load_halves(params + r * 2 * kCols + kCols);
+    for (int r = 0; r < R; ++r) {
+      const at::Half* params = w.group_params(p + r / kRegs, g) + (r % kRegs) * 2 * kCols;
+      const __m256 scale = load_halves(params), offset = load_halves(params + kCols);
       for (int m = 0; m < MR; ++m) {
         acc[m][r] = _mm256_fmadd_ps(scale, gacc[m][r], acc[m][r]);
         acc[m][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.x_sums[(m0 + m) * x.groups + g]),
@@ -233,19 +234,21 @@ void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p,
       }
     }
   }
-  const int64_t n_valid = std::min<int64_t>(kPanel, N - p * kPanel);
-  for (int m = 0; m < MR; ++m) {
-    float values[kPanel];
-    for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(values + r * kCols, acc[m][r]);
-    store_row(out + (m0 + m) * N, values, bias, p * kPanel, n_valid);
+  for (int i = 0; i < NP; ++i) {
+    const int64_t n_valid = std::min<int64_t>(kPanel, N - (p + i) * kPanel);
+    for (int m = 0; m < MR; ++m) {
+      float values[kPanel];
+      for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(values + r * kCols, acc[m][i * kRegs + r]);
+      store_row(out + (m0 + m) * N, values, bias, (p + i) * kPanel, n_valid);
+    }
   }
 }
 #else
 // The portable path: the same integers and the same float operations in the same order, one
 // output at a time.
 template <int MR, typename T>
-void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p, int64_t N,
-                  const float* bias, T* out) {
+void panel_rows(const Activations& x, int64_t m0, const Weights& w, int64_t p, int64_t N,
+                const float* bias, T* out) {
   const int64_t per_group = w.group / w.block;
   const uint8_t* panel = w.panel(p);
   const int64_t n_valid = std::min<int64_t>(kPanel, N - p * kPanel);
@@ -273,20 +276,32 @@ void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p,
     store_row(out + (m0 + m) * N, values, bias, p * kPanel, n_valid);
   }
 }
+
+template <int MR, int NP, typename T>
+void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p, int64_t N,
+                  const float* bias, T* out) {
+  for (int i = 0; i < NP; ++i) panel_rows<MR>(x, m0, w, p + i, N, bias, out);
+}
 #endif
 
 // Threads claim chunks of panels; each panel meets every row, two rows at a time, while it is in
-// L1/L2, so the weights stream from memory once per call.
+// L1/L2, so the weights stream from memory once per call. One row: two panels at a time.
 template <typename T>
 void run_gemm(const Activations& x, int64_t M, const Weights& w, int64_t panels, int64_t N,
               const float* bias, T* out) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(1, panels / (8 * threads));
+  const int64_t chunk = std::max<int64_t>(2, panels / (8 * threads)) / 2 * 2;
   parallel_chunks(panels, chunk, [&](int64_t p_begin, int64_t p_end) {
+    if (M == 1) {
+      int64_t p = p_begin;
+      for (; p + 2 <= p_end; p += 2) micro_kernel<1, 2>(x, 0, w, p, N, bias, out);
+      if (p < p_end) micro_kernel<1, 1>(x, 0, w, p, N, bias, out);
+      return;
+    }
     for (int64_t p = p_begin; p < p_end; ++p) {
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) micro_kernel<2>(x, m, w, p, N, bias, out);
-      if (m < M) micro_kernel<1>(x, m, w, p, N, bias, out);
+      for (; m + 2 <= M; m += 2) micro_kernel<2, 1>(x, m, w, p, N, bias, out);
+      if (m < M) micro_kernel<1, 1>(x, m, w, p, N, bias, out);
     }
   });
 }
