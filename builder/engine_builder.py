@@ -53,7 +53,8 @@ def engine_config_for(spec: BuildSpec, hf_dir: Path, hf_config: dict) -> EngineC
                               has_chat_template=_has_chat_template(hf_dir))
     quant = QuantConfig(weights=spec.quantization.weights, kv_cache=spec.quantization.kv_cache,
                         group_size=spec.quantization.group_size,
-                        exclude_modules=list(spec.quantization.exclude_modules))
+                        exclude_modules=list(spec.quantization.exclude_modules),
+                        lm_head=spec.quantization.lm_head)
     return EngineConfig(name=spec.name, target=spec.target, dtype=spec.dtype, model=shape,
                         limits=spec.limits or default_limits(shape.max_position_embeddings),
                         kv_cache=spec.kv_cache, quantization=quant,
@@ -164,6 +165,7 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
             result = quantize_checkpoint(hf_dir, tmp_dir, options, TORCH_DTYPES[spec.dtype],
                                          progress=log)
             result.apply(config)
+            config.quantization.lm_head = options.lm_head
             log(f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB of runtime weights")
     else:
         with steps.step(f"weights -> {spec.dtype}, fused QKV and gate/up") as log:
@@ -190,7 +192,7 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
             f"{config.tokenizer.has_chat_template}")
     with steps.step("CPU kernels for this machine (compiled once, cached)") as log:
         prepare_cpu_kernels(config, log)
-    if options.enabled:
+    if options.enabled or options.lm_head != "none":
         with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:
             run_quality_gate(tmp_dir, hf_dir, QualityThresholds.from_spec(spec.quantization.quality),
                              progress=log, echo=log)

@@ -48,6 +48,7 @@ class QuantizationSpec:
     calibration: dict = field(default_factory=dict)
     quality: dict = field(default_factory=dict)
     zero_point: bool = False
+    lm_head: str = "none"
 
     def __post_init__(self) -> None:
         # The quantizer's and the gate's own validation, so a bad field fails before any work.
@@ -174,6 +175,9 @@ class BuildSpec:
         if self.quantization.zero_point:
             raise SpecError("quantization.zero_point: the trtllm target's INT4 (W4A16_AWQ) is "
                             "symmetric; zero-point INT4 runs on the torch target")
+        if self.quantization.lm_head != "none":
+            raise SpecError(f"quantization.lm_head: {self.quantization.lm_head!r} runs on the "
+                            f"torch target's CPU kernels; use none for trtllm")
         profile = PROFILES[self.hardware]
         for key in ("weights", "kv_cache"):
             if getattr(self.quantization, key) == "fp8" and not profile.fp8:

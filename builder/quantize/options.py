@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_backend.engine.numbers import is_int
-from triton_backend.engine.quant import KV_CACHE_MODES, WEIGHT_MODES  # one list for both halves
+from triton_backend.engine.quant import KV_CACHE_MODES, LM_HEAD_MODES, WEIGHT_MODES  # one list for both halves
 
 CALIBRATION_KEYS = ("dataset", "samples", "seq_len", "batch_size")
 
@@ -47,6 +47,9 @@ class QuantizeOptions:
     # INT4 with a zero per group (asymmetric round-to-nearest, by llm-forge, no calibration): keeps
     # a checkpoint that is itself on such a grid (GGUF Q4_1, GPTQ) as it is. torch target only.
     zero_point: bool = False
+    # The LM head in int8 (per column and block of 32 inputs), quantized when the torch runtime
+    # loads the engine and multiplied with int8 activations by the CPU kernels.
+    lm_head: str = "none"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:
@@ -56,6 +59,9 @@ class QuantizeOptions:
             raise ValueError(f"quantization.kv_cache: must be one of {list(KV_CACHE_MODES)}, "
                              f"got {self.kv_cache!r}")
         _positive_int("quantization.group_size", self.group_size)
+        if self.lm_head not in LM_HEAD_MODES:
+            raise ValueError(f"quantization.lm_head: must be one of {list(LM_HEAD_MODES)}, "
+                             f"got {self.lm_head!r}")
         if not isinstance(self.zero_point, bool):
             raise ValueError(f"quantization.zero_point: must be true or false, "
                              f"got {self.zero_point!r}")
@@ -84,4 +90,4 @@ class QuantizeOptions:
                    group_size=get("group_size", 128),
                    exclude_modules=list(["lm_head"] if excludes is None else excludes),
                    calibration=CalibrationOptions(**calibration),
-                   zero_point=get("zero_point", False))
+                   zero_point=get("zero_point", False), lm_head=get("lm_head", "none"))

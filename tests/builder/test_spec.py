@@ -50,6 +50,8 @@ BASE = {"name": "m", "checkpoint": "some/dir"}
     ({"target": "trtllm", "hardware": "h100-80gb",
       "quantization": {"weights": "int4_rtn", "zero_point": True}},
      "quantization.zero_point: the trtllm target's INT4 (W4A16_AWQ) is symmetric"),
+    ({"target": "trtllm", "hardware": "h100-80gb", "quantization": {"lm_head": "int8"}},
+     "quantization.lm_head: 'int8' runs on the torch target's CPU kernels; use none for trtllm"),
     ({"serving": {"max_waiting_requests": -1}},
      "serving.max_waiting_requests must be an integer >= 0 (0: unbounded), got -1"),
     ({"serving": {"max_waiting_prompt_tokens": "lots"}},

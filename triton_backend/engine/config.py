@@ -197,6 +197,7 @@ class QuantConfig:
     group_size: int = 128
     exclude_modules: list[str] = field(default_factory=list)
     zero_point: bool = False  # INT4 with a zero per group (weights_scaling_factor and zero)
+    lm_head: str = "none"  # int8: the LM head quantized at load (CPU kernels), see LM_HEAD_MODES
 
 
 @dataclass

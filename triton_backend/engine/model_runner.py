@@ -116,6 +116,12 @@ class ModelRunner:
                 pack_linears(self.model, plan)
                 if lora is not None:  # adapters take the same kernel
                     lora.packed_plan = plan
+        if config.quantization.lm_head == "int8":
+            from triton_backend.engine.kernels.linear import quantize_lm_head
+
+            if not isinstance(self.ops, CppOps) or not quantize_lm_head(self.model):
+                raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
+                                 "in_features divisible by 32")
         self.decode_forward = None
         if self.kernel_attention:
             from triton_backend.engine.kernels.forward import DecodeForward

@@ -240,7 +240,7 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     return plan
 
 
-INT4_PANEL = 32  # output columns per panel of the INT4 kernel (four registers of 8)
+DOT_PANEL = 32  # output columns per panel of the int8-activation kernels (four registers of 8)
 
 
 def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None
@@ -254,8 +254,8 @@ def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     n, k = q.shape
     if k % 8:
         raise ValueError(f"the INT4 kernel needs in_features divisible by 8, got {k}")
-    panels = -(-n // INT4_PANEL)
-    padded = panels * INT4_PANEL
+    panels = -(-n // DOT_PANEL)
+    padded = panels * DOT_PANEL
     u = torch.zeros(padded, k, dtype=torch.uint8)  # padding columns: scale 0, offset 0
     u[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
     u = u.view(panels, 4, 8, k // 8, 2, 4)  # [panel, register, column, step, half, j]
@@ -270,6 +270,78 @@ def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
                           offset.view(panels, 4, 8, groups)), dim=2)  # [p, r, 2, c, g]
     params = params.permute(0, 4, 1, 2, 3).reshape(panels, groups, 64)
     return packed.reshape(panels, k // 8, 128).contiguous(), params.to(torch.float16).contiguous()
+
+
+def pack_int8_dot(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> int8 per column and block of 32 inputs (q = round(w / s), s = max |w| / 127:
+    llama.cpp's Q8_0) in the int8 kernel's layout: the values as uint8 [ceil(N/32), K/4, 128],
+    column 8r + c's q for k = 4s + j in byte 32r + 4c + j of step s, and fp16 scales
+    [ceil(N/32), K/32, 32]. K must be a multiple of 32."""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"the int8 kernel needs in_features divisible by 32, got {k}")
+    panels = -(-n // DOT_PANEL)
+    padded = panels * DOT_PANEL
+    blocks = weight.float().reshape(n, k // 32, 32)
+    scale = (blocks.abs().amax(-1) / 127).half()
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    q = torch.zeros(padded, k, dtype=torch.int8)
+    q[:n] = (blocks / safe[..., None]).round().clamp(-127, 127).reshape(n, k).to(torch.int8)
+    scales = torch.zeros(padded, k // 32, dtype=torch.float16)
+    scales[:n] = scale
+    packed = q.view(panels, 4, 8, k // 4, 4).permute(0, 3, 1, 2, 4)  # [p, step, r, c, j]
+    packed = packed.reshape(panels, k // 4, 128).contiguous().view(torch.uint8)
+    scales = scales.view(panels, DOT_PANEL, k // 32).permute(0, 2, 1).contiguous()
+    return packed, scales
+
+
+class Int8Head(nn.Module):
+    """An LM head in int8 (`quantization.lm_head: int8`): the int8 kernel multiplies it by the
+    hidden states quantized to int8 per block of 32, returning fp32 logits. The token embedding
+    of a tied model keeps its bf16 table for lookups."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        packed, scales = pack_int8_dot(weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llm_forge.linear_int8_packed(x, self.packed, self.scales,
+                                                      self.out_features, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_fp32(x).to(x.dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The fp32 [N, K] weight the kernel multiplies by (for tests and checks)."""
+        panels, steps, _ = self.packed.shape
+        q = self.packed.view(torch.int8).view(panels, steps, 4, 8, 4).permute(0, 2, 3, 1, 4)
+        q = q.reshape(panels * DOT_PANEL, steps * 4)[:self.out_features].float()
+        scales = self.scales.permute(0, 2, 1).reshape(-1, self.in_features // 32)
+        return q * scales[:self.out_features].float().repeat_interleave(32, 1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_lm_head(model: nn.Module) -> bool:
+    """Swap the model's LM head (or the projection of its tied embedding) for an `Int8Head`;
+    False when the head is not a bf16/fp32 weight of a width the kernel takes."""
+    head = model.lm_head
+    if head is None:
+        weight = model.transformer.vocab_embedding.weight
+    elif isinstance(head, PackedBf16Linear):
+        weight = head.weight_rows()
+    elif type(head) is nn.Linear:
+        weight = head.weight
+    else:
+        return False
+    if weight.shape[1] % 32:
+        return False
+    model.lm_head = Int8Head(weight.detach())
+    return True
 
 
 @dataclass(frozen=True)

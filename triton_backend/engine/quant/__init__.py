@@ -16,10 +16,11 @@ from triton_backend.engine.quant.linear import Fp8Linear, Int4WeightOnlyLinear
 INT4_MODES = ("int4_awq", "int4_rtn")
 WEIGHT_MODES = ("none",) + INT4_MODES + ("fp8",)
 KV_CACHE_MODES = ("none", "fp8", "int8")
+LM_HEAD_MODES = ("none", "int8")  # int8: per column and block of 32 inputs, int8 activations
 
 __all__ = ["Fp8Linear", "Int4WeightOnlyLinear", "QuantizedPagedKVCache", "make_quantized_linear",
            "make_quantized_kv_cache", "quantized_kv_bytes_per_token", "WEIGHT_MODES",
-           "KV_CACHE_MODES"]
+           "KV_CACHE_MODES", "LM_HEAD_MODES"]
 
 
 def make_quantized_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig,

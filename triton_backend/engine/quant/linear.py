@@ -145,6 +145,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
             from triton_backend.engine.kernels.linear import pack_int4_dot
 
             self.packed_weight, self.scales = pack_int4_dot(q, scales, self.zeros)
+            self.zeros = None  # folded into the packed offsets
             self.kernel, self.upcast_min_rows = "cpp_int4", choice.upcast_min_rows
             self.upcast_dtype = getattr(torch, choice.upcast_dtype)
             return True

@@ -1,5 +1,6 @@
 // y[M, N] = x[M, K] . W[N, K]^T (+ bias) for INT4 weights with int8 activations (W4A8): integer
-// dot products of 4-bit weights and 8-bit activations, scaled once per block.
+// dot products of 4-bit weights and 8-bit activations, scaled once per block. At the end, the
+// same for int8 weights (W8A8, an int8 LM head).
 //
 // Why: a decode step of a small batch reads every weight once, and an INT4 weight is a quarter
 // of a bf16 one; but widening each nibble to fp32 for an FMA costs more instructions per byte
@@ -383,6 +384,152 @@ at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& sc
     }
   });
   return out;
+}
+
+// ---- int8 weights (the LM head of `quantization.lm_head: int8`): the same int8 activations ----
+//
+// w = q * s per column and block of 32 inputs (llama.cpp's Q8_0), q in [-127, 127]. Layout:
+// [panels, K / 4, 4, 32] bytes, byte 4c + j of register r holding column 8r + c's q for
+// k = 4s + j; scales fp16 [panels, K / 32, 32]. vpmaddubsw takes one unsigned operand, so each
+// step multiplies |q| by x carrying q's sign (vpsignb), pairs summed into int16 (at most
+// 2 * 127 * 127), then into int32.
+namespace {
+
+constexpr int64_t kInt8Step = 4;
+constexpr int64_t kInt8Block = 32;
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+template <int MR, int NP, typename T>
+void int8_kernel(const Activations& x, int64_t m0, const uint8_t* packed, const at::Half* scales,
+                 int64_t K, int64_t p, int64_t N, const float* bias, T* out) {
+  constexpr int R = NP * kRegs;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t steps = K / kInt8Step, blocks = K / kInt8Block;
+  const int8_t* rows[MR];
+  for (int m = 0; m < MR; ++m) rows[m] = x.q + (m0 + m) * x.K;
+  __m256 acc[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i sums[MR][R];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < R; ++r) sums[m][r] = _mm256_setzero_si256();
+    for (int64_t s = b * (kInt8Block / kInt8Step); s < (b + 1) * (kInt8Block / kInt8Step); ++s) {
+      __m256i xs[MR];
+      for (int m = 0; m < MR; ++m) xs[m] = _mm256_set1_epi32(load_i32(rows[m] + s * kInt8Step));
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* reg = packed + ((p + r / kRegs) * steps + s) * kStepBytes +
+                             (r % kRegs) * kRegBytes;
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg));
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int m = 0; m < MR; ++m)
+          sums[m][r] = _mm256_add_epi32(
+              sums[m][r], _mm256_madd_epi16(
+                              _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs[m], w)), ones));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = load_halves(scales + ((p + r / kRegs) * blocks + b) * kPanel +
+                                       (r % kRegs) * kCols);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 a = _mm256_mul_ps(_mm256_set1_ps(x.a[(m0 + m) * x.blocks + b]), scale);
+        acc[m][r] = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(sums[m][r]), acc[m][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NP; ++i) {
+    const int64_t n_valid = std::min<int64_t>(kPanel, N - (p + i) * kPanel);
+    for (int m = 0; m < MR; ++m) {
+      float values[kPanel];
+      for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(values + r * kCols, acc[m][i * kRegs + r]);
+      store_row(out + (m0 + m) * N, values, bias, (p + i) * kPanel, n_valid);
+    }
+  }
+}
+#else
+template <int MR, int NP, typename T>
+void int8_kernel(const Activations& x, int64_t m0, const uint8_t* packed, const at::Half* scales,
+                 int64_t K, int64_t p, int64_t N, const float* bias, T* out) {
+  const int64_t steps = K / kInt8Step, blocks = K / kInt8Block;
+  for (int i = 0; i < NP; ++i) {
+    const int64_t n_valid = std::min<int64_t>(kPanel, N - (p + i) * kPanel);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* row = x.q + (m0 + m) * x.K;
+      float values[kPanel];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = b * kInt8Block; k < (b + 1) * kInt8Block; ++k) {
+            const uint8_t* reg = packed + ((p + i) * steps + k / kInt8Step) * kStepBytes +
+                                 (c / kCols) * kRegBytes;
+            dot += static_cast<int8_t>(reg[4 * (c % kCols) + k % kInt8Step]) * row[k];
+          }
+          const float scale = static_cast<float>(scales[((p + i) * blocks + b) * kPanel + c]);
+          acc = std::fma(x.a[(m0 + m) * x.blocks + b] * scale, static_cast<float>(dot), acc);
+        }
+        values[c] = acc;
+      }
+      store_row(out + (m0 + m) * N, values, bias, (p + i) * kPanel, n_valid);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void run_int8(const Activations& x, int64_t M, const uint8_t* packed, const at::Half* scales,
+              int64_t K, int64_t panels, int64_t N, T* out) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(2, panels / (8 * threads)) / 2 * 2;
+  parallel_chunks(panels, chunk, [&](int64_t p_begin, int64_t p_end) {
+    if (M == 1) {
+      int64_t p = p_begin;
+      for (; p + 2 <= p_end; p += 2) int8_kernel<1, 2>(x, 0, packed, scales, K, p, N, nullptr, out);
+      if (p < p_end) int8_kernel<1, 1>(x, 0, packed, scales, K, p, N, nullptr, out);
+      return;
+    }
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) int8_kernel<2, 1>(x, m, packed, scales, K, p, N, nullptr, out);
+      if (m < M) int8_kernel<1, 1>(x, m, packed, scales, K, p, N, nullptr, out);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor linear_int8_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, int64_t N, bool fp32_out) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.size(2) == kStepBytes && packed.is_contiguous(),
+              "packed weight must be a contiguous uint8 [panels, K / 4, 128] tensor");
+  const int64_t panels = packed.size(0), K = packed.size(1) * kInt8Step;
+  TORCH_CHECK(K % kInt8Block == 0, "in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({panels, K / kInt8Block, kPanel}),
+              "scales must be a contiguous fp16 [panels, K / 32, 32] tensor");
+  TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, "N does not fit the panels");
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x must be bf16 or fp32");
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  GemmOutput o(x, c10::nullopt, M, N, fp32_out);
+  if (M == 0) return o.result();
+  thread_local QuantizedRows qr;
+  if (xc.scalar_type() == at::kBFloat16)
+    quantize_rows(xc.data_ptr<at::BFloat16>(), M, K, kInt8Block, qr);
+  else
+    quantize_rows(xc.data_ptr<float>(), M, K, kInt8Block, qr);
+  const Activations acts{qr.q.data(), qr.a.data(), qr.x_sums.data(), K, K / kInt8Block,
+                         K / kInt8Block};
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  if (o.out.scalar_type() == at::kBFloat16)
+    run_int8(acts, M, w, s, K, panels, N, o.out.data_ptr<at::BFloat16>());
+  else
+    run_int8(acts, M, w, s, K, panels, N, o.out.data_ptr<float>());
+  return o.result();
 }
 
 }  // namespace llm_forge

@@ -40,6 +40,10 @@ at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scale_offsets,
                               const c10::optional<at::Tensor>& prequant,
                               const c10::optional<at::Tensor>& bias, int64_t group_size, int64_t N);
+// int8 weights per column and block of 32 inputs, int8 activations: [panels, K / 4, 128] uint8
+// (the int8 values) and fp16 scales [panels, K / 32, 32].
+at::Tensor linear_int8_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, int64_t N, bool fp32_out);
 at::Tensor dequantize_int4_packed(const at::Tensor& packed, const at::Tensor& scale_offsets,
                                   int64_t group_size, int64_t N);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -10,6 +10,8 @@ TORCH_LIBRARY(llm_forge, m) {
   m.def("bf16_dot_available() -> bool", &llm_forge::bf16_dot_available);
   m.def("linear_int4_packed(Tensor x, Tensor packed, Tensor scale_offsets, Tensor? prequant, "
         "Tensor? bias, int group_size, int n) -> Tensor", &llm_forge::linear_int4_packed);
+  m.def("linear_int8_packed(Tensor x, Tensor packed, Tensor scales, int n, bool fp32_out=False) "
+        "-> Tensor", &llm_forge::linear_int8_packed);
   m.def("dequantize_int4_packed(Tensor packed, Tensor scale_offsets, int group_size, int n) "
         "-> Tensor",
         &llm_forge::dequantize_int4_packed);
