@@ -176,6 +176,20 @@ inline __m256 load_halves(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// The sums of MR rows x NP panels (from m0, p) into their output rows, plus the bias.
+template <int MR, int NP, typename T>
+void store_panels(const __m256 (&acc)[MR][NP * kRegs], int64_t m0, int64_t p, int64_t N,
+                  const float* bias, T* out) {
+  for (int i = 0; i < NP; ++i) {
+    const int64_t n_valid = std::min<int64_t>(kPanel, N - (p + i) * kPanel);
+    for (int m = 0; m < MR; ++m) {
+      float values[kPanel];
+      for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(values + r * kCols, acc[m][i * kRegs + r]);
+      store_row(out + (m0 + m) * N, values, bias, (p + i) * kPanel, n_valid);
+    }
+  }
+}
+
 // MR rows (from m0) x NP panels (from p), all of K. Each panel's bytes are one sequential stream,
 // which the hardware prefetcher follows (software prefetches measured no faster); one row takes
 // two panels at a time, two streams in flight.
@@ -235,14 +249,7 @@ void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p,
       }
     }
   }
-  for (int i = 0; i < NP; ++i) {
-    const int64_t n_valid = std::min<int64_t>(kPanel, N - (p + i) * kPanel);
-    for (int m = 0; m < MR; ++m) {
-      float values[kPanel];
-      for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(values + r * kCols, acc[m][i * kRegs + r]);
-      store_row(out + (m0 + m) * N, values, bias, (p + i) * kPanel, n_valid);
-    }
-  }
+  store_panels<MR, NP>(acc, m0, p, N, bias, out);
 }
 #else
 // The portable path: the same integers and the same float operations in the same order, one
@@ -437,14 +444,7 @@ void int8_kernel(const Activations& x, int64_t m0, const uint8_t* packed, const 
       }
     }
   }
-  for (int i = 0; i < NP; ++i) {
-    const int64_t n_valid = std::min<int64_t>(kPanel, N - (p + i) * kPanel);
-    for (int m = 0; m < MR; ++m) {
-      float values[kPanel];
-      for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(values + r * kCols, acc[m][i * kRegs + r]);
-      store_row(out + (m0 + m) * N, values, bias, (p + i) * kPanel, n_valid);
-    }
-  }
+  store_panels<MR, NP>(acc, m0, p, N, bias, out);
 }
 #else
 template <int MR, int NP, typename T>
