@@ -31,6 +31,8 @@ EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
 @click.option("--kv-cache-quantization", type=click.Choice(["none", "fp8", "int8"]),
               help="KV cache quantization (overrides quantization.kv_cache).")
 @click.option("--group-size", type=int, help="INT4 group size (overrides quantization.group_size).")
+@click.option("--lm-head", "lm_head", type=click.Choice(["none", "int8"]),
+              help="LM head quantization, torch target (overrides quantization.lm_head).")
 @click.option("--repository", "repository_dir", type=click.Path(file_okay=False),
               help="Where to emit the Triton model repository (default model_repository/<name>).")
 @click.option("--no-repository", is_flag=True, help="Build the engine only.")
@@ -39,7 +41,8 @@ EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
 @click.option("--check", "check_only", is_flag=True,
               help="Exit 0 if the engine is up to date, 4 (with the reason) if it needs a rebuild.")
 def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware, tp, pp,
-                   quantization, kv_cache_quantization, group_size, repository_dir, no_repository,
+                   quantization, kv_cache_quantization, group_size, lm_head, repository_dir,
+                   no_repository,
                    dry_run, force, check_only) -> None:
     """Build an engine from a spec; command-line flags override the spec.
 
@@ -53,7 +56,7 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
     overrides = {"checkpoint": checkpoint, "output": output, "name": name, "dtype": dtype,
                  "target": target, "hardware": hardware}
     sections = {"quantization": {"weights": quantization, "kv_cache": kv_cache_quantization,
-                                 "group_size": group_size},
+                                 "group_size": group_size, "lm_head": lm_head},
                 "parallelism": {"tp": tp, "pp": pp}}
     with cli_errors():
         data, source = spec_data(spec_path, overrides, sections)

@@ -144,6 +144,11 @@ def test_cli_dry_run_prints_the_command_and_writes_nothing(checkpoint, tmp_path)
                                     "trtllm", "--hardware", "a100-40gb", "--quantization", "fp8",
                                     "--dry-run"])
     assert bad.exit_code == 2 and "quantization.weights: fp8 needs FP8 tensor cores" in bad.output
+    head = CliRunner().invoke(main, ["engine", "--checkpoint", str(checkpoint), "--target",
+                                     "trtllm", "--hardware", "a100-80gb", "--lm-head", "int8",
+                                     "--dry-run"])
+    assert head.exit_code == 2
+    assert "quantization.lm_head: 'int8' runs on the torch target's CPU kernels" in head.output
 
 
 def test_build_stops_after_the_checkpoint_without_tensorrt_llm(checkpoint, tmp_path):
