@@ -42,8 +42,7 @@ EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
               help="Exit 0 if the engine is up to date, 4 (with the reason) if it needs a rebuild.")
 def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware, tp, pp,
                    quantization, kv_cache_quantization, group_size, lm_head, repository_dir,
-                   no_repository,
-                   dry_run, force, check_only) -> None:
+                   no_repository, dry_run, force, check_only) -> None:
     """Build an engine from a spec; command-line flags override the spec.
 
     An engine whose build key (spec, checkpoint files, quantization data, toolchain, llm-forge
