@@ -7,9 +7,10 @@
 // before its FMAs: compact in memory, fp32 FMA speed in the arithmetic.
 //
 // Layout (packed once at load): output columns in tiles of 16: [tiles, K, 16], the 16 values of
-// one k side by side. The micro-kernel reads two 8-lane vectors of weights per k and broadcasts one x value per row:
-// MR rows x 16 columns of accumulators (x NT tiles for tiny M). Every output element is summed over
-// k in the same order whatever M is, so a row's result does not depend on the rows batched with it.
+// one k side by side. The micro-kernel reads two 8-lane vectors of weights per k and broadcasts
+// one x value per row: MR rows x 16 columns of accumulators (x NT tiles for tiny M). Every output
+// element is summed over k in the same order whatever M is, so a row's result does not depend on
+// the rows batched with it.
 #include "ops.h"
 #include "vec.h"
 
@@ -37,13 +38,6 @@ struct Bf16Tiles {
     w1 = load_bits(tile + k * kTile + kLanes);
   }
 };
-
-template <typename T>
-inline void store_row(T* out, const float* values, const float* bias, int64_t n0,
-                      int64_t n_valid) {
-  for (int64_t j = 0; j < n_valid; ++j)
-    out[n0 + j] = static_cast<T>(values[j] + (bias ? bias[n0 + j] : 0.f));
-}
 
 // MR rows x NT tiles, sums in registers over all of K.
 template <int MR, int NT, typename W, typename T>

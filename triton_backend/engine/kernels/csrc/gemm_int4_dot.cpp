@@ -33,6 +33,7 @@
 #include <c10/util/Half.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace llm_forge {
@@ -150,13 +151,6 @@ struct Activations {
   const float* x_sums;
   int64_t K, blocks, groups;
 };
-
-template <typename T>
-inline void store_row(T* out, const float* values, const float* bias, int64_t n0,
-                      int64_t n_valid) {
-  for (int64_t j = 0; j < n_valid; ++j)
-    out[n0 + j] = static_cast<T>(values[j] + (bias ? bias[n0 + j] : 0.f));
-}
 
 // The stored nibble of column c (of the panel) for input k.
 inline int32_t nibble(const uint8_t* panel, int64_t c, int64_t k) {
@@ -294,23 +288,33 @@ void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p,
 
 // Threads claim chunks of panels; each panel meets every row, two rows at a time, while it is in
 // L1/L2, so the weights stream from memory once per call. One row: two panels at a time.
-template <typename T>
-void run_gemm(const Activations& x, int64_t M, const Weights& w, int64_t panels, int64_t N,
-              const float* bias, T* out) {
+// `kernel(MR, NP, m0, p)` (MR, NP as std::integral_constant) runs one micro-kernel.
+template <typename Kernel>
+void run_panels(int64_t M, int64_t panels, const Kernel& kernel) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunk = std::max<int64_t>(2, panels / (8 * threads)) / 2 * 2;
   parallel_chunks(panels, chunk, [&](int64_t p_begin, int64_t p_end) {
     if (M == 1) {
       int64_t p = p_begin;
-      for (; p + 2 <= p_end; p += 2) micro_kernel<1, 2>(x, 0, w, p, N, bias, out);
-      if (p < p_end) micro_kernel<1, 1>(x, 0, w, p, N, bias, out);
+      for (; p + 2 <= p_end; p += 2) kernel(One{}, Two{}, 0, p);
+      if (p < p_end) kernel(One{}, One{}, 0, p);
       return;
     }
     for (int64_t p = p_begin; p < p_end; ++p) {
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) micro_kernel<2, 1>(x, m, w, p, N, bias, out);
-      if (m < M) micro_kernel<1, 1>(x, m, w, p, N, bias, out);
+      for (; m + 2 <= M; m += 2) kernel(Two{}, One{}, m, p);
+      if (m < M) kernel(One{}, One{}, m, p);
     }
+  });
+}
+
+template <typename T>
+void run_gemm(const Activations& x, int64_t M, const Weights& w, int64_t panels, int64_t N,
+              const float* bias, T* out) {
+  run_panels(M, panels, [&](auto mr, auto np, int64_t m0, int64_t p) {
+    micro_kernel<decltype(mr)::value, decltype(np)::value>(x, m0, w, p, N, bias, out);
   });
 }
 
@@ -359,7 +363,7 @@ at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
   const Activations acts{qr.q.data(), qr.a.data(), qr.x_sums.data(), K, K / block,
                          K / group_size};
   const Weights w{packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<at::Half>(), K, group_size,
-                  block_of(group_size)};
+                  block};
   if (o.out.scalar_type() == at::kBFloat16)
     run_gemm(acts, M, w, packed.size(0), N, o.bias(), o.out.data_ptr<at::BFloat16>());
   else
@@ -479,20 +483,9 @@ void int8_kernel(const Activations& x, int64_t m0, const uint8_t* packed, const 
 template <typename T>
 void run_int8(const Activations& x, int64_t M, const uint8_t* packed, const at::Half* scales,
               int64_t K, int64_t panels, int64_t N, T* out) {
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(2, panels / (8 * threads)) / 2 * 2;
-  parallel_chunks(panels, chunk, [&](int64_t p_begin, int64_t p_end) {
-    if (M == 1) {
-      int64_t p = p_begin;
-      for (; p + 2 <= p_end; p += 2) int8_kernel<1, 2>(x, 0, packed, scales, K, p, N, nullptr, out);
-      if (p < p_end) int8_kernel<1, 1>(x, 0, packed, scales, K, p, N, nullptr, out);
-      return;
-    }
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2) int8_kernel<2, 1>(x, m, packed, scales, K, p, N, nullptr, out);
-      if (m < M) int8_kernel<1, 1>(x, m, packed, scales, K, p, N, nullptr, out);
-    }
+  run_panels(M, panels, [&](auto mr, auto np, int64_t m0, int64_t p) {
+    int8_kernel<decltype(mr)::value, decltype(np)::value>(x, m0, packed, scales, K, p, N,
+                                                          nullptr, out);
   });
 }
 

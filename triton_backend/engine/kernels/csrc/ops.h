@@ -23,6 +23,14 @@ struct GemmOutput {
   at::Tensor result() const { return out.view(sizes); }
 };
 
+// Columns [n0, n0 + n_valid) of one output row: the kernel's fp32 sums plus the bias, in T.
+template <typename T>
+inline void store_row(T* out, const float* values, const float* bias, int64_t n0,
+                      int64_t n_valid) {
+  for (int64_t j = 0; j < n_valid; ++j)
+    out[n0 + j] = static_cast<T>(values[j] + (bias ? bias[n0 + j] : 0.f));
+}
+
 // fp32_out: the sums as they are, not rounded to x's dtype (logits that sampling compares).
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias, int64_t N,

@@ -26,7 +26,6 @@ typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 typedef uint16_t vh __attribute__((vector_size(16)));
-typedef uint8_t vb8 __attribute__((vector_size(8)));
 
 using bf16 = c10::BFloat16;
 
@@ -82,18 +81,6 @@ inline vf load_bits(const uint16_t* p) {  // 8 bf16 bit patterns -> fp32 (exact)
 #endif
 }
 inline vf load(const bf16* p) { return load_bits(reinterpret_cast<const uint16_t*>(p)); }
-
-// 8 bytes -> 8 uint32 lanes (one vpmovzxbd on AVX2; GCC's generic widening of an 8-byte vector
-// compiles to per-lane inserts, measured 2x slower in the INT4 kernel).
-inline vu widen_bytes(const uint8_t* p) {
-#if defined(__AVX2__)
-  return (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  vb8 bytes;
-  std::memcpy(&bytes, p, sizeof bytes);
-  return __builtin_convertvector(bytes, vu);
-#endif
-}
 
 // fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0: exactly c10::BFloat16's rounding.
 inline vh to_bf16_bits(vf v) {
