@@ -18,6 +18,7 @@ import random
 
 import torch
 
+from triton_backend.engine import kernels
 from triton_backend.engine.scheduler import ScheduledChunk
 
 
@@ -66,6 +67,10 @@ class Sampler:
             if _below_min_tokens(chunks[i], eos):
                 masked_rows.extend([r] * len(eos))
                 masked_ids.extend(eos)
+        if batch.device.type == "cpu" and kernels.loaded():  # two passes a row, no copies
+            tokens, log_probs = kernels.ops().greedy_pick(batch.float().contiguous(), masked_rows,
+                                                          masked_ids)
+            return list(zip(tokens.tolist(), log_probs.tolist()))
         if masked_rows:
             batch = batch.clone()
             batch[masked_rows, masked_ids] = float("-inf")

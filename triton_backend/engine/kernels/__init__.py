@@ -30,7 +30,7 @@ from triton_backend.engine.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = ("register.cpp", "gemm.cpp", "gemm_bf16_dot.cpp", "gemm_int4_dot.cpp", "layer_ops.cpp",
-           "attention.cpp", "forward.cpp", "lora.cpp")
+           "attention.cpp", "forward.cpp", "lora.cpp", "sampling.cpp")
 HEADERS = ("vec.h", "ops.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # No implicit FMA contraction: elementwise kernels round like the torch ops they replace; the
@@ -147,6 +147,11 @@ def _stage_sources(build_dir: Path) -> list[str]:
         if not target.exists() or target.read_bytes() != source.read_bytes():
             shutil.copyfile(source, target)
     return [str(staged / s) for s in SOURCES]
+
+
+def loaded() -> bool:
+    """True once `load_cpu_kernels()` succeeded in this process (never builds or loads)."""
+    return bool(_state.get("ok"))
 
 
 def ops():

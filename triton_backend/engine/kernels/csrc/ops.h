@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
 #include <vector>
 
 namespace llm_forge {
@@ -65,6 +66,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
                            int64_t tokens_per_block, double scale);
+
+// Each row's first maximal logit and its log probability; masked (row, id) pairs count as -inf.
+std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits,
+                                               at::IntArrayRef masked_rows,
+                                               at::IntArrayRef masked_ids);
 
 // out[i] += (x[i] @ a) @ b in place on a few rows (a LoRA delta: a = A^T, b = B^T, float32).
 void lora_add_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b);

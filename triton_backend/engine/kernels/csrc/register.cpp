@@ -25,6 +25,8 @@ TORCH_LIBRARY(llm_forge, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start, int tokens_per_block, float scale) -> Tensor",
         &llm_forge::paged_attention);
+  m.def("greedy_pick(Tensor logits, int[] masked_rows, int[] masked_ids) -> (Tensor, Tensor)",
+        &llm_forge::greedy_pick);
   m.def("lora_add_rows(Tensor(a!) out, Tensor x, Tensor a, Tensor b) -> ()",
         &llm_forge::lora_add_rows);
   m.def("decode_forward(Tensor hidden, Tensor positions, Tensor slot_mapping, "
