@@ -111,6 +111,26 @@ def test_observations_go_to_the_right_histograms():
     assert outcome_of(None, "length") == "completed"
 
 
+def test_gauges_are_set_only_when_their_value_changes(monkeypatch):
+    # Each set is a stub -> server round trip: a publish repeats none for a value that held still.
+    FakeFamily.created = {}
+    sets = []
+    monkeypatch.setattr(FakeMetric, "set", lambda self, v: sets.append(v) or setattr(
+        self, "values", [v]))
+    metrics = ExecutorMetrics(FakePbUtils, "m", "1")
+    metrics.publish({"num_steps": 3, "num_waiting": 0, "note": "text"})
+    assert sorted(sets) == [0.0, 3.0]
+    sets.clear()
+    metrics.publish({"num_steps": 3, "num_waiting": 0})
+    assert sets == []
+    metrics.publish({"num_steps": 4, "num_waiting": 0})
+    assert sets == [4.0]
+    gauge = FakeFamily.created[("llm_forge_executor_stats",
+                                tuple(sorted({"model": "m", "version": "1",
+                                              "stat": "num_steps"}.items())))]
+    assert gauge.values == [4.0]
+
+
 # -- a real server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -79,6 +79,7 @@ class ExecutorMetrics:
                             kind=family.GAUGE),
         }
         self._metrics: dict[tuple[str, str], object] = {}
+        self._values: dict[tuple[str, str], float] = {}  # what each gauge was last set to
         self._family = family
         self._lora_metrics: dict[tuple[str, str], object] = {}
         # A family is unregistered when its Python object dies: every one is kept here.
@@ -105,15 +106,23 @@ class ExecutorMetrics:
     def publish(self, stats: dict) -> None:
         for label, key in KV_BLOCK_STATS.items():
             if key in stats:
-                self._metric("kv", "kv_cache_block_type", label).set(float(stats[key]))
+                self._set("kv", "kv_cache_block_type", label, stats[key])
         for label, key in REQUEST_STATS.items():
             if key in stats:
-                self._metric("requests", "request_type", label).set(float(stats[key]))
+                self._set("requests", "request_type", label, stats[key])
         for key, value in stats.items():
             if is_number(value):
-                self._metric("stats", "stat", key).set(float(value))
+                self._set("stats", "stat", key, value)
         if "lora_running" in stats:
             self._publish_lora(stats)
+
+    def _set(self, family: str, label_key: str, label: str, value) -> None:
+        """Set one gauge, only when its value changed: each set is a round trip from the Python
+        stub to the server, and most counters hold still between two publishes."""
+        key, value = (family, label), float(value)
+        if self._values.get(key) != value:
+            self._metric(family, label_key, label).set(value)
+            self._values[key] = value
 
     def _publish_lora(self, stats: dict) -> None:
         """Requests per adapter and state; an adapter seen once stays listed (at 0)."""
