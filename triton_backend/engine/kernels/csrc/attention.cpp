@@ -24,6 +24,15 @@ constexpr int64_t kPart = 256;
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kValueBlock = 64;  // features of a value row accumulated in registers at once
 
+constexpr int64_t kPrefetchKeys = 16;  // how far ahead key rows are requested
+
+// Ask for a cache row's lines: Locality 3 into L1 (read next), 2 into L2 (read later).
+template <int Locality, typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, Locality);
+}
+
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t D) {
   int64_t i = 0;
@@ -66,10 +75,19 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
     const T* qh = q_row + (kv_head * G + h) * g.q_head_stride;
     for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(qh[i]) * g.scale;
   }
+  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) prefetch_row<3>(k_cache + slots[j], D);
   const bool vector_dots = D % kLanes == 0;
   float keys[kLanes * kMaxHeadDim];  // this block's keys, widened once for all the group's heads
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j0);
+    // The cache rows are scattered over blocks and, in a decode step, no longer in any cache:
+    // ask for the keys kPrefetchKeys ahead, and for this block's values, which the second pass
+    // reads (into L2), instead of waiting on each row's load.
+    for (int64_t jj = 0; jj < count; ++jj) {
+      if (j0 + kPrefetchKeys + jj < n)
+        prefetch_row<3>(k_cache + slots[j0 + kPrefetchKeys + jj], D);
+      prefetch_row<2>(v_cache + slots[j0 + jj], D);
+    }
     for (int64_t jj = 0; jj < kLanes; ++jj) {
       widen(k_cache + slots[j0 + std::min(jj, count - 1)], keys + jj * D, D);
     }
