@@ -244,6 +244,26 @@ def test_a_row_of_paged_attention_does_not_depend_on_its_batch():
     assert torch.equal(together[:1], alone)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_give_the_same_attention_whether_their_kv_heads_share_a_work_item(dtype):
+    # A step with many (row, part) pairs gives each work item all kv heads of a row (a slot's
+    # rows read as one run); alone, a row's heads are separate items. Same numbers either way.
+    rows = 4 * torch.get_num_threads() + 2
+    ctx = [300 + 37 * i for i in range(rows)]
+    tables, k_cache, v_cache, q = _paged_case(dtype, [1] * rows, ctx, num_heads=9,
+                                              num_kv_heads=3, head_dim=64, tpb=16)
+    width = max(len(t) for t in tables)
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    padded = as_int([t + [0] * (width - len(t)) for t in tables])
+    together = torch.ops.llm_forge.paged_attention(q, k_cache, v_cache, padded, as_int(ctx),
+                                                   as_int(list(range(rows + 1))), 16, 0.125)
+    for r in (0, rows - 1):
+        alone = torch.ops.llm_forge.paged_attention(q[r:r + 1], k_cache, v_cache,
+                                                    padded[r:r + 1], as_int([ctx[r]]),
+                                                    as_int([0, 1]), 16, 0.125)
+        assert torch.equal(together[r:r + 1], alone)
+
+
 def test_torch_and_cpp_backends_agree_on_an_engine(tiny_engines, monkeypatch):
     """Same fp32 engine, same prompts: prefill logits within float noise, greedy ids equal."""
     from triton_backend.engine import Request

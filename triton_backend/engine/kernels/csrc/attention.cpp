@@ -49,35 +49,43 @@ struct Geometry {
 };
 
 struct Item {
-  int64_t row, kv_head, key_begin, key_end, seq;
+  int64_t row, kv_begin, kv_end, key_begin, key_end, seq;
+  int64_t partial, head_stride;  // the first head's partial (in partials), the next's (floats)
 };
 
-// One part: scores of keys [kb, ke) for the group's heads, softmax numerators against the part's
-// own max, and the weighted sum of values. Writes (m, l, acc[D]) per head to `partial`.
+// One part for kv heads [h0, h1): scores of keys [kb, ke) for each head's query group, softmax
+// numerators against the part's own max, and the weighted sum of values. Writes (m, l, acc[D])
+// per query head of kv head h to `partial + (h - h0) * head_stride`. The cache holds a slot's kv
+// heads side by side, so walking a key block across all the item's heads reads each slot's rows
+// as one run; each head's arithmetic is the same whichever heads share its item.
 template <typename T>
 void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v_cache,
-                 const int32_t* table, int64_t kv_head, int64_t kb, int64_t ke, float* partial,
-                 std::vector<float>& scratch, std::vector<int64_t>& slots) {
-  const int64_t G = g.group(), D = g.D, n = ke - kb;
-  scratch.resize(G * (n + kLanes) + G * D);
-  float* scores = scratch.data();           // [G, n + 8]: rows padded for the 8-key stores
-  float* qf = scores + G * (n + kLanes);    // [G, D] scaled queries
+                 const int32_t* table, int64_t h0, int64_t h1, int64_t kb, int64_t ke,
+                 float* partial, int64_t head_stride, std::vector<float>& scratch,
+                 std::vector<int64_t>& slots) {
+  const int64_t G = g.group(), D = g.D, n = ke - kb, H = h1 - h0, QH = H * G;
   const int64_t stride = n + kLanes;
-  // Each key's cache offset, walked block by block (a division per key cost as much as its dots).
+  scratch.resize(QH * stride + QH * D);
+  float* scores = scratch.data();        // [H * G, n + 8]: rows padded for the 8-key stores
+  float* qf = scores + QH * stride;      // [H * G, D] scaled queries
+  // Each key's slot offset (of kv head h0), walked block by block (a division per key cost as
+  // much as its dots).
   slots.resize(n);
   for (int64_t j = 0, block = kb / g.tokens_per_block, offset = kb % g.tokens_per_block; j < n;
        ++j) {
     slots[j] = (static_cast<int64_t>(table[block]) * g.tokens_per_block + offset) *
-               g.kv_slot_stride + kv_head * D;
+               g.kv_slot_stride + h0 * D;
     if (++offset == g.tokens_per_block) offset = 0, ++block;
   }
-  for (int64_t h = 0; h < G; ++h) {
-    const T* qh = q_row + (kv_head * G + h) * g.q_head_stride;
-    for (int64_t i = 0; i < D; ++i) qf[h * D + i] = to_float(qh[i]) * g.scale;
+  for (int64_t qh = 0; qh < QH; ++qh) {
+    const T* q = q_row + (h0 * G + qh) * g.q_head_stride;
+    for (int64_t i = 0; i < D; ++i) qf[qh * D + i] = to_float(q[i]) * g.scale;
   }
-  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) prefetch_row<3>(k_cache + slots[j], D);
+  const int64_t row_elems = H * D;  // one slot's rows of the item's heads, contiguous
+  for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j)
+    prefetch_row<3>(k_cache + slots[j], row_elems);
   const bool vector_dots = D % kLanes == 0;
-  float keys[kLanes * kMaxHeadDim];  // this block's keys, widened once for all the group's heads
+  float keys[kLanes * kMaxHeadDim];  // this block's keys of one head, widened once for its group
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j0);
     // The cache rows are scattered over blocks and, in a decode step, no longer in any cache:
@@ -85,32 +93,37 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
     // reads (into L2), instead of waiting on each row's load.
     for (int64_t jj = 0; jj < count; ++jj) {
       if (j0 + kPrefetchKeys + jj < n)
-        prefetch_row<3>(k_cache + slots[j0 + kPrefetchKeys + jj], D);
-      prefetch_row<2>(v_cache + slots[j0 + jj], D);
+        prefetch_row<3>(k_cache + slots[j0 + kPrefetchKeys + jj], row_elems);
+      prefetch_row<2>(v_cache + slots[j0 + jj], row_elems);
     }
-    for (int64_t jj = 0; jj < kLanes; ++jj) {
-      widen(k_cache + slots[j0 + std::min(jj, count - 1)], keys + jj * D, D);
-    }
-    for (int64_t h = 0; h < G; ++h) {
-      float* out = scores + h * stride + j0;
-      if (vector_dots) {
-        vf acc[kLanes];
-        for (int jj = 0; jj < kLanes; ++jj) acc[jj] = splat(0.f);
-        for (int64_t d = 0; d < D; d += kLanes) {
-          vf qv = load(qf + h * D + d);
-          for (int jj = 0; jj < kLanes; ++jj) acc[jj] = fmadd(qv, load(keys + jj * D + d), acc[jj]);
-        }
-        store(out, hsum8(acc));
-      } else {
-        for (int64_t jj = 0; jj < count; ++jj) {
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qf[h * D + d] * keys[jj * D + d];
-          out[jj] = s;
+    for (int64_t kvh = 0; kvh < H; ++kvh) {
+      for (int64_t jj = 0; jj < kLanes; ++jj)
+        widen(k_cache + slots[j0 + std::min(jj, count - 1)] + kvh * D, keys + jj * D, D);
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+        float* out = scores + h * stride + j0;
+        if (vector_dots) {
+          vf acc[kLanes];
+          for (int jj = 0; jj < kLanes; ++jj) acc[jj] = splat(0.f);
+          for (int64_t d = 0; d < D; d += kLanes) {
+            vf qv = load(qf + h * D + d);
+            for (int jj = 0; jj < kLanes; ++jj)
+              acc[jj] = fmadd(qv, load(keys + jj * D + d), acc[jj]);
+          }
+          store(out, hsum8(acc));
+        } else {
+          for (int64_t jj = 0; jj < count; ++jj) {
+            float sum = 0.f;
+            for (int64_t d = 0; d < D; ++d) sum += qf[h * D + d] * keys[jj * D + d];
+            out[jj] = sum;
+          }
         }
       }
     }
   }
-  for (int64_t h = 0; h < G; ++h) {
+  auto head_partial = [&](int64_t h) {  // query head h of the item -> its (m, l, acc[D])
+    return partial + (h / G) * head_stride + (h % G) * (2 + D);
+  };
+  for (int64_t h = 0; h < QH; ++h) {
     float* s = scores + h * stride;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
@@ -125,7 +138,7 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
       s[j] = std::exp(s[j] - m);
       l += s[j];
     }
-    float* ph = partial + h * (2 + D);
+    float* ph = head_partial(h);
     ph[0] = m;
     ph[1] = l;
     for (int64_t i = 0; i < D; ++i) ph[2 + i] = 0.f;
@@ -134,29 +147,31 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
   // block stays in registers across the 8 keys: 8 independent FMA chains per key.
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j0);
-    const T* rows[kLanes];
-    for (int64_t jj = 0; jj < count; ++jj) rows[jj] = v_cache + slots[j0 + jj];
-    for (int64_t h = 0; h < G; ++h) {
-      float* acc = partial + h * (2 + D) + 2;
-      const float* p = scores + h * stride + j0;
-      int64_t i = 0;
-      for (; i + kValueBlock <= D; i += kValueBlock) {
-        vf a[kValueBlock / kLanes];
-        for (int c = 0; c < kValueBlock / kLanes; ++c) a[c] = load(acc + i + c * kLanes);
-        for (int64_t jj = 0; jj < count; ++jj) {
-          const vf pj = splat(p[jj]);
-          for (int c = 0; c < kValueBlock / kLanes; ++c)
-            a[c] = fmadd(pj, load(rows[jj] + i + c * kLanes), a[c]);
+    for (int64_t kvh = 0; kvh < H; ++kvh) {
+      const T* rows[kLanes];
+      for (int64_t jj = 0; jj < count; ++jj) rows[jj] = v_cache + slots[j0 + jj] + kvh * D;
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+        float* acc = head_partial(h) + 2;
+        const float* p = scores + h * stride + j0;
+        int64_t i = 0;
+        for (; i + kValueBlock <= D; i += kValueBlock) {
+          vf a[kValueBlock / kLanes];
+          for (int c = 0; c < kValueBlock / kLanes; ++c) a[c] = load(acc + i + c * kLanes);
+          for (int64_t jj = 0; jj < count; ++jj) {
+            const vf pj = splat(p[jj]);
+            for (int c = 0; c < kValueBlock / kLanes; ++c)
+              a[c] = fmadd(pj, load(rows[jj] + i + c * kLanes), a[c]);
+          }
+          for (int c = 0; c < kValueBlock / kLanes; ++c) store(acc + i + c * kLanes, a[c]);
         }
-        for (int c = 0; c < kValueBlock / kLanes; ++c) store(acc + i + c * kLanes, a[c]);
+        for (; i + kLanes <= D; i += kLanes) {
+          vf a = load(acc + i);
+          for (int64_t jj = 0; jj < count; ++jj) a = fmadd(splat(p[jj]), load(rows[jj] + i), a);
+          store(acc + i, a);
+        }
+        for (; i < D; ++i)
+          for (int64_t jj = 0; jj < count; ++jj) acc[i] += p[jj] * to_float(rows[jj][i]);
       }
-      for (; i + kLanes <= D; i += kLanes) {
-        vf a = load(acc + i);
-        for (int64_t jj = 0; jj < count; ++jj) a = fmadd(splat(p[jj]), load(rows[jj] + i), a);
-        store(acc + i, a);
-      }
-      for (; i < D; ++i)
-        for (int64_t jj = 0; jj < count; ++jj) acc[i] += p[jj] * to_float(rows[jj][i]);
     }
   }
 }
@@ -193,23 +208,43 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  // Items grouped by (row, kv head): first[r * Hkv + h] .. first[r * Hkv + h + 1].
-  std::vector<Item> items;
-  std::vector<int64_t> first;
+  // Partials are stored by (row, kv head, part): first[r * Hkv + h] .. first[r * Hkv + h + 1].
+  // An item is one part of one row for one kv head, or, when the step has enough (row, part)
+  // pairs to keep every thread busy, for all kv heads at once (each slot's rows then read as one
+  // run). Which heads share an item changes no head's arithmetic.
+  const int64_t Hkv = g.num_kv_heads, psize = g.partial_size();
+  std::vector<int64_t> num_keys_of(starts[num_seqs]), first;
+  int64_t pairs = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     for (int64_t row = starts[b]; row < starts[b + 1]; ++row) {
       const int64_t num_keys = lens[b] - (starts[b + 1] - 1 - row);  // causal: up to this row
       TORCH_CHECK(num_keys >= 1 && num_keys <= g.max_blocks * g.tokens_per_block,
                   "a row sees ", num_keys, " keys, outside its block table");
-      for (int64_t h = 0; h < g.num_kv_heads; ++h) {
-        first.push_back(static_cast<int64_t>(items.size()));
-        for (int64_t kb = 0; kb < num_keys; kb += kPart)
-          items.push_back({row, h, kb, std::min(kb + kPart, num_keys), b});
-      }
+      num_keys_of[row] = num_keys;
+      pairs += (num_keys + kPart - 1) / kPart;
     }
   }
-  first.push_back(static_cast<int64_t>(items.size()));
-  std::vector<float> parts(items.size() * g.partial_size());
+  const bool all_heads = pairs >= 4 * std::max<int64_t>(1, at::get_num_threads());
+  std::vector<Item> items;
+  int64_t base = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    for (int64_t row = starts[b]; row < starts[b + 1]; ++row) {
+      const int64_t num_keys = num_keys_of[row], P = (num_keys + kPart - 1) / kPart;
+      for (int64_t h = 0; h < Hkv; ++h) first.push_back(base + h * P);
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t kb = p * kPart, ke = std::min(kb + kPart, num_keys);
+        if (all_heads) {
+          items.push_back({row, 0, Hkv, kb, ke, b, base + p, P * psize});
+        } else {
+          for (int64_t h = 0; h < Hkv; ++h)
+            items.push_back({row, h, h + 1, kb, ke, b, base + h * P + p, P * psize});
+        }
+      }
+      base += Hkv * P;
+    }
+  }
+  first.push_back(base);
+  std::vector<float> parts(base * psize);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -219,8 +254,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       attend_part(g, qp + it.row * g.q_row_stride, kp, vp, tables + it.seq * g.max_blocks,
-                  it.kv_head, it.key_begin, it.key_end, parts.data() + i * g.partial_size(),
-                  scratch, slots);
+                  it.kv_begin, it.kv_end, it.key_begin, it.key_end,
+                  parts.data() + it.partial * psize, it.head_stride, scratch, slots);
     }
   });
   T* op = out.data_ptr<T>();
