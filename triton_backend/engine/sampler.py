@@ -67,7 +67,7 @@ class Sampler:
             if _below_min_tokens(chunks[i], eos):
                 masked_rows.extend([r] * len(eos))
                 masked_ids.extend(eos)
-        if batch.device.type == "cpu" and kernels.loaded():  # two passes a row, no copies
+        if batch.device.type == "cpu" and kernels.loaded():  # no batch copy; two passes a row
             tokens, log_probs = kernels.ops().greedy_pick(batch.float().contiguous(), masked_rows,
                                                           masked_ids)
             return list(zip(tokens.tolist(), log_probs.tolist()))

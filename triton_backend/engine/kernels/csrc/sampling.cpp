@@ -74,18 +74,14 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits,
               "masked_rows and masked_ids must have the same length");
   const int64_t M = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0, "logits must have a vocabulary");
-  // The masked ids of each row, grouped: row r's are masks[first[r] .. first[r + 1]).
-  std::vector<int64_t> first(M + 1, 0), masks(masked_ids.size());
+  std::vector<std::vector<int64_t>> masks(M);  // each row's masked ids
   for (size_t j = 0; j < masked_rows.size(); ++j) {
     TORCH_CHECK(masked_rows[j] >= 0 && masked_rows[j] < M, "masked row ", masked_rows[j],
                 " outside [0, ", M, ")");
     TORCH_CHECK(masked_ids[j] >= 0 && masked_ids[j] < V, "masked id ", masked_ids[j],
                 " outside the vocabulary [0, ", V, ")");
-    ++first[masked_rows[j] + 1];
+    masks[masked_rows[j]].push_back(masked_ids[j]);
   }
-  for (int64_t r = 0; r < M; ++r) first[r + 1] += first[r];
-  std::vector<int64_t> fill(first.begin(), first.end() - 1);
-  for (size_t j = 0; j < masked_rows.size(); ++j) masks[fill[masked_rows[j]]++] = masked_ids[j];
   at::Tensor tokens = at::empty({M}, logits.options().dtype(at::kLong));
   at::Tensor log_probs = at::empty({M}, logits.options());
   const float* x = logits.data_ptr<float>();
@@ -94,11 +90,10 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits,
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * V;
-      if (first[r + 1] > first[r]) {  // a copy with the row's masked ids at -inf
+      if (!masks[r].empty()) {  // a copy with the row's masked ids at -inf
         thread_local std::vector<float> masked;
         masked.assign(row, row + V);
-        for (int64_t j = first[r]; j < first[r + 1]; ++j)
-          masked[masks[j]] = -std::numeric_limits<float>::infinity();
+        for (const int64_t id : masks[r]) masked[id] = -std::numeric_limits<float>::infinity();
         row = masked.data();
       }
       const Pick p = pick_row(row, V);
