@@ -205,13 +205,20 @@ def _paged_case(dtype, q_lens, ctx_lens, num_heads=6, num_kv_heads=2, head_dim=3
     return tables, k_cache, v_cache, q
 
 
+# (query heads, kv heads, head_dim): GQA and MHA at the usual widths, then groups the value pass
+# splits into runs of four heads (5 = 4 + 1, 8 = 4 + 4) and widths that end in a lone 8-lane
+# vector (40) or in scalars (12).
+ATTENTION_SHAPES = [(6, 2, 32), (4, 4, 32), (10, 2, 40), (16, 2, 12), (7, 1, 24)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(6, 2), (4, 4)], ids=["gqa", "mha"])
-def test_paged_attention_matches_gathered_sdpa(dtype, heads):
-    num_heads, num_kv_heads = heads
-    q_lens, ctx_lens, tpb, scale = [1, 3, 1, 8], [9, 5, 600, 8], 4, 1 / math.sqrt(32)
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES,
+                         ids=["gqa", "mha", "group5-d40", "group8-d12", "group7-d24"])
+def test_paged_attention_matches_gathered_sdpa(dtype, shape):
+    num_heads, num_kv_heads, head_dim = shape
+    q_lens, ctx_lens, tpb, scale = [1, 3, 1, 8], [9, 5, 600, 8], 4, 1 / math.sqrt(head_dim)
     tables, k_cache, v_cache, q = _paged_case(dtype, q_lens, ctx_lens, num_heads, num_kv_heads,
-                                              tpb=tpb)
+                                              head_dim=head_dim, tpb=tpb)
     width = max(len(t) for t in tables)
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     starts = [0]

@@ -22,7 +22,6 @@ namespace {
 
 constexpr int64_t kPart = 256;
 constexpr int64_t kMaxHeadDim = 512;
-constexpr int64_t kValueBlock = 64;  // features of a value row accumulated in registers at once
 
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead key rows are requested
 
@@ -52,6 +51,51 @@ struct Item {
   int64_t row, kv_begin, kv_end, key_begin, key_end, seq;
   int64_t partial, head_stride;  // the first head's partial (in partials), the next's (floats)
 };
+
+// acc_h[0..D) += sum over the block's keys jj of p_h[jj] * value row jj, for HEADS query heads
+// of one kv head: each value chunk is widened once and meets every head's accumulators in
+// registers (HEADS x 2 vectors). Per head and feature the products are added in key order, the
+// same sums whichever heads share the call.
+constexpr int kValueHeads = 4;
+
+template <int HEADS, typename T>
+inline void add_values(const T* const* rows, int64_t count, const float* const* probs,
+                       float* const* accs, int64_t D) {
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= D; i += 2 * kLanes) {
+    vf a[HEADS][2];
+    for (int h = 0; h < HEADS; ++h) {
+      a[h][0] = load(accs[h] + i);
+      a[h][1] = load(accs[h] + i + kLanes);
+    }
+    for (int64_t jj = 0; jj < count; ++jj) {
+      const vf v0 = load(rows[jj] + i), v1 = load(rows[jj] + i + kLanes);
+      for (int h = 0; h < HEADS; ++h) {
+        const vf pj = splat(probs[h][jj]);
+        a[h][0] = fmadd(pj, v0, a[h][0]);
+        a[h][1] = fmadd(pj, v1, a[h][1]);
+      }
+    }
+    for (int h = 0; h < HEADS; ++h) {
+      store(accs[h] + i, a[h][0]);
+      store(accs[h] + i + kLanes, a[h][1]);
+    }
+  }
+  for (; i + kLanes <= D; i += kLanes) {
+    vf a[HEADS];
+    for (int h = 0; h < HEADS; ++h) a[h] = load(accs[h] + i);
+    for (int64_t jj = 0; jj < count; ++jj) {
+      const vf v = load(rows[jj] + i);
+      for (int h = 0; h < HEADS; ++h) a[h] = fmadd(splat(probs[h][jj]), v, a[h]);
+    }
+    for (int h = 0; h < HEADS; ++h) store(accs[h] + i, a[h]);
+  }
+  for (; i < D; ++i)
+    for (int64_t jj = 0; jj < count; ++jj) {
+      const float v = to_float(rows[jj][i]);
+      for (int h = 0; h < HEADS; ++h) accs[h][i] += probs[h][jj] * v;
+    }
+}
 
 // One part for kv heads [h0, h1): scores of keys [kb, ke) for each head's query group, softmax
 // numerators against the part's own max, and the weighted sum of values. Writes (m, l, acc[D])
@@ -131,15 +175,21 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
   };
   for (int64_t h = 0; h < QH; ++h) {
     float* s = scores + h * stride;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
-    float l = 0.f;
     int64_t j = 0;
+    vf vmax = splat(-std::numeric_limits<float>::infinity());
     for (; j + kLanes <= n; j += kLanes) {
-      vf e = vexp(load(s + j) - splat(m));
-      store(s + j, e);
-      l += hsum(e);
+      const vf v = load(s + j);
+      vmax = v > vmax ? v : vmax;
     }
+    float m = hmax(vmax);
+    for (; j < n; ++j) m = s[j] > m ? s[j] : m;
+    vf vsum = splat(0.f);
+    for (j = 0; j + kLanes <= n; j += kLanes) {
+      const vf e = vexp(load(s + j) - splat(m));
+      store(s + j, e);
+      vsum += e;
+    }
+    float l = hsum(vsum);
     for (; j < n; ++j) {
       s[j] = std::exp(s[j] - m);
       l += s[j];
@@ -149,8 +199,8 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
     ph[1] = l;
     for (int64_t i = 0; i < D; ++i) ph[2 + i] = 0.f;
   }
-  // Values read in place (widened in registers), 8 keys at a time; each head's accumulator
-  // block stays in registers across the 8 keys: 8 independent FMA chains per key.
+  // Values read in place, 8 keys at a time, each widened once for the query heads of its kv head
+  // (add_values).
   if (values_late)
     for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j)
       prefetch_row<3>(v_cache + slots[j], row_elems);
@@ -162,27 +212,20 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
     for (int64_t kvh = 0; kvh < H; ++kvh) {
       const T* rows[kLanes];
       for (int64_t jj = 0; jj < count; ++jj) rows[jj] = v_cache + slots[j0 + jj] + kvh * D;
-      for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
-        float* acc = head_partial(h) + 2;
-        const float* p = scores + h * stride + j0;
-        int64_t i = 0;
-        for (; i + kValueBlock <= D; i += kValueBlock) {
-          vf a[kValueBlock / kLanes];
-          for (int c = 0; c < kValueBlock / kLanes; ++c) a[c] = load(acc + i + c * kLanes);
-          for (int64_t jj = 0; jj < count; ++jj) {
-            const vf pj = splat(p[jj]);
-            for (int c = 0; c < kValueBlock / kLanes; ++c)
-              a[c] = fmadd(pj, load(rows[jj] + i + c * kLanes), a[c]);
-          }
-          for (int c = 0; c < kValueBlock / kLanes; ++c) store(acc + i + c * kLanes, a[c]);
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; h += kValueHeads) {
+        const int64_t heads = std::min<int64_t>(kValueHeads, (kvh + 1) * G - h);
+        float* accs[kValueHeads];
+        const float* probs[kValueHeads];
+        for (int64_t i = 0; i < heads; ++i) {
+          accs[i] = head_partial(h + i) + 2;
+          probs[i] = scores + (h + i) * stride + j0;
         }
-        for (; i + kLanes <= D; i += kLanes) {
-          vf a = load(acc + i);
-          for (int64_t jj = 0; jj < count; ++jj) a = fmadd(splat(p[jj]), load(rows[jj] + i), a);
-          store(acc + i, a);
+        switch (heads) {
+          case 1: add_values<1>(rows, count, probs, accs, D); break;
+          case 2: add_values<2>(rows, count, probs, accs, D); break;
+          case 3: add_values<3>(rows, count, probs, accs, D); break;
+          default: add_values<4>(rows, count, probs, accs, D); break;
         }
-        for (; i < D; ++i)
-          for (int64_t jj = 0; jj < count; ++jj) acc[i] += p[jj] * to_float(rows[jj][i]);
       }
     }
   }
