@@ -205,6 +205,16 @@ def _paged_case(dtype, q_lens, ctx_lens, num_heads=6, num_kv_heads=2, head_dim=3
     return tables, k_cache, v_cache, q
 
 
+def _int32(xs) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+def _padded_tables(tables) -> torch.Tensor:
+    """Block tables as the kernel takes them: one int32 row per sequence, zero-padded."""
+    width = max(len(t) for t in tables)
+    return _int32([t + [0] * (width - len(t)) for t in tables])
+
+
 # (query heads, kv heads, head_dim): GQA and MHA at the usual widths, then groups the value pass
 # splits into runs of four heads (5 = 4 + 1, 8 = 4 + 4) and widths that end in a lone 8-lane
 # vector (40) or in scalars (12).
@@ -219,14 +229,12 @@ def test_paged_attention_matches_gathered_sdpa(dtype, shape):
     q_lens, ctx_lens, tpb, scale = [1, 3, 1, 8], [9, 5, 600, 8], 4, 1 / math.sqrt(head_dim)
     tables, k_cache, v_cache, q = _paged_case(dtype, q_lens, ctx_lens, num_heads, num_kv_heads,
                                               head_dim=head_dim, tpb=tpb)
-    width = max(len(t) for t in tables)
-    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
     out = torch.ops.llm_forge.paged_attention(
-        q, k_cache, v_cache, as_int([t + [0] * (width - len(t)) for t in tables]),
-        as_int(ctx_lens), as_int(starts), tpb, scale)
+        q, k_cache, v_cache, _padded_tables(tables), _int32(ctx_lens), _int32(starts), tpb,
+        scale)
     for b, (n_q, n_ctx) in enumerate(zip(q_lens, ctx_lens)):
         pos = torch.arange(n_ctx)
         slots = torch.tensor(tables[b])[pos // tpb] * tpb + pos % tpb
@@ -240,14 +248,12 @@ def test_paged_attention_matches_gathered_sdpa(dtype, shape):
 
 def test_a_row_of_paged_attention_does_not_depend_on_its_batch():
     tables, k_cache, v_cache, q = _paged_case(torch.float32, [1, 1, 1], [700, 30, 3])
-    width = max(len(t) for t in tables)
-    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    padded = as_int([t + [0] * (width - len(t)) for t in tables])
+    padded = _padded_tables(tables)
     together = torch.ops.llm_forge.paged_attention(q, k_cache, v_cache, padded,
-                                                   as_int([700, 30, 3]), as_int([0, 1, 2, 3]), 4,
+                                                   _int32([700, 30, 3]), _int32([0, 1, 2, 3]), 4,
                                                    0.2)
     alone = torch.ops.llm_forge.paged_attention(q[:1], k_cache, v_cache, padded[:1],
-                                                as_int([700]), as_int([0, 1]), 4, 0.2)
+                                                _int32([700]), _int32([0, 1]), 4, 0.2)
     assert torch.equal(together[:1], alone)
 
 
@@ -259,15 +265,13 @@ def test_rows_give_the_same_attention_whether_their_kv_heads_share_a_work_item(d
     ctx = [300 + 37 * i for i in range(rows)]
     tables, k_cache, v_cache, q = _paged_case(dtype, [1] * rows, ctx, num_heads=9,
                                               num_kv_heads=3, head_dim=64, tpb=16)
-    width = max(len(t) for t in tables)
-    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    padded = as_int([t + [0] * (width - len(t)) for t in tables])
-    together = torch.ops.llm_forge.paged_attention(q, k_cache, v_cache, padded, as_int(ctx),
-                                                   as_int(list(range(rows + 1))), 16, 0.125)
+    padded = _padded_tables(tables)
+    together = torch.ops.llm_forge.paged_attention(q, k_cache, v_cache, padded, _int32(ctx),
+                                                   _int32(list(range(rows + 1))), 16, 0.125)
     for r in (0, rows - 1):
         alone = torch.ops.llm_forge.paged_attention(q[r:r + 1], k_cache, v_cache,
-                                                    padded[r:r + 1], as_int([ctx[r]]),
-                                                    as_int([0, 1]), 16, 0.125)
+                                                    padded[r:r + 1], _int32([ctx[r]]),
+                                                    _int32([0, 1]), 16, 0.125)
         assert torch.equal(together[r:r + 1], alone)
 
 
