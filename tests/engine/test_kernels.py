@@ -342,6 +342,78 @@ def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
             assert runner.decode_forward.supported is declared
 
 
+def _decode_step_arguments(rows_per_seq, dtype):
+    """decode_forward's arguments for a two-layer Llama layer of made-up weights: per layer the
+    projections are INT4 (qkv with an AWQ scale, gate_up with zero points) and bf16 tiles (dense
+    with a bias, down), over sequences of 20 + i cached tokens each adding `rows_per_seq[i]` rows."""
+    from triton_backend.engine.quant import int4
+    from triton_backend.engine.kernels.linear import pack_int4_dot
+
+    torch.manual_seed(len(rows_per_seq) * 7 + sum(rows_per_seq))
+    layers, hidden, heads, kv_heads, d, inter, block = 2, 64, 4, 2, 16, 96, 16
+    shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
+              (hidden, inter)]
+    weights = []
+    for _ in range(layers):
+        weights += [1 + 0.1 * torch.randn(hidden, dtype=dtype) for _ in range(2)]
+        for i, (n, k) in enumerate(shapes):
+            w = torch.randn(n, k) / math.sqrt(k)
+            if i in (0, 2):
+                q, scales, zeros = int4.quantize_rtn_zero_point(w, 32)
+                packed, params = pack_int4_dot(q, scales, zeros)
+                prequant = 0.5 + torch.rand(k) if i == 0 else None
+                weights += [packed, params, prequant, None]
+            else:
+                weights += [pack_weight(w.bfloat16()), None, None,
+                            torch.randn(n) * 0.1 if i == 1 else None]
+    weights.append(1 + 0.1 * torch.randn(hidden, dtype=dtype))
+    cached = [20 + i for i in range(len(rows_per_seq))]
+    lens = [c + r for c, r in zip(cached, rows_per_seq)]
+    tables = [[b * 4 + j for j in range(-(-n // block))] for b, n in enumerate(lens)]
+    positions = [p for c, r in zip(cached, rows_per_seq) for p in range(c, c + r)]
+    slots = [tables[b][p // block] * block + p % block
+             for b, (c, r) in enumerate(zip(cached, rows_per_seq)) for p in range(c, c + r)]
+    starts = [0]
+    for r in rows_per_seq:
+        starts.append(starts[-1] + r)
+    angles = torch.arange(64)[:, None] * torch.rand(d // 2)[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cache = lambda: torch.randn(layers, 4 * len(lens) * block, kv_heads, d).to(dtype)  # noqa: E731
+    return dict(hidden=torch.randn(len(positions), hidden).to(dtype),
+                positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+                block_tables=_padded_tables(tables), seq_lens=_int32(lens),
+                query_start=_int32(starts), cos=cos, sin=sin, k_cache=cache(), v_cache=cache(),
+                weights=weights, kinds=[1, 0, 1, 0] * layers,
+                out_features=[n for n, _ in shapes] * layers, group_sizes=[32, 0, 32, 0] * layers,
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=d, tokens_per_block=block,
+                eps=1e-5, scale=d ** -0.5, lora=[], lora_runs=[])
+
+
+@pytest.mark.parametrize("rows_per_seq", [[1], [1, 1, 1], [5, 1], [1] * 9, [12, 1, 3]])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_one_region_decode_step_computes_the_op_by_op_steps_values(rows_per_seq, dtype,
+                                                                       threads):
+    """decode_forward in one parallel region (row phases on one thread below 8 rows, split at 8
+    and more) returns the op-by-op path's hidden states and writes its cache, bit for bit."""
+    args = _decode_step_arguments(rows_per_seq, dtype)
+    results = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for single_region in (False, True):
+            run = dict(args, hidden=args["hidden"].clone(), k_cache=args["k_cache"].clone(),
+                       v_cache=args["v_cache"].clone())
+            out = torch.ops.llm_forge.decode_forward(**run, single_region=single_region)
+            results.append((out, run["k_cache"], run["v_cache"]))
+    finally:
+        torch.set_num_threads(previous)
+    (out, k, v), (region_out, region_k, region_v) = results
+    assert torch.isfinite(out.float()).all() and not torch.equal(k, args["k_cache"])
+    assert torch.equal(region_out, out)
+    assert torch.equal(region_k, k) and torch.equal(region_v, v)
+
+
 def test_the_kernels_can_be_built_for_a_lower_instruction_set(monkeypatch):
     """LLM_FORGE_KERNEL_MARCH builds the code paths of another CPU (make test runs the kernel
     tests again with x86-64-v3: AVX2, no AVX-512); each choice is a build of its own."""

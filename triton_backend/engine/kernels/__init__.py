@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("register.cpp", "gemm.cpp", "gemm_bf16_dot.cpp", "gemm_int4_dot.cpp", "layer_ops.cpp",
            "attention.cpp", "forward.cpp", "lora.cpp", "sampling.cpp")
-HEADERS = ("vec.h", "ops.h")
+HEADERS = ("vec.h", "ops.h", "step.h", "layer_rows.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # No implicit FMA contraction: elementwise kernels round like the torch ops they replace; the
 # GEMM and dot products fuse explicitly.

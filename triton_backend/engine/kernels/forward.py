@@ -52,6 +52,9 @@ class DecodeForward:
         self.out_features: list[int] = []
         self.group_sizes: list[int] = []
         self.upcast_min_rows: int | None = None
+        # The step in one parallel region of the C++ side where its projections allow (packed
+        # INT4 or bf16 tiles, no LoRA rows); False: op by op (the same values, for tests).
+        self.single_region = True
         # The C++ side computes the Llama layer and nothing else: a family must declare it.
         self.supported = models.get(shape.architecture).fused_decode and self._gather(model, dtype)
 
@@ -92,4 +95,5 @@ class DecodeForward:
             hidden, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.query_start, rotary.cos, rotary.sin, self.cache.k, self.cache.v, self.weights,
             self.kinds, self.out_features, self.group_sizes, *self.dims,
-            self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs)
+            self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs,
+            self.single_region)

@@ -9,6 +9,7 @@
 // long context is spread over the threads even for a single sequence. Each part keeps its own
 // max, sum and weighted values; parts are merged in order. Part boundaries depend only on the
 // row's own key count, so a row's result never depends on what else is in the step.
+#include "step.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -39,18 +40,8 @@ inline void widen(const T* src, float* dst, int64_t D) {
   for (; i < D; ++i) dst[i] = to_float(src[i]);
 }
 
-struct Geometry {
-  int64_t num_q_heads, num_kv_heads, D, tokens_per_block, max_blocks;
-  int64_t q_row_stride, q_head_stride, kv_slot_stride;
-  float scale;
-  int64_t group() const { return num_q_heads / num_kv_heads; }
-  int64_t partial_size() const { return group() * (2 + D); }  // per item: m, l, acc[D] per head
-};
-
-struct Item {
-  int64_t row, kv_begin, kv_end, key_begin, key_end, seq;
-  int64_t partial, head_stride;  // the first head's partial (in partials), the next's (floats)
-};
+using step::Geometry;
+using step::Item;
 
 // acc_h[0..D) += sum over the block's keys jj of p_h[jj] * value row jj, for HEADS query heads
 // of one kv head: each value chunk is widened once and meets every head's accumulators in
@@ -259,16 +250,38 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start,
                           const Geometry& g, at::Tensor& out) {
+  step::AttentionPlan plan =
+      step::plan_attention(g, block_tables, seq_lens, query_start, at::get_num_threads());
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  parallel_chunks(static_cast<int64_t>(plan.items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) step::attend_item(plan, qp, kp, vp, i);
+  });
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, plan.groups(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) step::merge_group(plan, gi, op);
+  });
+}
+
+}  // namespace
+
+namespace step {
+
+AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start,
+                             int64_t threads) {
+  AttentionPlan plan{g, query_start.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                     block_tables.data_ptr<int32_t>(), {}, {}, {}};
   const int64_t num_seqs = seq_lens.size(0);
-  const int32_t* starts = query_start.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = plan.starts;
+  const int32_t* lens = plan.lens;
   // Partials are stored by (row, kv head, part): first[r * Hkv + h] .. first[r * Hkv + h + 1].
   // An item is one part of one row for one kv head, or, when the step has enough (row, part)
   // pairs to keep every thread busy, for all kv heads at once (each slot's rows then read as one
   // run). Which heads share an item changes no head's arithmetic.
   const int64_t Hkv = g.num_kv_heads, psize = g.partial_size();
-  std::vector<int64_t> num_keys_of(starts[num_seqs]), first;
+  std::vector<int64_t> num_keys_of(starts[num_seqs]);
   int64_t pairs = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     for (int64_t row = starts[b]; row < starts[b + 1]; ++row) {
@@ -279,52 +292,55 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       pairs += (num_keys + kPart - 1) / kPart;
     }
   }
-  const bool all_heads = pairs >= 4 * std::max<int64_t>(1, at::get_num_threads());
-  std::vector<Item> items;
+  const bool all_heads = pairs >= 4 * std::max<int64_t>(1, threads);
   int64_t base = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     for (int64_t row = starts[b]; row < starts[b + 1]; ++row) {
       const int64_t num_keys = num_keys_of[row], P = (num_keys + kPart - 1) / kPart;
-      for (int64_t h = 0; h < Hkv; ++h) first.push_back(base + h * P);
+      for (int64_t h = 0; h < Hkv; ++h) plan.first.push_back(base + h * P);
       for (int64_t p = 0; p < P; ++p) {
         const int64_t kb = p * kPart, ke = std::min(kb + kPart, num_keys);
         if (all_heads) {
-          items.push_back({row, 0, Hkv, kb, ke, b, base + p, P * psize});
+          plan.items.push_back({row, 0, Hkv, kb, ke, b, base + p, P * psize});
         } else {
           for (int64_t h = 0; h < Hkv; ++h)
-            items.push_back({row, h, h + 1, kb, ke, b, base + h * P + p, P * psize});
+            plan.items.push_back({row, h, h + 1, kb, ke, b, base + h * P + p, P * psize});
         }
       }
       base += Hkv * P;
     }
   }
-  first.push_back(base);
-  std::vector<float> parts(base * psize);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scratch;
-    thread_local std::vector<int64_t> slots;
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = items[i];
-      attend_part(g, qp + it.row * g.q_row_stride, kp, vp, tables + it.seq * g.max_blocks,
-                  it.kv_begin, it.kv_end, it.key_begin, it.key_end,
-                  parts.data() + it.partial * psize, it.head_stride, scratch, slots);
-    }
-  });
-  T* op = out.data_ptr<T>();
-  const int64_t groups = static_cast<int64_t>(first.size()) - 1;
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t gi = begin; gi < end; ++gi) {
-      const int64_t row = gi / g.num_kv_heads, kv_head = gi % g.num_kv_heads;
-      merge_parts(g, parts.data() + first[gi] * g.partial_size(), first[gi + 1] - first[gi],
-                  kv_head, op + row * g.num_q_heads * g.D);
-    }
-  });
+  plan.first.push_back(base);
+  plan.parts.resize(base * psize);
+  return plan;
 }
 
-}  // namespace
+template <typename T>
+void attend_item(AttentionPlan& plan, const T* q, const T* k_cache, const T* v_cache, int64_t i) {
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<int64_t> slots;
+  const Geometry& g = plan.g;
+  const Item& it = plan.items[i];
+  attend_part(g, q + it.row * g.q_row_stride, k_cache, v_cache,
+              plan.tables + it.seq * g.max_blocks, it.kv_begin, it.kv_end, it.key_begin,
+              it.key_end, plan.parts.data() + it.partial * g.partial_size(), it.head_stride,
+              scratch, slots);
+}
+template void attend_item(AttentionPlan&, const float*, const float*, const float*, int64_t);
+template void attend_item(AttentionPlan&, const at::BFloat16*, const at::BFloat16*,
+                          const at::BFloat16*, int64_t);
+
+template <typename T>
+void merge_group(const AttentionPlan& plan, int64_t gi, T* out) {
+  const Geometry& g = plan.g;
+  const int64_t row = gi / g.num_kv_heads, kv_head = gi % g.num_kv_heads;
+  merge_parts(g, plan.parts.data() + plan.first[gi] * g.partial_size(),
+              plan.first[gi + 1] - plan.first[gi], kv_head, out + row * g.num_q_heads * g.D);
+}
+template void merge_group(const AttentionPlan&, int64_t, float*);
+template void merge_group(const AttentionPlan&, int64_t, at::BFloat16*);
+
+}  // namespace step
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,

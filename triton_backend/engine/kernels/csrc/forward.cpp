@@ -7,7 +7,16 @@
 // projection, as `lora/batch.py` adds them in the Python model, with the same kernels. Everything
 // else takes the Python model (`model.py`), which stays the reference: tests hold the two to
 // each other.
+#include "layer_rows.h"
 #include "ops.h"
+#include "step.h"
+
+#include <omp.h>
+#include <sched.h>
+
+#include <atomic>
+#include <memory>
+#include <vector>
 
 namespace llm_forge {
 
@@ -88,6 +97,349 @@ void add_lora(const at::Tensor& in, at::Tensor& out, const Weights& lora, at::In
   }
 }
 
+// ---- The whole step in one parallel region ----
+//
+// At a few rows a step is ~120 projections of a few hundred KB each and a dozen small ops per
+// layer; called op by op, each pays an allocation, a fork and join of the thread team and the
+// main thread's dispatch while the other threads spin. Here the team is forked once per step:
+// row-sized work (norms, rotary, a projection's input quantized or widened, the attention's
+// merge) runs on thread 0, or on each thread's share of the rows when there are enough rows; the
+// projections and the attention are claimed in chunks by every thread; spin barriers separate
+// the phases, and a thread waiting at one asks for the next projection's weights (into L2)
+// instead of only spinning. The same kernels on the same chunks of output columns, in the same
+// order of arithmetic: the values are those of the op-by-op path (a test holds them equal).
+
+constexpr int64_t kRowsSplitMin = 8;          // fewer rows: row-sized phases run on thread 0
+constexpr int64_t kPrefetchChunk = 4096;      // bytes a waiting thread asks for at a time
+constexpr int64_t kSpinsBeforeYield = 20000;  // then a waiting thread yields its core each round
+
+// A barrier for a fixed team. A waiting thread runs `idle()` while it returns true, then spins;
+// after a while it yields the core each round, so a teammate the OS preempted (for a server
+// process wanting the core) gets a core back instead of queueing behind a spinner.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  template <typename Idle>
+  void wait(const Idle& idle) {
+    const int64_t gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    bool working = true;
+    int64_t spins = 0;
+    while (generation_.load(std::memory_order_acquire) == gen) {
+      if (working && idle()) continue;
+      working = false;
+      if (++spins < kSpinsBeforeYield) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      } else {
+        sched_yield();
+      }
+    }
+  }
+
+ private:
+  const int n_;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+};
+
+// One projection as the region runs it: raw pointers into weights the caller holds.
+struct RegionLinear {
+  int64_t kind, K, N, group, units;  // units: INT4 panels of 32 columns, or bf16 tiles of 16
+  const void* packed;
+  int64_t packed_bytes;
+  const at::Half* scale_offsets;
+  const void* prequant;
+  bool prequant_bf16;
+  const float* bias;
+  int64_t chunk(int64_t team) const {
+    return kind == kPackedInt4 ? step::int4_chunk(units, team) : step::bf16_chunk(units, team);
+  }
+};
+
+// Whether the region runs these projections: packed INT4 or packed bf16 tiles (not the bf16
+// dot-product layout), AWQ scales in fp32 or bf16.
+bool region_supports(const Weights& weights, at::IntArrayRef kinds, int64_t layers) {
+  for (int64_t p = 0; p < 4 * layers; ++p) {
+    const int64_t slot = (p / 4) * kSlotsPerLayer + 2 + (p % 4) * kSlotsPerLinear;
+    const c10::optional<at::Tensor> w = weights.get(slot);
+    if (!w.has_value() || (kinds[p] != kPackedInt4 && kinds[p] != kPackedBf16) ||
+        (kinds[p] == kPackedBf16 && w->dim() != 3))
+      return false;
+    const c10::optional<at::Tensor> pre = weights.get(slot + 2);
+    if (pre.has_value() && (!pre->is_contiguous() || (pre->scalar_type() != at::kFloat &&
+                                                      pre->scalar_type() != at::kBFloat16)))
+      return false;
+  }
+  return true;
+}
+
+RegionLinear region_linear(const Weights& weights, int64_t slot, int64_t kind, int64_t N,
+                           int64_t group, std::vector<at::Tensor>& keep) {
+  const at::Tensor w = required(weights, slot);
+  RegionLinear l{kind, 0, N, group, w.size(0), w.data_ptr(), static_cast<int64_t>(w.nbytes()),
+                 nullptr, nullptr, false, nullptr};
+  if (kind == kPackedInt4) {
+    const at::Tensor so = required(weights, slot + 1);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 128 &&
+                    w.is_contiguous() && so.scalar_type() == at::kHalf && so.is_contiguous(),
+                "decode_forward: INT4 weights must be packed uint8 with fp16 scales");
+    l.K = w.size(1) * 8;
+    TORCH_CHECK(group > 0 && group % 8 == 0 && l.K % group == 0 &&
+                    so.sizes() == at::IntArrayRef({l.units, l.K / group, 64}),
+                "decode_forward: the INT4 group size and scales do not fit the weight");
+    TORCH_CHECK(N > (l.units - 1) * 32 && N <= l.units * 32, "N does not fit the panels");
+    l.scale_offsets = so.data_ptr<at::Half>();
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(2) == 16 && w.is_contiguous(),
+                "decode_forward: bf16 weights must be packed [tiles, K, 16]");
+    l.K = w.size(1);
+    TORCH_CHECK(N > (l.units - 1) * 16 && N <= l.units * 16, "N does not fit the tiles");
+  }
+  const c10::optional<at::Tensor> pre = weights.get(slot + 2);
+  if (pre.has_value()) {
+    TORCH_CHECK(pre->numel() == l.K, "prequant has ", pre->numel(), " scales for ", l.K,
+                " features");
+    l.prequant = pre->data_ptr();
+    l.prequant_bf16 = pre->scalar_type() == at::kBFloat16;
+  }
+  const c10::optional<at::Tensor> bias = weights.get(slot + 3);
+  if (bias.has_value()) {
+    keep.push_back(bias->to(at::kFloat).contiguous());
+    TORCH_CHECK(keep.back().numel() == N, "bias has ", keep.back().numel(), " values for ", N,
+                " outputs");
+    l.bias = keep.back().data_ptr<float>();
+  }
+  return l;
+}
+
+// decode_forward's arguments besides the hidden states and LoRA.
+struct StepArgs {
+  const at::Tensor &positions, &slot_mapping, &block_tables, &seq_lens, &query_start, &cos, &sin,
+      &k_cache, &v_cache;
+  const Weights& weights;
+  at::IntArrayRef kinds, out_features, group_sizes;
+  int64_t num_heads, num_kv_heads, D, tokens_per_block;
+  double eps, scale;
+};
+
+template <typename T>
+at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
+  const at::Tensor &positions = args.positions, &slot_mapping = args.slot_mapping,
+                   &block_tables = args.block_tables, &seq_lens = args.seq_lens,
+                   &query_start = args.query_start, &cos = args.cos, &sin = args.sin,
+                   &k_cache = args.k_cache, &v_cache = args.v_cache;
+  const Weights& weights = args.weights;
+  const int64_t num_heads = args.num_heads, num_kv_heads = args.num_kv_heads, D = args.D;
+  const double eps = args.eps;
+  const int64_t layers = k_cache.size(0), M = x_in.size(0), H = x_in.size(1);
+  const int64_t q_size = num_heads * D, kv_width = num_kv_heads * D;
+  const float feps = static_cast<float>(eps);
+  // Raw pointers to every weight, with the checks the op-by-op kernels make, before the region.
+  std::vector<RegionLinear> lin;
+  std::vector<at::Tensor> keep;  // fp32 biases
+  std::vector<const T*> norms;
+  int64_t k_max = 0;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t base = layer * kSlotsPerLayer;
+    for (int64_t j = 0; j < 2; ++j) {
+      const at::Tensor w = required(weights, base + j);
+      TORCH_CHECK(w.scalar_type() == x_in.scalar_type() && w.is_contiguous() && w.numel() == H,
+                  "decode_forward: norm weights must match the hidden size and dtype");
+      norms.push_back(w.data_ptr<T>());
+    }
+    for (int64_t i = 0; i < 4; ++i) {
+      const int64_t p = 4 * layer + i;
+      lin.push_back(region_linear(weights, base + 2 + i * kSlotsPerLinear, args.kinds[p],
+                                  args.out_features[p], args.group_sizes[p], keep));
+      k_max = std::max(k_max, lin.back().K);
+    }
+    const RegionLinear* L = lin.data() + 4 * layer;
+    TORCH_CHECK(L[0].K == H && L[0].N == q_size + 2 * kv_width && L[1].K == q_size &&
+                    L[1].N == H && L[2].K == H && L[3].K * 2 == L[2].N && L[3].N == H,
+                "decode_forward: the projections' shapes do not fit the layer");
+  }
+  const at::Tensor final_norm = required(weights, layers * kSlotsPerLayer);
+  TORCH_CHECK(cos.size(1) == D && sin.size(1) == D && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              "cos/sin must be contiguous fp32 rows of head_dim");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == x_in.scalar_type() &&
+                  v_cache.scalar_type() == x_in.scalar_type() && k_cache.size(2) == num_kv_heads &&
+                  k_cache.size(3) == D,
+              "the cache must be contiguous [layers, slots, Hkv, D] in the activations' dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous() &&
+                  positions.numel() == M && slot_mapping.numel() == M,
+              "positions and slot_mapping must be int64, one per row");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous() && query_start.is_contiguous() &&
+                  query_start.size(0) == seq_lens.size(0) + 1,
+              "block_tables, seq_lens and query_start must be int32, query_start B + 1 long");
+  TORCH_CHECK(D <= 512, "head_dim over 512 is not supported");
+
+  // The step's buffers, allocated once; the residual stream lives in x_in, as op by op.
+  const auto opts = x_in.options();
+  T* residual = x_in.data_ptr<T>();
+  at::Tensor h_t = at::empty({M, H}, opts), qkv_t = at::empty({M, lin[0].N}, opts);
+  at::Tensor o_t = at::empty({M, q_size}, opts), d_t = at::empty({M, H}, opts);
+  at::Tensor gu_t = at::empty({M, lin[2].N}, opts), act_t = at::empty({M, lin[3].K}, opts);
+  at::Tensor x_t = at::empty({M, H}, opts);
+  T* hb = h_t.data_ptr<T>();
+  T* qkv = qkv_t.data_ptr<T>();
+  T* ob = o_t.data_ptr<T>();
+  T* db = d_t.data_ptr<T>();
+  T* gu = gu_t.data_ptr<T>();
+  T* act = act_t.data_ptr<T>();
+  T* xb = x_t.data_ptr<T>();
+  std::vector<float> widened(M * k_max), block_scales(M * k_max), group_sums(M * k_max);
+  std::vector<int8_t> q8(M * k_max);
+
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const step::Geometry g{num_heads, num_kv_heads, D, args.tokens_per_block, block_tables.size(1),
+                         qkv_t.stride(0), D, kv_width, static_cast<float>(args.scale)};
+  step::AttentionPlan plan =
+      step::plan_attention(g, block_tables, seq_lens, query_start, threads);
+  const int64_t n_items = static_cast<int64_t>(plan.items.size());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t layer_stride = k_cache.stride(0);
+
+  // Per layer: the 4 projections and the attention claim work from counters 0-4, threads
+  // waiting at a barrier ask for projection i's weights from counter 5 + i.
+  constexpr int64_t kCounters = 9;
+  std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[layers * kCounters]);
+  for (int64_t i = 0; i < layers * kCounters; ++i) counters[i].store(0);
+
+  // Row m of a projection's input, quantized (INT4) or widened (bf16) into the shared buffers.
+  auto prepare = [&](const RegionLinear& l, const T* in, int64_t m) {
+    const T* row = in + m * l.K;
+    float* wide = widened.data() + m * l.K;
+    if (l.prequant == nullptr && l.kind == kPackedBf16)
+      step::widen_row(row, static_cast<const float*>(nullptr), l.K, wide);
+    else if (l.prequant != nullptr && l.prequant_bf16)
+      step::widen_row(row, static_cast<const at::BFloat16*>(l.prequant), l.K, wide);
+    else if (l.prequant != nullptr)
+      step::widen_row(row, static_cast<const float*>(l.prequant), l.K, wide);
+    if (l.kind != kPackedInt4) return;
+    const int64_t blocks = l.K / step::int4_block(l.group), groups = l.K / l.group;
+    int8_t* q = q8.data() + m * l.K;
+    float* a = block_scales.data() + m * blocks;
+    float* sums = group_sums.data() + m * groups;
+    if (l.prequant != nullptr)
+      step::int4_quantize_row(static_cast<const float*>(wide), l.K, l.group, q, a, sums);
+    else
+      step::int4_quantize_row(row, l.K, l.group, q, a, sums);
+  };
+  auto project = [&](const RegionLinear& l, T* out, int64_t u_begin, int64_t u_end) {
+    if (l.kind == kPackedInt4) {
+      const step::Int4Rows x{q8.data(), block_scales.data(), group_sums.data(), l.K,
+                             l.K / step::int4_block(l.group), l.K / l.group};
+      step::int4_panels(x, M, static_cast<const uint8_t*>(l.packed), l.scale_offsets, l.group,
+                        l.N, l.bias, out, u_begin, u_end);
+    } else {
+      step::bf16_tiles(widened.data(), M, l.K, static_cast<const at::BFloat16*>(l.packed),
+                       l.units, l.N, l.bias, out, u_begin, u_end);
+    }
+  };
+
+  std::unique_ptr<SpinBarrier> barrier;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    barrier.reset(new SpinBarrier(omp_get_num_threads()));  // single's own barrier follows
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    const bool split = M >= kRowsSplitMin;
+    const int64_t r_begin = split ? tid * M / team : (tid == 0 ? 0 : M);
+    const int64_t r_end = split ? (tid + 1) * M / team : M;
+    // Wait for the team; meanwhile ask for projection l's weights (its prefetch counter).
+    auto wait_fetching = [&](const RegionLinear* l, std::atomic<int64_t>* counter) {
+      barrier->wait([&] {
+        if (l == nullptr) return false;
+        const int64_t off = counter->fetch_add(kPrefetchChunk, std::memory_order_relaxed);
+        if (off >= l->packed_bytes) return false;
+        const char* p = static_cast<const char*>(l->packed) + off;
+        const int64_t n = std::min(kPrefetchChunk, l->packed_bytes - off);
+        for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 2);
+        return true;
+      });
+    };
+    auto claim = [](std::atomic<int64_t>* counter, int64_t n, int64_t chunk, const auto& body) {
+      for (;;) {
+        const int64_t begin = counter->fetch_add(chunk, std::memory_order_relaxed);
+        if (begin >= n) return;
+        body(begin, std::min(n, begin + chunk));
+      }
+    };
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const RegionLinear* L = lin.data() + 4 * layer;
+      std::atomic<int64_t>* c = counters.get() + layer * kCounters;
+      T* kl = kc + layer * layer_stride;
+      T* vl = vc + layer * layer_stride;
+      for (int64_t m = r_begin; m < r_end; ++m) {  // the previous layer's output joins the stream
+        if (layer == 0)
+          layer_row::rms_norm(residual + m * H, norms[0], hb + m * H, H, feps);
+        else
+          layer_row::add_rms_norm(xb + m * H, residual + m * H, norms[2 * layer], hb + m * H, H,
+                                  feps);
+        prepare(L[0], hb, m);
+      }
+      wait_fetching(&L[0], c + 5);
+      claim(c + 0, L[0].units, L[0].chunk(team),
+            [&](int64_t b, int64_t e) { project(L[0], qkv, b, e); });
+      wait_fetching(&L[1], c + 6);
+      for (int64_t m = r_begin; m < r_end; ++m)
+        layer_row::rope_write(qkv + m * L[0].N, cp + pos[m] * D, sp + pos[m] * D, num_heads,
+                              num_kv_heads, D, kl + slots[m] * kv_width,
+                              vl + slots[m] * kv_width);
+      wait_fetching(&L[1], c + 6);
+      claim(c + 4, n_items, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) step::attend_item(plan, qkv, kl, vl, i);
+      });
+      wait_fetching(&L[1], c + 6);
+      for (int64_t m = r_begin; m < r_end; ++m) {
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+          step::merge_group(plan, m * num_kv_heads + kvh, ob);
+        prepare(L[1], ob, m);
+      }
+      wait_fetching(&L[1], c + 6);
+      claim(c + 1, L[1].units, L[1].chunk(team),
+            [&](int64_t b, int64_t e) { project(L[1], db, b, e); });
+      wait_fetching(&L[2], c + 7);
+      for (int64_t m = r_begin; m < r_end; ++m) {
+        layer_row::add_rms_norm(db + m * H, residual + m * H, norms[2 * layer + 1], hb + m * H,
+                                H, feps);
+        prepare(L[2], hb, m);
+      }
+      wait_fetching(&L[2], c + 7);
+      claim(c + 2, L[2].units, L[2].chunk(team),
+            [&](int64_t b, int64_t e) { project(L[2], gu, b, e); });
+      wait_fetching(&L[3], c + 8);
+      for (int64_t m = r_begin; m < r_end; ++m) {
+        layer_row::silu_mul(gu + m * L[2].N, act + m * L[3].K, L[3].K);
+        prepare(L[3], act, m);
+      }
+      wait_fetching(&L[3], c + 8);
+      claim(c + 3, L[3].units, L[3].chunk(team),
+            [&](int64_t b, int64_t e) { project(L[3], xb, b, e); });
+      const bool last = layer + 1 == layers;
+      wait_fetching(last ? nullptr : &L[4], last ? nullptr : c + kCounters + 5);
+    }
+  }
+  return add_rms_norm(x_t, x_in, final_norm, eps);
+}
+
 }  // namespace
 
 at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
@@ -98,7 +450,8 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           at::IntArrayRef kinds, at::IntArrayRef out_features,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
-                          const Weights& lora, at::IntArrayRef lora_runs) {
+                          const Weights& lora, at::IntArrayRef lora_runs,
+                          bool single_region) {
   const int64_t layers = k_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer + 1 &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
@@ -109,6 +462,15 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                       4 * layers * static_cast<int64_t>(lora_runs.size() / 2) * kLoraSlotsPerRun,
               "decode_forward: LoRA slots for ", layers, " layers and ", lora_runs.size() / 2,
               " runs expected");
+  if (single_region && lora_runs.empty() && hidden.dim() == 2 && k_cache.dim() == 4 &&
+      region_supports(weights, kinds, layers)) {
+    const at::Tensor x_in = hidden.contiguous();
+    const StepArgs args{positions, slot_mapping, block_tables, seq_lens, query_start, cos, sin,
+                        k_cache, v_cache, weights, kinds, out_features, group_sizes, num_heads,
+                        num_kv_heads, head_dim, tokens_per_block, eps, scale};
+    if (x_in.scalar_type() == at::kBFloat16) return region_forward<at::BFloat16>(x_in, args);
+    if (x_in.scalar_type() == at::kFloat) return region_forward<float>(x_in, args);
+  }
   const int64_t q_size = num_heads * head_dim;
   at::Tensor x = hidden.contiguous();  // this step's own buffer: the residual stream lives in it
   at::Tensor residual = x;

@@ -12,6 +12,7 @@
 // element is summed over k in the same order whatever M is, so a row's result does not depend on
 // the rows batched with it.
 #include "ops.h"
+#include "step.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -118,45 +119,58 @@ void gemm_block(const float* x, int64_t rows, int64_t K, const W& w, int64_t t_b
   }
 }
 
+// Tiles [t_begin, t_end) against every row, in blocks of kRowBlock rows.
+template <typename W, typename T>
+void tile_range(const float* x, int64_t M, int64_t K, const W& w, int64_t t_begin, int64_t t_end,
+                int64_t num_tiles, int64_t N, const float* bias, T* out) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, M - m0);
+    gemm_block(x + m0 * K, rows, K, w, t_begin, t_end, num_tiles, N, bias, out + m0 * N);
+  }
+}
+
+// About 8 chunks per thread, in whole groups of the small-M kernels' 4-tile passes.
+int64_t tile_chunk(int64_t num_tiles, int64_t threads) {
+  const int64_t chunk = std::max<int64_t>(4, num_tiles / (8 * std::max<int64_t>(1, threads)));
+  return (chunk + 3) / 4 * 4;
+}
+
 template <typename W, typename T>
 void run_gemm(const float* x, int64_t M, int64_t K, const W& w, int64_t num_tiles, int64_t N,
               const float* bias, T* out) {
   // Threads claim chunks of tiles (each streams its own weights); rows are blocked so a block of
-  // x stays in cache while a chunk's tiles stream past it. About 8 chunks per thread.
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t chunk = std::max<int64_t>(4, num_tiles / (8 * threads));
-  chunk = (chunk + 3) / 4 * 4;  // whole groups of the small-M kernels' 4-tile passes
-  parallel_chunks(num_tiles, chunk, [&](int64_t t_begin, int64_t t_end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - m0);
-      gemm_block(x + m0 * K, rows, K, w, t_begin, t_end, num_tiles, N, bias, out + m0 * N);
-    }
-  });
+  // x stays in cache while a chunk's tiles stream past it.
+  parallel_chunks(num_tiles, tile_chunk(num_tiles, at::get_num_threads()),
+                  [&](int64_t t_begin, int64_t t_end) {
+                    tile_range(x, M, K, w, t_begin, t_end, num_tiles, N, bias, out);
+                  });
 }
 
 // x as contiguous fp32 rows, times the per-input `prequant` scale when given (AWQ smoothing,
 // rounded like torch's `x * prequant.to(x.dtype)`: the scale rounded to x's dtype, the product
 // computed in fp32 and rounded to x's dtype). One pass in C++: a decode step calls this for every
 // projection of every layer, where a chain of ATen ops cost more than the product itself.
+// One row of x as fp32, times the per-input `prequant` scale when given (AWQ smoothing, rounded
+// like torch's `x * prequant.to(x.dtype)`: the scale rounded to x's dtype, the product computed
+// in fp32 and rounded to x's dtype).
+template <typename T, typename P>
+void widen_one_row(const T* row, const P* prequant, int64_t K, float* dst) {
+  if (prequant == nullptr) {
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(row[k]);
+  } else {
+    for (int64_t k = 0; k < K; ++k)
+      dst[k] = round_to<T>(static_cast<float>(row[k]) *
+                           round_to<T>(static_cast<float>(prequant[k])));
+  }
+}
+
+// All rows (widen_one_row). One pass in C++: a decode step calls this for every projection of
+// every layer, where a chain of ATen ops cost more than the product itself.
 template <typename T, typename P>
 void widen_rows_into(const T* x, const P* prequant, int64_t M, int64_t K, float* out) {
-  std::vector<float> scale;
-  if (prequant != nullptr) {
-    scale.resize(K);
-    for (int64_t k = 0; k < K; ++k) scale[k] = round_to<T>(static_cast<float>(prequant[k]));
-  }
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t m_begin, int64_t m_end) {
-    for (int64_t m = m_begin; m < m_end; ++m) {
-      const T* row = x + m * K;
-      float* dst = out + m * K;
-      if (prequant == nullptr) {
-        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(row[k]);
-      } else {
-        for (int64_t k = 0; k < K; ++k)
-          dst[k] = round_to<T>(static_cast<float>(row[k]) * scale[k]);
-      }
-    }
+    for (int64_t m = m_begin; m < m_end; ++m) widen_one_row(x + m * K, prequant, K, out + m * K);
   });
 }
 
@@ -210,6 +224,33 @@ at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, i
 }
 
 }  // namespace
+
+namespace step {
+
+template <typename T>
+void bf16_tiles(const float* x, int64_t M, int64_t K, const at::BFloat16* packed,
+                int64_t num_tiles, int64_t N, const float* bias, T* out, int64_t t_begin,
+                int64_t t_end) {
+  const Bf16Tiles w{reinterpret_cast<const uint16_t*>(packed), K};
+  tile_range(x, M, K, w, t_begin, t_end, num_tiles, N, bias, out);
+}
+template void bf16_tiles(const float*, int64_t, int64_t, const at::BFloat16*, int64_t, int64_t,
+                         const float*, float*, int64_t, int64_t);
+template void bf16_tiles(const float*, int64_t, int64_t, const at::BFloat16*, int64_t, int64_t,
+                         const float*, at::BFloat16*, int64_t, int64_t);
+
+int64_t bf16_chunk(int64_t tiles, int64_t threads) { return tile_chunk(tiles, threads); }
+
+template <typename T, typename P>
+void widen_row(const T* x, const P* prequant, int64_t K, float* out) {
+  widen_one_row(x, prequant, K, out);
+}
+template void widen_row(const float*, const float*, int64_t, float*);
+template void widen_row(const at::BFloat16*, const float*, int64_t, float*);
+template void widen_row(const float*, const at::BFloat16*, int64_t, float*);
+template void widen_row(const at::BFloat16*, const at::BFloat16*, int64_t, float*);
+
+}  // namespace step
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out) {

@@ -27,6 +27,7 @@
 // idle: a third of the bandwidth). Scales and offsets: fp16 [panels, K / group, 4, 16], per
 // register its 8 scales then its 8 offsets.
 #include "ops.h"
+#include "step.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -106,31 +107,33 @@ struct QuantizedRows {
 };
 
 template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t group, int8_t* q, float* a, float* x_sums) {
+  const int64_t block = block_of(group), per_group = group / block;
+  float values[kMaxBlock];
+  for (int64_t g = 0; g < K / group; ++g) {
+    float x_sum = 0.f;
+    for (int64_t bi = 0; bi < per_group; ++bi) {
+      const int64_t b = g * per_group + bi, k0 = b * block;
+      int32_t q_sum;
+      block_as_float(x + k0, block, values);
+      a[b] = quantize_block(values, block, q + k0, &q_sum);
+      x_sum = std::fma(a[b], static_cast<float>(q_sum), x_sum);
+    }
+    x_sums[g] = x_sum;
+  }
+}
+
+template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int64_t group, QuantizedRows& r) {
-  const int64_t block = block_of(group);
-  const int64_t blocks = K / block, groups = K / group, per_group = group / block;
+  const int64_t blocks = K / block_of(group), groups = K / group;
   r.q.resize(M * K);
   r.a.resize(M * blocks);
   r.x_sums.resize(M * groups);
-  int8_t* q = r.q.data();
-  float* a = r.a.data();
-  float* sums = r.x_sums.data();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t m_begin, int64_t m_end) {
-    float values[kMaxBlock];
-    for (int64_t m = m_begin; m < m_end; ++m) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float x_sum = 0.f;
-        for (int64_t bi = 0; bi < per_group; ++bi) {
-          const int64_t b = g * per_group + bi, k0 = m * K + b * block;
-          int32_t q_sum;
-          block_as_float(x + k0, block, values);
-          a[m * blocks + b] = quantize_block(values, block, q + k0, &q_sum);
-          x_sum = std::fma(a[m * blocks + b], static_cast<float>(q_sum), x_sum);
-        }
-        sums[m * groups + g] = x_sum;
-      }
-    }
+    for (int64_t m = m_begin; m < m_end; ++m)
+      quantize_row(x + m * K, K, group, r.q.data() + m * K, r.a.data() + m * blocks,
+                   r.x_sums.data() + m * groups);
   });
 }
 
@@ -145,12 +148,7 @@ struct Weights {
   }
 };
 
-struct Activations {
-  const int8_t* q;
-  const float* a;
-  const float* x_sums;
-  int64_t K, blocks, groups;
-};
+using Activations = step::Int4Rows;
 
 // The stored nibble of column c (of the panel) for input k.
 inline int32_t nibble(const uint8_t* panel, int64_t c, int64_t k) {
@@ -286,28 +284,35 @@ void micro_kernel(const Activations& x, int64_t m0, const Weights& w, int64_t p,
 }
 #endif
 
-// Threads claim chunks of panels; each panel meets every row, two rows at a time, while it is in
-// L1/L2, so the weights stream from memory once per call. One row: two panels at a time.
-// `kernel(MR, NP, m0, p)` (MR, NP as std::integral_constant) runs one micro-kernel.
+// Panels [p_begin, p_end) against every row: each panel meets the rows two at a time while it
+// is in L1/L2, so the weights stream from memory once per call; one row takes two panels at a
+// time. `kernel(MR, NP, m0, p)` (MR, NP as std::integral_constant) runs one micro-kernel.
 template <typename Kernel>
-void run_panels(int64_t M, int64_t panels, const Kernel& kernel) {
+void panel_range(int64_t M, int64_t p_begin, int64_t p_end, const Kernel& kernel) {
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(2, panels / (8 * threads)) / 2 * 2;
-  parallel_chunks(panels, chunk, [&](int64_t p_begin, int64_t p_end) {
-    if (M == 1) {
-      int64_t p = p_begin;
-      for (; p + 2 <= p_end; p += 2) kernel(One{}, Two{}, 0, p);
-      if (p < p_end) kernel(One{}, One{}, 0, p);
-      return;
-    }
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2) kernel(Two{}, One{}, m, p);
-      if (m < M) kernel(One{}, One{}, m, p);
-    }
-  });
+  if (M == 1) {
+    int64_t p = p_begin;
+    for (; p + 2 <= p_end; p += 2) kernel(One{}, Two{}, 0, p);
+    if (p < p_end) kernel(One{}, One{}, 0, p);
+    return;
+  }
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) kernel(Two{}, One{}, m, p);
+    if (m < M) kernel(One{}, One{}, m, p);
+  }
+}
+
+int64_t panel_chunk(int64_t panels, int64_t threads) {
+  return std::max<int64_t>(2, panels / (8 * std::max<int64_t>(1, threads))) / 2 * 2;
+}
+
+// Threads claim chunks of panels (panel_range each).
+template <typename Kernel>
+void run_panels(int64_t M, int64_t panels, const Kernel& kernel) {
+  parallel_chunks(panels, panel_chunk(panels, at::get_num_threads()),
+                  [&](int64_t p_begin, int64_t p_end) { panel_range(M, p_begin, p_end, kernel); });
 }
 
 template <typename T>
@@ -334,6 +339,36 @@ void check_layout(const at::Tensor& packed, const at::Tensor& scale_offsets, int
 }
 
 }  // namespace
+
+namespace step {
+
+int64_t int4_block(int64_t group) { return block_of(group); }
+
+template <typename T>
+void int4_quantize_row(const T* x, int64_t K, int64_t group, int8_t* q, float* a,
+                       float* x_sums) {
+  quantize_row(x, K, group, q, a, x_sums);
+}
+template void int4_quantize_row(const float*, int64_t, int64_t, int8_t*, float*, float*);
+template void int4_quantize_row(const at::BFloat16*, int64_t, int64_t, int8_t*, float*, float*);
+
+template <typename T>
+void int4_panels(const Int4Rows& x, int64_t M, const uint8_t* packed,
+                 const at::Half* scale_offsets, int64_t group, int64_t N, const float* bias,
+                 T* out, int64_t p_begin, int64_t p_end) {
+  const Weights w{packed, scale_offsets, x.K, group, block_of(group)};
+  panel_range(M, p_begin, p_end, [&](auto mr, auto np, int64_t m0, int64_t p) {
+    micro_kernel<decltype(mr)::value, decltype(np)::value>(x, m0, w, p, N, bias, out);
+  });
+}
+template void int4_panels(const Int4Rows&, int64_t, const uint8_t*, const at::Half*, int64_t,
+                          int64_t, const float*, float*, int64_t, int64_t);
+template void int4_panels(const Int4Rows&, int64_t, const uint8_t*, const at::Half*, int64_t,
+                          int64_t, const float*, at::BFloat16*, int64_t, int64_t);
+
+int64_t int4_chunk(int64_t panels, int64_t threads) { return panel_chunk(panels, threads); }
+
+}  // namespace step
 
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scale_offsets,

@@ -4,6 +4,7 @@
 // Each replaces several torch ops (and their per-op dispatch cost) with one pass over the rows,
 // and rounds where the torch ops round (an intermediate stored as bf16 is rounded as bf16 here
 // too), so a bf16 engine computes what its pure-torch path computes, up to fp32 summation order.
+#include "layer_rows.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -13,32 +14,14 @@ namespace llm_forge {
 namespace {
 
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t H, float eps) {
-  vf acc = splat(0.f);
-  int64_t i = 0;
-  for (; i + kLanes <= H; i += kLanes) {
-    vf v = load(x + i);
-    acc = fmadd(v, v, acc);
-  }
-  float ss = hsum(acc);
-  for (; i < H; ++i) ss += to_float(x[i]) * to_float(x[i]);
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-  i = 0;
-  for (; i + kLanes <= H; i += kLanes) {
-    vf h = round_to<T>(load(x + i) * splat(inv));  // torch: (x * rsqrt).to(dtype)
-    store(out + i, h * load(w + i));                // then weight * h, rounded on store
-  }
-  for (; i < H; ++i) out[i] = static_cast<T>(round_to<T>(to_float(x[i]) * inv) * to_float(w[i]));
-}
-
-template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
   const int64_t H = x.size(-1), rows = x.numel() / H;
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_norm_rows(xp + r * H, wp, op + r * H, H, (float)eps);
+    for (int64_t r = b; r < e; ++r)
+      layer_row::rms_norm(xp + r * H, wp, op + r * H, H, (float)eps);
   });
 }
 
@@ -51,14 +34,8 @@ void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tens
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      T* res = rp + r * H;
-      const T* add = xp + r * H;
-      int64_t i = 0;
-      for (; i + kLanes <= H; i += kLanes) store(res + i, load(res + i) + load(add + i));
-      for (; i < H; ++i) res[i] = static_cast<T>(to_float(res[i]) + to_float(add[i]));
-      rms_norm_rows(res, wp, op + r * H, H, (float)eps);
-    }
+    for (int64_t r = b; r < e; ++r)
+      layer_row::add_rms_norm(xp + r * H, rp + r * H, wp, op + r * H, H, (float)eps);
   });
 }
 
@@ -68,22 +45,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = gp + r * 2 * I;
-      const T* u = g + I;
-      T* o = op + r * I;
-      int64_t i = 0;
-      for (; i + kLanes <= I; i += kLanes) {
-        vf gv = load(g + i);
-        vf s = round_to<T>(gv / (splat(1.f) + vexp(-gv)));  // F.silu rounds its output
-        store(o + i, s * load(u + i));
-      }
-      for (; i < I; ++i) {
-        float gv = to_float(g[i]);
-        float s = round_to<T>(gv / (1.f + std::exp(-gv)));
-        o[i] = static_cast<T>(s * to_float(u[i]));
-      }
-    }
+    for (int64_t r = b; r < e; ++r) layer_row::silu_mul(gp + r * 2 * I, op + r * I, I);
   });
 }
 
@@ -94,7 +56,7 @@ template <typename T>
 void rope_write_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                            const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
-  const int64_t T_ = qkv.size(0), D = cos.size(1), half = D / 2;
+  const int64_t T_ = qkv.size(0), D = cos.size(1);
   const int64_t row = qkv.stride(0);
   T* base = qkv.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -105,27 +67,9 @@ void rope_write_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const a
   T* vc = v_cache.data_ptr<T>();
   const int64_t kv_stride = num_kv_heads * D;
   at::parallel_for(0, T_, 4, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* c = cp + pos[t] * D;
-      const float* s = sp + pos[t] * D;
-      T* q = base + t * row;
-      for (int64_t h = 0; h < num_q_heads + num_kv_heads; ++h) {
-        T* x = q + h * D;
-        for (int64_t i = 0; i < half; ++i) {
-          float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-          float c1 = round_to<T>(c[i]), s1 = round_to<T>(s[i]);
-          float c2 = round_to<T>(c[i + half]), s2 = round_to<T>(s[i + half]);
-          float a1 = round_to<T>(x1 * c1), b1 = round_to<T>(-x2 * s1);
-          float a2 = round_to<T>(x2 * c2), b2 = round_to<T>(x1 * s2);
-          x[i] = static_cast<T>(a1 + b1);
-          x[i + half] = static_cast<T>(a2 + b2);
-        }
-      }
-      const T* k = q + num_q_heads * D;
-      const T* v = k + kv_stride;
-      std::memcpy(kc + slot[t] * kv_stride, k, kv_stride * sizeof(T));
-      std::memcpy(vc + slot[t] * kv_stride, v, kv_stride * sizeof(T));
-    }
+    for (int64_t t = b; t < e; ++t)
+      layer_row::rope_write(base + t * row, cp + pos[t] * D, sp + pos[t] * D, num_q_heads,
+                       num_kv_heads, D, kc + slot[t] * kv_stride, vc + slot[t] * kv_stride);
   });
 }
 

@@ -85,6 +85,6 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
                           const c10::List<c10::optional<at::Tensor>>& lora,
-                          at::IntArrayRef lora_runs);
+                          at::IntArrayRef lora_runs, bool single_region);
 
 }  // namespace llm_forge

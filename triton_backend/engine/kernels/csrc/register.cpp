@@ -33,6 +33,7 @@ TORCH_LIBRARY(llm_forge, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] weights, int[] kinds, "
         "int[] out_features, int[] group_sizes, int num_heads, int num_kv_heads, int head_dim, "
-        "int tokens_per_block, float eps, float scale, Tensor?[] lora, int[] lora_runs) -> Tensor",
+        "int tokens_per_block, float eps, float scale, Tensor?[] lora, int[] lora_runs, "
+        "bool single_region=True) -> Tensor",
         &llm_forge::decode_forward);
 }

@@ -1,0 +1,84 @@
+// One row of each of the decoder layer's small ops (layer_ops.cpp), for the callers that run
+// their own threads: the op entry points in layer_ops.cpp, and the decode step's single parallel
+// region (forward.cpp). Each rounds where the torch ops round (see layer_ops.cpp).
+#pragma once
+
+#include "vec.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace llm_forge {
+namespace layer_row {
+
+template <typename T>
+void rms_norm(const T* x, const T* w, T* out, int64_t H, float eps) {
+  vf acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= H; i += kLanes) {
+    vf v = load(x + i);
+    acc = fmadd(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; i < H; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  i = 0;
+  for (; i + kLanes <= H; i += kLanes) {
+    vf h = round_to<T>(load(x + i) * splat(inv));  // torch: (x * rsqrt).to(dtype)
+    store(out + i, h * load(w + i));                // then weight * h, rounded on store
+  }
+  for (; i < H; ++i) out[i] = static_cast<T>(round_to<T>(to_float(x[i]) * inv) * to_float(w[i]));
+}
+
+// residual += x, then out = rms_norm(residual).
+template <typename T>
+void add_rms_norm(const T* x, T* residual, const T* w, T* out, int64_t H, float eps) {
+  int64_t i = 0;
+  for (; i + kLanes <= H; i += kLanes) store(residual + i, load(residual + i) + load(x + i));
+  for (; i < H; ++i) residual[i] = static_cast<T>(to_float(residual[i]) + to_float(x[i]));
+  rms_norm(residual, w, out, H, eps);
+}
+
+// out[0, I) = silu(gate) * up for one row of gate_up ([gate | up], 2 I wide).
+template <typename T>
+void silu_mul(const T* g, T* o, int64_t I) {
+  const T* u = g + I;
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    vf gv = load(g + i);
+    vf s = round_to<T>(gv / (splat(1.f) + vexp(-gv)));  // F.silu rounds its output
+    store(o + i, s * load(u + i));
+  }
+  for (; i < I; ++i) {
+    float gv = to_float(g[i]);
+    float s = round_to<T>(gv / (1.f + std::exp(-gv)));
+    o[i] = static_cast<T>(s * to_float(u[i]));
+  }
+}
+
+// Rotate one token's q and k heads in place (rotate-half form, as Llama; c and s its position's
+// fp32 cos/sin rows, cast to T first as torch does) and copy its k and v into the cache slot's
+// rows.
+template <typename T>
+void rope_write(T* q, const float* c, const float* s, int64_t num_q_heads, int64_t num_kv_heads,
+                int64_t D, T* k_slot, T* v_slot) {
+  const int64_t half = D / 2, kv_stride = num_kv_heads * D;
+  for (int64_t h = 0; h < num_q_heads + num_kv_heads; ++h) {
+    T* x = q + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+      float c1 = round_to<T>(c[i]), s1 = round_to<T>(s[i]);
+      float c2 = round_to<T>(c[i + half]), s2 = round_to<T>(s[i + half]);
+      float a1 = round_to<T>(x1 * c1), b1 = round_to<T>(-x2 * s1);
+      float a2 = round_to<T>(x2 * c2), b2 = round_to<T>(x1 * s2);
+      x[i] = static_cast<T>(a1 + b1);
+      x[i + half] = static_cast<T>(a2 + b2);
+    }
+  }
+  const T* k = q + num_q_heads * D;
+  std::memcpy(k_slot, k, kv_stride * sizeof(T));
+  std::memcpy(v_slot, k + kv_stride, kv_stride * sizeof(T));
+}
+
+}  // namespace layer_row
+}  // namespace llm_forge

@@ -1,0 +1,87 @@
+// The kernels' pieces that decode_forward's single parallel region (forward.cpp) runs itself:
+// each works on the calling thread only, over the range it is given, on buffers the caller owns.
+// The op entry points (linear_int4_packed, linear_bf16_packed, paged_attention) run the same
+// pieces under their own parallel loops, so both paths compute the same values.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace llm_forge {
+namespace step {
+
+// ---- INT4 weights, int8 activations (gemm_int4_dot.cpp) ----
+
+// Rows of activations quantized per block, with their per-group sums: [M, K] int8, [M, K / block]
+// scales, [M, K / group] sums.
+struct Int4Rows {
+  const int8_t* q;
+  const float* a;
+  const float* x_sums;
+  int64_t K, blocks, groups;
+};
+int64_t int4_block(int64_t group);  // the activations' block for a weight group size
+// One row of x (fp32 or bf16) quantized: q[K], a[K / block], x_sums[K / group].
+template <typename T>
+void int4_quantize_row(const T* x, int64_t K, int64_t group, int8_t* q, float* a, float* x_sums);
+// Panels [p_begin, p_end) (32 output columns each) of y[M, N] = x . W^T + bias.
+template <typename T>
+void int4_panels(const Int4Rows& x, int64_t M, const uint8_t* packed, const at::Half* scale_offsets,
+                 int64_t group, int64_t N, const float* bias, T* out, int64_t p_begin,
+                 int64_t p_end);
+int64_t int4_chunk(int64_t panels, int64_t threads);  // panels a thread claims at a time
+
+// ---- bf16 weights in tiles of 16 columns (gemm.cpp) ----
+
+// Tiles [t_begin, t_end) of y[M, N] = x . W^T + bias, x as fp32 rows [M, K].
+template <typename T>
+void bf16_tiles(const float* x, int64_t M, int64_t K, const at::BFloat16* packed,
+                int64_t num_tiles, int64_t N, const float* bias, T* out, int64_t t_begin,
+                int64_t t_end);
+int64_t bf16_chunk(int64_t tiles, int64_t threads);  // tiles a thread claims at a time
+// One row as fp32, times the AWQ scale when given, rounded as torch rounds x * prequant.
+template <typename T, typename P>
+void widen_row(const T* x, const P* prequant, int64_t K, float* out);
+
+// ---- paged attention (attention.cpp) ----
+
+struct Geometry {
+  int64_t num_q_heads, num_kv_heads, D, tokens_per_block, max_blocks;
+  int64_t q_row_stride, q_head_stride, kv_slot_stride;
+  float scale;
+  int64_t group() const { return num_q_heads / num_kv_heads; }
+  int64_t partial_size() const { return group() * (2 + D); }  // per item: m, l, acc[D] per head
+};
+
+struct Item {
+  int64_t row, kv_begin, kv_end, key_begin, key_end, seq;
+  int64_t partial, head_stride;  // the first head's partial (in partials), the next's (floats)
+};
+
+// A step's attention work: which items (row, kv heads, part of the keys) there are and where
+// their partial results go. It depends on the step's sequences only, so every layer shares it.
+struct AttentionPlan {
+  Geometry g;
+  const int32_t* starts;
+  const int32_t* lens;
+  const int32_t* tables;
+  std::vector<Item> items;
+  std::vector<int64_t> first;  // a (row, kv head)'s partials: first[i] .. first[i + 1]
+  std::vector<float> parts;
+  int64_t groups() const { return static_cast<int64_t>(first.size()) - 1; }
+};
+// Checks every row's key count against its block table (TORCH_CHECK).
+AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start,
+                             int64_t threads);
+template <typename T>
+void attend_item(AttentionPlan& plan, const T* q, const T* k_cache, const T* v_cache, int64_t i);
+// Merge (row, kv head) group gi's parts and write its query heads' outputs into out [T, Hq, D].
+template <typename T>
+void merge_group(const AttentionPlan& plan, int64_t gi, T* out);
+
+}  // namespace step
+}  // namespace llm_forge
