@@ -111,7 +111,7 @@ void add_lora(const at::Tensor& in, at::Tensor& out, const Weights& lora, at::In
 
 constexpr int64_t kRowsSplitMin = 8;          // fewer rows: row-sized phases run on thread 0
 constexpr int64_t kPrefetchChunk = 4096;      // bytes a waiting thread asks for at a time
-constexpr int64_t kSpinsBeforeYield = 20000;  // then a waiting thread yields its core each round
+constexpr int64_t kSpinsBeforeYield = 2000;  // ~40 us; then a waiter yields its core each round
 
 // A barrier for a fixed team. A waiting thread runs `idle()` while it returns true, then spins;
 // after a while it yields the core each round, so a teammate the OS preempted (for a server
