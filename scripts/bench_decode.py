@@ -1,6 +1,7 @@
 """Engine-level speed, every side on the same prompts in one run: our engine in-process, the same
-engine through `tritonserver` (the `tensorrt_llm` model with token ids, the `ensemble` with text),
-and `transformers` `generate` with the prompts as one static batch.
+engine in its own process (`engine_process`: the executor the `tensorrt_llm` model serves from,
+without Triton), through `tritonserver` (the `tensorrt_llm` model with token ids, the `ensemble`
+with text), and `transformers` `generate` with the prompts as one static batch.
 
     .venv/bin/python scripts/bench_decode.py [--engine engines/smollm2-135m] [--repeats 3]
         [--extra-engine int4=engines/smollm2-135m-int4] [--sides engine,tensorrt_llm,...]
@@ -33,12 +34,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.bench.engine_level import (EngineProtocol, InProcessSide,  # noqa: E402
-                                        TransformersSide, as_dict, make_prompts, measure_one)
+                                        ProcessSide, TransformersSide, as_dict, make_prompts,
+                                        measure_one)
 from builder.bench.roofline import decode_weight_bytes, measure_read_bandwidth  # noqa: E402
 from triton_backend.engine.config import EngineConfig  # noqa: E402
 from triton_backend.engine.tokenizer import load_tokenizer  # noqa: E402
 
-SIDES = ("engine", "tensorrt_llm", "ensemble", "transformers")
+SIDES = ("engine", "engine_process", "tensorrt_llm", "ensemble", "transformers")
 METRICS = (("c1", "ttft_s"), ("c1", "decode_tok_s"), ("cN", "tok_s"), ("cN", "prefill_s"))
 
 
@@ -79,6 +81,9 @@ def _build_sides(args, protocol: EngineProtocol, names: list[str], stack: list) 
     for spec in args.extra_engine:
         name, _, path = spec.partition("=")
         sides[name] = InProcessSide(path, protocol)
+    if "engine_process" in names:
+        sides["engine_process"] = ProcessSide(args.engine, protocol)
+        stack.append(sides["engine_process"])
     triton_models = [n for n in names if n in ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")]
     if triton_models:
         from builder.bench.engine_level_triton import TritonSide

@@ -146,6 +146,64 @@ class InProcessSide:
         pass
 
 
+class ProcessSide:
+    """The same engine in its own process (`ProcessExecutor`, what the `tensorrt_llm` model
+    serves from), driven from this process with no Triton in between: with the in-process and
+    Triton sides it splits a serving gap into the process boundary and the Triton round trip."""
+
+    def __init__(self, engine_dir: str | Path, protocol: EngineProtocol) -> None:
+        from triton_backend.engine.engine_options import EngineOptions
+        from triton_backend.engine.process.executor import ProcessExecutor
+
+        self.executor = ProcessExecutor(Path(engine_dir),
+                                        EngineOptions(enable_prefix_caching=False))
+        self.protocol = protocol
+
+    def _enqueue(self, ids: list[int], max_tokens: int | None = None) -> int:
+        n = max_tokens or self.protocol.max_tokens
+        return self.executor.enqueue_request(
+            Request(list(ids), n, SamplingParams(min_tokens=n), streaming=True))
+
+    def _responses(self):
+        deadline = time.monotonic() + 1800.0
+        while time.monotonic() < deadline:
+            for response in self.executor.await_responses(timeout=1.0):
+                if response.has_error:
+                    raise RuntimeError(f"engine process: {response.error}")
+                yield time.perf_counter(), response
+        raise TimeoutError("engine process: no final response within 1800 s")
+
+    def run_one(self, ids: list[int], text: str, max_tokens: int | None = None) -> OneTimings:
+        start = time.perf_counter()
+        rid = self._enqueue(ids, max_tokens)
+        times: list[float] = []
+        for now, response in self._responses():
+            if response.request_id == rid:
+                times.extend([now] * len(response.output_token_ids))
+                if response.is_final:
+                    break
+        return one_timings(start, times)
+
+    def run_all(self, ids_list: list[list[int]], texts: list[str]) -> AllTimings:
+        start = time.perf_counter()
+        pending = {self._enqueue(ids) for ids in ids_list}
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for now, response in self._responses():
+            if response.output_token_ids:
+                first.setdefault(response.request_id, now)
+                last[response.request_id] = now
+            if response.is_final:
+                pending.discard(response.request_id)
+                if not pending:
+                    break
+        return all_timings(start, list(first.values()), list(last.values()),
+                           len(ids_list) * self.protocol.max_tokens)
+
+    def stop(self) -> None:
+        self.executor.shutdown()
+
+
 class _TokenClock:
     """A `transformers` streamer that notes when each generated token (of the batch) appears."""
 
