@@ -271,6 +271,13 @@ namespace step {
 AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start,
                              int64_t threads) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous() && query_start.is_contiguous(),
+              "block_tables, seq_lens and query_start must be int32");
+  TORCH_CHECK(query_start.size(0) == seq_lens.size(0) + 1, "query_start must have B + 1 entries");
+  TORCH_CHECK(g.D <= kMaxHeadDim, "head_dim over ", kMaxHeadDim, " is not supported");
+  TORCH_CHECK(g.num_q_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
   AttentionPlan plan{g, query_start.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                      block_tables.data_ptr<int32_t>(), {}, {}, {}};
   const int64_t num_seqs = seq_lens.size(0);
@@ -351,14 +358,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "the cache must be contiguous [slots, Hkv, D]");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the cache must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start.scalar_type() == at::kInt && block_tables.is_contiguous(),
-              "block_tables, seq_lens and query_start must be int32");
-  TORCH_CHECK(query_start.size(0) == seq_lens.size(0) + 1, "query_start must have B + 1 entries");
-  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim over ", kMaxHeadDim, " is not supported");
   Geometry g{q.size(1), k_cache.size(1), q.size(2), tokens_per_block, block_tables.size(1),
              q.stride(0), q.stride(1), k_cache.stride(0), static_cast<float>(scale)};
-  TORCH_CHECK(g.num_q_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kBFloat16)
     paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, query_start,

@@ -186,20 +186,12 @@ RegionLinear region_linear(const Weights& weights, int64_t slot, int64_t kind, i
                  nullptr, nullptr, false, nullptr};
   if (kind == kPackedInt4) {
     const at::Tensor so = required(weights, slot + 1);
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 128 &&
-                    w.is_contiguous() && so.scalar_type() == at::kHalf && so.is_contiguous(),
-                "decode_forward: INT4 weights must be packed uint8 with fp16 scales");
+    step::int4_check_layout(w, so, group, N);
     l.K = w.size(1) * 8;
-    TORCH_CHECK(group > 0 && group % 8 == 0 && l.K % group == 0 &&
-                    so.sizes() == at::IntArrayRef({l.units, l.K / group, 64}),
-                "decode_forward: the INT4 group size and scales do not fit the weight");
-    TORCH_CHECK(N > (l.units - 1) * 32 && N <= l.units * 32, "N does not fit the panels");
     l.scale_offsets = so.data_ptr<at::Half>();
   } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(2) == 16 && w.is_contiguous(),
-                "decode_forward: bf16 weights must be packed [tiles, K, 16]");
+    step::bf16_check_layout(w, N);
     l.K = w.size(1);
-    TORCH_CHECK(N > (l.units - 1) * 16 && N <= l.units * 16, "N does not fit the tiles");
   }
   const c10::optional<at::Tensor> pre = weights.get(slot + 2);
   if (pre.has_value()) {
@@ -278,12 +270,6 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
                   positions.is_contiguous() && slot_mapping.is_contiguous() &&
                   positions.numel() == M && slot_mapping.numel() == M,
               "positions and slot_mapping must be int64, one per row");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                  seq_lens.is_contiguous() && query_start.is_contiguous() &&
-                  query_start.size(0) == seq_lens.size(0) + 1,
-              "block_tables, seq_lens and query_start must be int32, query_start B + 1 long");
-  TORCH_CHECK(D <= 512, "head_dim over 512 is not supported");
 
   // The step's buffers, allocated once; the residual stream lives in x_in, as op by op.
   const auto opts = x_in.options();

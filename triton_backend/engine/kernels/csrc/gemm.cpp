@@ -146,10 +146,6 @@ void run_gemm(const float* x, int64_t M, int64_t K, const W& w, int64_t num_tile
                   });
 }
 
-// x as contiguous fp32 rows, times the per-input `prequant` scale when given (AWQ smoothing,
-// rounded like torch's `x * prequant.to(x.dtype)`: the scale rounded to x's dtype, the product
-// computed in fp32 and rounded to x's dtype). One pass in C++: a decode step calls this for every
-// projection of every layer, where a chain of ATen ops cost more than the product itself.
 // One row of x as fp32, times the per-input `prequant` scale when given (AWQ smoothing, rounded
 // like torch's `x * prequant.to(x.dtype)`: the scale rounded to x's dtype, the product computed
 // in fp32 and rounded to x's dtype).
@@ -207,7 +203,6 @@ at::Tensor gemm(const at::Tensor& x, const W& w, int64_t K, int64_t num_tiles, i
                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& prequant,
                 bool fp32_out = false) {
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "x must be bf16 or fp32");
   auto x2 = x.reshape({-1, K});
@@ -241,6 +236,14 @@ template void bf16_tiles(const float*, int64_t, int64_t, const at::BFloat16*, in
 
 int64_t bf16_chunk(int64_t tiles, int64_t threads) { return tile_chunk(tiles, threads); }
 
+void bf16_check_layout(const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
+                  packed.size(2) == kTile && packed.is_contiguous(),
+              "packed weight must be a contiguous bf16 [tiles, K, 16] tensor");
+  TORCH_CHECK(N > (packed.size(0) - 1) * kTile && N <= packed.size(0) * kTile,
+              "N does not fit the tiles");
+}
+
 template <typename T, typename P>
 void widen_row(const T* x, const P* prequant, int64_t K, float* out) {
   widen_one_row(x, prequant, K, out);
@@ -255,9 +258,7 @@ template void widen_row(const at::BFloat16*, const at::BFloat16*, int64_t, float
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out) {
   if (packed.dim() == 4) return linear_bf16_pairs(x, packed, bias, N, fp32_out);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
-                  packed.size(2) == kTile && packed.is_contiguous(),
-              "packed weight must be a contiguous bf16 [tiles, K, 16] tensor");
+  step::bf16_check_layout(packed, N);
   const Bf16Tiles w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                     packed.size(1)};
   return gemm(x, w, packed.size(1), packed.size(0), N, bias, c10::nullopt, fp32_out);

@@ -368,6 +368,11 @@ template void int4_panels(const Int4Rows&, int64_t, const uint8_t*, const at::Ha
 
 int64_t int4_chunk(int64_t panels, int64_t threads) { return panel_chunk(panels, threads); }
 
+void int4_check_layout(const at::Tensor& packed, const at::Tensor& scale_offsets,
+                       int64_t group_size, int64_t N) {
+  check_layout(packed, scale_offsets, group_size, N);
+}
+
 }  // namespace step
 
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,

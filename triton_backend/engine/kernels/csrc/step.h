@@ -33,6 +33,9 @@ void int4_panels(const Int4Rows& x, int64_t M, const uint8_t* packed, const at::
                  int64_t group, int64_t N, const float* bias, T* out, int64_t p_begin,
                  int64_t p_end);
 int64_t int4_chunk(int64_t panels, int64_t threads);  // panels a thread claims at a time
+// The layout checks linear_int4_packed makes (TORCH_CHECK).
+void int4_check_layout(const at::Tensor& packed, const at::Tensor& scale_offsets,
+                       int64_t group_size, int64_t N);
 
 // ---- bf16 weights in tiles of 16 columns (gemm.cpp) ----
 
@@ -42,6 +45,8 @@ void bf16_tiles(const float* x, int64_t M, int64_t K, const at::BFloat16* packed
                 int64_t num_tiles, int64_t N, const float* bias, T* out, int64_t t_begin,
                 int64_t t_end);
 int64_t bf16_chunk(int64_t tiles, int64_t threads);  // tiles a thread claims at a time
+// The layout checks linear_bf16_packed makes for [tiles, K, 16] weights (TORCH_CHECK).
+void bf16_check_layout(const at::Tensor& packed, int64_t N);
 // One row as fp32, times the AWQ scale when given, rounded as torch rounds x * prequant.
 template <typename T, typename P>
 void widen_row(const T* x, const P* prequant, int64_t K, float* out);
@@ -73,7 +78,8 @@ struct AttentionPlan {
   std::vector<float> parts;
   int64_t groups() const { return static_cast<int64_t>(first.size()) - 1; }
 };
-// Checks every row's key count against its block table (TORCH_CHECK).
+// Checks the tables' dtypes and shapes, the head geometry and every row's key count against its
+// block table (TORCH_CHECK).
 AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start,
                              int64_t threads);
