@@ -278,11 +278,10 @@ AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
   TORCH_CHECK(query_start.size(0) == seq_lens.size(0) + 1, "query_start must have B + 1 entries");
   TORCH_CHECK(g.D <= kMaxHeadDim, "head_dim over ", kMaxHeadDim, " is not supported");
   TORCH_CHECK(g.num_q_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
-  AttentionPlan plan{g, query_start.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                     block_tables.data_ptr<int32_t>(), {}, {}, {}};
+  AttentionPlan plan{g, block_tables.data_ptr<int32_t>(), {}, {}, {}};
   const int64_t num_seqs = seq_lens.size(0);
-  const int32_t* starts = plan.starts;
-  const int32_t* lens = plan.lens;
+  const int32_t* starts = query_start.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
   // Partials are stored by (row, kv head, part): first[r * Hkv + h] .. first[r * Hkv + h + 1].
   // An item is one part of one row for one kv head, or, when the step has enough (row, part)
   // pairs to keep every thread busy, for all kv heads at once (each slot's rows then read as one

@@ -70,9 +70,7 @@ struct Item {
 // their partial results go. It depends on the step's sequences only, so every layer shares it.
 struct AttentionPlan {
   Geometry g;
-  const int32_t* starts;
-  const int32_t* lens;
-  const int32_t* tables;
+  const int32_t* tables;  // the step's block tables, one row of max_blocks per sequence
   std::vector<Item> items;
   std::vector<int64_t> first;  // a (row, kv head)'s partials: first[i] .. first[i + 1]
   std::vector<float> parts;
