@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from builder.bench.engine_level import (EngineProtocol, InProcessSide,  # noqa: E402
                                         ProcessSide, TransformersSide, as_dict, make_prompts,
-                                        measure_one)
+                                        measure_one, paired_ratios)
 from builder.bench.roofline import decode_weight_bytes, measure_read_bandwidth  # noqa: E402
 from triton_backend.engine.config import EngineConfig  # noqa: E402
 from triton_backend.engine.tokenizer import load_tokenizer  # noqa: E402
@@ -121,25 +121,33 @@ def _print_table(medians: dict, protocol: EngineProtocol) -> None:
               f"{m['cN.tok_s']:>13.1f}{m['cN.prefill_s']:>14.2f} s")
 
 
-def _ratio_lines(medians: dict) -> list[str]:
+def _paired_text(ratios: list[float]) -> str:
+    return (f"(repeat by repeat: median {statistics.median(ratios):.2f}x of "
+            f"{', '.join(f'{r:.2f}' for r in ratios)})")
+
+
+def _ratio_lines(medians: dict, runs: dict[str, list[dict]]) -> list[str]:
     lines = []
     base = medians.get("engine")
     hf = next((v for k, v in medians.items() if k.startswith("transformers")), None)
-    for side in ("triton:tensorrt_llm", "triton:ensemble"):
+    for side in ("triton:tensorrt_llm", "triton:ensemble", "engine_process"):
         if base and side in medians:
             m = medians[side]
+            pairs = _paired_text(paired_ratios(runs, side, "engine", "cN.tok_s"))
             lines.append(f"{side} vs engine: TTFT c=1 {m['c1.ttft_s'] / base['c1.ttft_s']:.2f}x, "
-                         f"tok/s c=N {m['cN.tok_s'] / base['cN.tok_s']:.2f}x")
+                         f"decode c=1 {m['c1.decode_tok_s'] / base['c1.decode_tok_s']:.2f}x, "
+                         f"tok/s c=N {m['cN.tok_s'] / base['cN.tok_s']:.2f}x {pairs}")
     for side, m in medians.items():
         if hf is not None and not side.startswith(("transformers", "triton")):
             lines.append(f"{side} vs transformers: tok/s c=N {m['cN.tok_s'] / hf['cN.tok_s']:.2f}x,"
                          f" decode c=1 {m['c1.decode_tok_s'] / hf['c1.decode_tok_s']:.2f}x, "
                          f"TTFT c=1 {m['c1.ttft_s'] / hf['c1.ttft_s']:.2f}x")
-        if base is not None and side not in ("engine",) and not side.startswith(
+        if base is not None and side not in ("engine", "engine_process") and not side.startswith(
                 ("transformers", "triton")):
+            pairs = _paired_text(paired_ratios(runs, side, "engine", "c1.decode_tok_s"))
             lines.append(f"{side} vs engine: decode c=1 "
-                         f"{m['c1.decode_tok_s'] / base['c1.decode_tok_s']:.2f}x, tok/s c=N "
-                         f"{m['cN.tok_s'] / base['cN.tok_s']:.2f}x")
+                         f"{m['c1.decode_tok_s'] / base['c1.decode_tok_s']:.2f}x {pairs}, tok/s "
+                         f"c=N {m['cN.tok_s'] / base['cN.tok_s']:.2f}x")
     return lines
 
 
@@ -182,7 +190,7 @@ def main() -> None:
           f"medians of {args.repeats}; torch threads {torch.get_num_threads()}")
     _print_table(medians, protocol)
     print()
-    for line in _ratio_lines(medians):
+    for line in _ratio_lines(medians, runs):
         print(line)
     for name, weight_bytes in roofline.items():
         limit = bandwidth / weight_bytes

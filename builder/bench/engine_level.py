@@ -103,6 +103,16 @@ def make_prompts(tokenizer, protocol: EngineProtocol) -> tuple[list[list[int]], 
     return ids_list, texts
 
 
+def paired_ratios(runs: dict[str, list[dict]], side: str, base: str, key: str) -> list[float]:
+    """`side` over `base` repeat by repeat, for `key` ("c1.decode_tok_s", "cN.tok_s", ...):
+    one repeat runs every side back to back, so a host that slows down between repeats moves
+    both halves of a pair alike, which the medians of each side taken apart do not cancel."""
+    level, metric = key.split(".")
+    if len(runs[side]) != len(runs[base]):
+        raise ValueError(f"{side} has {len(runs[side])} repeats, {base} {len(runs[base])}")
+    return [a[level][metric] / b[level][metric] for a, b in zip(runs[side], runs[base])]
+
+
 class InProcessSide:
     """Our engine stepped on this process's main thread (what the engine itself can do)."""
 

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import tiny
+from builder.bench.engine_level import paired_ratios
 from builder.bench.loadgen import LevelPlan, run_level
 from builder.bench.records import RequestRecord
 from builder.bench.report import (markdown_comparison, markdown_levels, print_report,
@@ -81,6 +82,19 @@ def _record(index=0, chunks=(0.5, 0.7, 0.9), end=1.0, server_tokens=None, stream
     r.end = end
     r.count_output_tokens(None)
     return r
+
+
+def test_paired_ratios_divide_within_each_repeat():
+    # Each repeat divides its own two figures, whatever the host did between repeats.
+    runs = {"engine": [{"cN": {"tok_s": 200.0}}, {"cN": {"tok_s": 120.0}},
+                       {"cN": {"tok_s": 100.0}}],
+            "triton": [{"cN": {"tok_s": 180.0}}, {"cN": {"tok_s": 108.0}},
+                       {"cN": {"tok_s": 95.0}}]}
+    ratios = paired_ratios(runs, "triton", "engine", "cN.tok_s")
+    assert ratios == pytest.approx([0.9, 0.9, 0.95])
+    with pytest.raises(ValueError, match="triton has 1 repeats, engine 3"):
+        paired_ratios({"engine": runs["engine"], "triton": runs["triton"][:1]}, "triton",
+                      "engine", "cN.tok_s")
 
 
 def test_ttft_itl_e2e_definitions():
