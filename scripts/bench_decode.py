@@ -10,7 +10,9 @@ Protocol: --num-prompts prompts of --prompt-len random token ids (seeded; their 
 to the same ids), --max-tokens new tokens each with end ids ignored. c=1: one request alone (TTFT
 as the median of --ttft-samples single requests, then the decode rate of a full-length one);
 c=N: all at once (tokens/s including prefill, and the time until all have their first token).
-Sides run interleaved, --repeats times; the table shows medians and the JSON every run. Extra
+Sides run interleaved, --repeats times; the table shows medians and the JSON every run; ratios to
+the in-process engine come from the medians and repeat by repeat (each repeat's sides run back to
+back, so drift between repeats moves both halves of a pair alike). Extra
 engines (e.g. a quantized build) run in-process only. The c=1 decode rate is also shown against
 this machine's memory-bandwidth roofline (weight bytes per token / a read bandwidth measured
 here). Run it on a quiet machine: on 2 cores any other job distorts every number, and a VM whose
