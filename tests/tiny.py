@@ -99,6 +99,23 @@ def build_engine(tmp: Path, shape: str = "llama_gqa", dtype: str = "float32",
                   repository_dir=tmp / "model_repository")
 
 
+def one_byte_kv_engine(engine_dir: Path, tmp: Path, kv_dtype: str, scale: float = 0.05) -> Path:
+    """A copy of `engine_dir` whose KV cache stores one byte per element ('int8' or 'fp8'), with
+    the same made-up key and value scale for every layer (instead of calibrating)."""
+    import json
+    import shutil
+
+    copy = tmp / f"engine-{kv_dtype}"
+    shutil.copytree(engine_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    layers = config["model"]["num_hidden_layers"]
+    config["kv_cache"]["dtype"] = kv_dtype
+    config["extra"]["quantization"] = {"kv_cache_scales": {"k": [scale] * layers,
+                                                           "v": [scale] * layers}}
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
 def final_response(executor, request_id, timeout=60.0):
     """The final response of `request_id` from an executor (either isolation), waiting at most
     `timeout` seconds in all."""

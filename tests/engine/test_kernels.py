@@ -275,6 +275,86 @@ def test_rows_give_the_same_attention_whether_their_kv_heads_share_a_work_item(d
         assert torch.equal(together[r:r + 1], alone)
 
 
+def _one_byte(x: torch.Tensor, scale: float, kv_dtype: str) -> torch.Tensor:
+    """x as a one-byte cache stores it (quant/kv_cache.py): int8, or FP8 bits in uint8."""
+    from triton_backend.engine.quant.kv_cache import KV_STORAGE_DTYPES, quantize_kv
+
+    return quantize_kv(x, scale, kv_dtype).view(KV_STORAGE_DTYPES[kv_dtype])
+
+
+def _widened(stored: torch.Tensor, scale: float, kv_dtype: str) -> torch.Tensor:
+    from triton_backend.engine.quant.kv_cache import KV_DTYPES, dequantize_kv
+
+    return dequantize_kv(stored.view(KV_DTYPES[kv_dtype]), scale, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_one_byte_cache_widens_every_stored_byte_exactly(kv_dtype):
+    """One key per sequence: the output is its value row as stored, times the value scale. All
+    256 byte patterns (FP8's two NaNs excepted: values are clamped to 448), subnormals included."""
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if kv_dtype == "fp8":
+        patterns[(patterns == 0x7F) | (patterns == 0xFF)] = 0
+    storage = _one_byte(torch.zeros(1), 1.0, kv_dtype).dtype
+    v = patterns.view(storage).reshape(8, 1, 32)
+    q = torch.randn(8, 1, 32)
+    out = torch.ops.llm_forge.paged_attention(
+        q, torch.zeros_like(v), v, _int32([[b] for b in range(8)]), _int32([1] * 8),
+        _int32(list(range(9))), 1, 0.1, 0.5, 0.37)
+    assert torch.equal(out, _widened(v, 0.37, kv_dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_over_a_one_byte_cache_is_attention_over_its_widened_values(dtype,
+                                                                                    kv_dtype):
+    num_heads, num_kv_heads, head_dim = 10, 2, 40
+    q_lens, ctx_lens, tpb, scale = [1, 3, 1], [9, 5, 600], 4, 1 / math.sqrt(head_dim)
+    tables, k_cache, v_cache, q = _paged_case(torch.float32, q_lens, ctx_lens, num_heads,
+                                              num_kv_heads, head_dim=head_dim, tpb=tpb)
+    k_scale, v_scale = 0.03, 0.02
+    k_stored, v_stored = _one_byte(k_cache, k_scale, kv_dtype), _one_byte(v_cache, v_scale, kv_dtype)
+    args = (_padded_tables(tables), _int32(ctx_lens), _int32([0, 1, 4, 5]), tpb, scale)
+    out = torch.ops.llm_forge.paged_attention(q.to(dtype), k_stored, v_stored, *args, k_scale,
+                                              v_scale)
+    ref = torch.ops.llm_forge.paged_attention(q.to(dtype).float(),
+                                              _widened(k_stored, k_scale, kv_dtype),
+                                              _widened(v_stored, v_scale, kv_dtype), *args)
+    _close(out, ref.to(dtype), dtype)
+    unscaled = torch.ops.llm_forge.paged_attention(q.to(dtype), k_stored, v_stored, *args)
+    assert not torch.allclose(unscaled.float(), out.float(), atol=0.1)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_cache_stores_what_the_quantized_cache_writes(dtype, kv_dtype):
+    """The kernel's rotary + quantized write against torch's rotary (layers.RotaryEmbedding) and
+    QuantizedPagedKVCache.write's quantize_kv: the same bytes."""
+    from types import SimpleNamespace
+
+    from triton_backend.engine.layers import RotaryEmbedding
+
+    torch.manual_seed(3)
+    heads, kv_heads, d, tokens = 6, 2, 32, 5
+    angles = torch.arange(64)[:, None] * torch.rand(d // 2)[None]
+    rotary = SimpleNamespace(cos=torch.cat([angles.cos()] * 2, -1),
+                             sin=torch.cat([angles.sin()] * 2, -1))
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * d)).to(dtype)
+    positions, slots = torch.tensor([0, 7, 8, 40, 63]), torch.tensor([9, 0, 3, 17, 12])
+    k_scale, v_scale = 0.04, 0.03
+    empty = _one_byte(torch.zeros(20, kv_heads, d), 1.0, kv_dtype)
+    k_cache, v_cache = empty.clone(), empty.clone()
+    rotated = qkv.clone()
+    torch.ops.llm_forge.rope_write_cache(rotated, positions, rotary.cos, rotary.sin, heads,
+                                         kv_heads, k_cache, v_cache, slots, k_scale, v_scale)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_ref, k_ref = RotaryEmbedding.forward(rotary, positions, q.view(tokens, heads, d),
+                                           k.view(tokens, kv_heads, d))
+    assert torch.equal(rotated[:, :heads * d], q_ref.reshape(tokens, -1))
+    assert torch.equal(k_cache[slots], _one_byte(k_ref, k_scale, kv_dtype))
+    assert torch.equal(v_cache[slots], _one_byte(v.view(tokens, kv_heads, d), v_scale, kv_dtype))
+
+
 def test_torch_and_cpp_backends_agree_on_an_engine(tiny_engines, monkeypatch):
     """Same fp32 engine, same prompts: prefill logits within float noise, greedy ids equal."""
     from triton_backend.engine import Request
@@ -292,6 +372,39 @@ def test_torch_and_cpp_backends_agree_on_an_engine(tiny_engines, monkeypatch):
     assert [r.output_ids for r in generate(LLMEngine(engine_dir), requests())] == cpp_ids
     torch.testing.assert_close(prefill_logits(engine_dir, prompts[3]), cpp_logits, atol=1e-4,
                                rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_torch_and_cpp_backends_agree_on_a_one_byte_cache(tiny_engines, tmp_path, monkeypatch,
+                                                          kv_dtype):
+    """The kernels quantize on write and widen on read where the torch path writes and gathers
+    through QuantizedPagedKVCache: on an fp32 engine, the same greedy ids and the same bytes in
+    the cache, which the kernels read and the torch path did not."""
+    import tiny
+    from triton_backend.engine import Request
+    from triton_backend.engine import model_runner
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate
+
+    engine_dir = tiny.one_byte_kv_engine(tiny_engines("llama_gqa"), tmp_path, kv_dtype)
+    prompts = [[5 + i, 9, 13 + 2 * i, 7] * (i + 1) for i in range(4)]
+    requests = lambda: [Request(p, 12, ignore_eos=True) for p in prompts]  # noqa: E731
+    runs = {}
+    for name in ("cpp", "torch"):
+        if name == "torch":
+            monkeypatch.setattr(model_runner, "select_ops", lambda device: TorchOps())
+        engine = LLMEngine(engine_dir, enable_prefix_caching=False)
+        assert engine.runner.ops.name == name
+        assert (engine.runner.decode_forward is not None) == (name == "cpp")
+        ids = [r.output_ids for r in generate(engine, requests())]
+        runs[name] = ids, engine.runner.kv_cache
+    assert runs["cpp"][0] == runs["torch"][0]
+    (_, cpp_cache), (_, torch_cache) = runs["cpp"], runs["torch"]
+    assert cpp_cache.k.dtype in (torch.int8, torch.uint8)
+    written = torch_cache.k.ne(0)
+    assert written.sum() > 100
+    mismatched = cpp_cache.k.ne(torch_cache.k).sum() + cpp_cache.v.ne(torch_cache.v).sum()
+    assert mismatched <= 1e-3 * written.sum()
 
 
 def _fast_and_python_ids(engine_dir):
@@ -318,12 +431,16 @@ def _fast_and_python_ids(engine_dir):
     return with_fast, without, sum(covered)
 
 
-@pytest.mark.parametrize("shape, dtype", [("llama_gqa", "float32"), ("qwen2_bias_tied", "float32"),
-                                          ("llama_gqa", "bfloat16")])
-def test_the_decode_fast_path_gives_the_python_models_tokens(tmp_path, shape, dtype):
+@pytest.mark.parametrize("shape, dtype, kv_dtype", [
+    ("llama_gqa", "float32", None), ("qwen2_bias_tied", "float32", None),
+    ("llama_gqa", "bfloat16", None), ("llama_gqa", "bfloat16", "int8"),
+    ("llama_gqa", "float32", "fp8")])
+def test_the_decode_fast_path_gives_the_python_models_tokens(tmp_path, shape, dtype, kv_dtype):
     import tiny
 
     engine_dir = tiny.build_engine(tmp_path, shape, dtype=dtype)
+    if kv_dtype is not None:
+        engine_dir = tiny.one_byte_kv_engine(engine_dir, tmp_path, kv_dtype)
     with_fast, without, steps = _fast_and_python_ids(engine_dir)
     assert steps > 10 and with_fast == without
 
@@ -342,10 +459,11 @@ def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
             assert runner.decode_forward.supported is declared
 
 
-def _decode_step_arguments(rows_per_seq, dtype):
+def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None):
     """decode_forward's arguments for a two-layer Llama layer of made-up weights: per layer the
     projections are INT4 (qkv with an AWQ scale, gate_up with zero points) and bf16 tiles (dense
-    with a bias, down), over sequences of 20 + i cached tokens each adding `rows_per_seq[i]` rows."""
+    with a bias, down), over sequences of 20 + i cached tokens each adding `rows_per_seq[i]` rows;
+    the cache in `dtype`, or of one byte per element (`kv_dtype`) with a scale per layer."""
     from triton_backend.engine.quant import int4
     from triton_backend.engine.kernels.linear import pack_int4_dot
 
@@ -379,6 +497,11 @@ def _decode_step_arguments(rows_per_seq, dtype):
     angles = torch.arange(64)[:, None] * torch.rand(d // 2)[None]
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     cache = lambda: torch.randn(layers, 4 * len(lens) * block, kv_heads, d).to(dtype)  # noqa: E731
+    kv_scales = None
+    if kv_dtype is not None:
+        kv_scales = torch.tensor([[0.02, 0.03], [0.025, 0.015]])
+        cache = lambda: _one_byte(torch.randn(layers, 4 * len(lens) * block, kv_heads, d),  # noqa: E731
+                                  0.02, kv_dtype)
     return dict(hidden=torch.randn(len(positions), hidden).to(dtype),
                 positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
                 block_tables=_padded_tables(tables), seq_lens=_int32(lens),
@@ -386,17 +509,20 @@ def _decode_step_arguments(rows_per_seq, dtype):
                 weights=weights, kinds=[1, 0, 1, 0] * layers,
                 out_features=[n for n, _ in shapes] * layers, group_sizes=[32, 0, 32, 0] * layers,
                 num_heads=heads, num_kv_heads=kv_heads, head_dim=d, tokens_per_block=block,
-                eps=1e-5, scale=d ** -0.5, lora=[], lora_runs=[])
+                eps=1e-5, scale=d ** -0.5, lora=[], lora_runs=[], kv_scales=kv_scales)
 
 
-@pytest.mark.parametrize("rows_per_seq", [[1], [1, 1, 1], [5, 1], [1] * 9, [12, 1, 3]])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows_per_seq, dtype, threads, kv_dtype", [
+    *[(rows, dtype, threads, None) for rows in ([1], [1, 1, 1], [5, 1], [1] * 9, [12, 1, 3])
+      for dtype in DTYPES for threads in (1, 2)],
+    *[(rows, dtype, 2, kv) for rows in ([1], [1] * 9) for dtype in DTYPES for kv in ("int8", "fp8")],
+])
 def test_the_one_region_decode_step_computes_the_op_by_op_steps_values(rows_per_seq, dtype,
-                                                                       threads):
+                                                                       threads, kv_dtype):
     """decode_forward in one parallel region (row phases on one thread below 8 rows, split at 8
-    and more) returns the op-by-op path's hidden states and writes its cache, bit for bit."""
-    args = _decode_step_arguments(rows_per_seq, dtype)
+    and more) returns the op-by-op path's hidden states and writes its cache, bit for bit; with
+    a one-byte cache too."""
+    args = _decode_step_arguments(rows_per_seq, dtype, kv_dtype)
     results = []
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -412,6 +538,18 @@ def test_the_one_region_decode_step_computes_the_op_by_op_steps_values(rows_per_
     assert torch.isfinite(out.float()).all() and not torch.equal(k, args["k_cache"])
     assert torch.equal(region_out, out)
     assert torch.equal(region_k, k) and torch.equal(region_v, v)
+
+
+def test_a_cache_the_kernels_cannot_read_is_refused_with_its_dtype_named():
+    tables, k_cache, v_cache, q = _paged_case(torch.float32, [1], [9])
+    with pytest.raises(RuntimeError, match=r"the cache holds Half: it must hold the activations' "
+                                           r"dtype \(Float\), int8 or FP8 e4m3 \(as uint8\)"):
+        torch.ops.llm_forge.paged_attention(q, k_cache.half(), v_cache.half(),
+                                            _padded_tables(tables), _int32([9]), _int32([0, 1]),
+                                            4, 0.2)
+    args = _decode_step_arguments([1], torch.float32, "int8")
+    with pytest.raises(RuntimeError, match=r"a one-byte cache needs kv_scales, \[2, 2\] fp32"):
+        torch.ops.llm_forge.decode_forward(**dict(args, kv_scales=None))
 
 
 def test_the_kernels_can_be_built_for_a_lower_instruction_set(monkeypatch):

@@ -1,11 +1,10 @@
 """Prefix caching in the engine: the same tokens with the cache on and off (fp32), under
 preemption, cancellation, chunked prefill, fully cached prompts and one-byte KV caches; no
 block leaks after any of it."""
-import json
 import random
-import shutil
 
 import pytest
+import tiny
 
 from triton_backend.engine import Request, SamplingParams
 from triton_backend.engine.llm_engine import LLMEngine, cache_salt
@@ -130,24 +129,12 @@ def test_streamed_request_reports_reused_and_new_blocks(tiny_engines):
     assert finals[0].num_reused_blocks == 5 and finals[0].num_new_blocks == 1
 
 
-def _one_byte_kv_engine(engine_dir, tmp_path, kv_dtype: str):
-    copy = tmp_path / f"engine-{kv_dtype}"
-    shutil.copytree(engine_dir, copy)
-    config = json.loads((copy / "config.json").read_text())
-    layers = config["model"]["num_hidden_layers"]
-    config["kv_cache"]["dtype"] = kv_dtype
-    config["extra"]["quantization"] = {"kv_cache_scales": {"k": [0.05] * layers,
-                                                           "v": [0.05] * layers}}
-    (copy / "config.json").write_text(json.dumps(config))
-    return copy
-
-
 @pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
 def test_one_byte_kv_cache_reuse_equals_prefill_chunked_at_the_same_boundary(
         tiny_engines, tmp_path, kv_dtype):
     """A reused prefix is read back dequantized, exactly as a second prefill chunk reads the
     first: the cache-on engine must match the cache-off engine chunking at the same token."""
-    engine_dir = _one_byte_kv_engine(tiny_engines("llama_gqa"), tmp_path, kv_dtype)
+    engine_dir = tiny.one_byte_kv_engine(tiny_engines("llama_gqa"), tmp_path, kv_dtype)
     system = [random.Random(1).randrange(3, 380) for _ in range(32)]  # 4 blocks
     first, second = system + [5, 6, 7, 8, 9], system + [11, 12, 13]
     engines = {}

@@ -31,6 +31,18 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, slot_mapping, k.to(self.k.dtype))
         self.v[layer].index_copy_(0, slot_mapping, v.to(self.v.dtype))
 
+    def kernel_reads(self, dtype: torch.dtype) -> bool:
+        """Whether the C++ kernels read this cache in place for activations of `dtype`."""
+        return self.k.dtype == dtype
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """The (key, value) scales the kernels read a layer's stored elements with."""
+        return 1.0, 1.0
+
+    def kernel_scales(self) -> torch.Tensor | None:
+        """Every layer's scales for the one-call decode step: [2, layers] fp32, or None."""
+        return None
+
     def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at `slots` (any shape S) -> [*S, Hkv, D] each, in `dtype`."""

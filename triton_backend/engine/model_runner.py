@@ -104,9 +104,11 @@ class ModelRunner:
         self.kv_cache = make_kv_cache(config, self.dtype, self.device, num_blocks)
         self.sampler = Sampler()
         self.ops = select_ops(self.device)
-        # The paged kernel reads the cache as is: a one-byte cache goes through the torch path.
-        self.kernel_attention = (isinstance(self.ops, CppOps) and type(self.kv_cache) is PagedKVCache
-                                 and self.kv_cache.k.dtype == self.dtype)
+        # The paged kernel reads the cache in place: in the activations' dtype, or one byte per
+        # element (quantized on write, widened on read).
+        self.kernel_attention = (isinstance(self.ops, CppOps)
+                                 and self.kv_cache.kernel_reads(self.dtype))
+        self.one_byte_cache = self.kv_cache.k.element_size() == 1
         if isinstance(self.ops, CppOps) and self.dtype == torch.bfloat16:
             from triton_backend.engine.kernels import build_key
             from triton_backend.engine.kernels.linear import bf16_gemm_plan, pack_linears
@@ -159,7 +161,12 @@ class ModelRunner:
         return RunnerOutput(sampled, all_logits, accepted, top)
 
     def _for_kernel(self, chunk: ScheduledChunk) -> bool:
-        return self.kernel_attention and len(chunk.new_token_ids) <= KERNEL_MAX_QUERY
+        if not self.kernel_attention or len(chunk.new_token_ids) > KERNEL_MAX_QUERY:
+            return False
+        # Over a one-byte cache a prompt's first chunk attends its keys as computed, not as
+        # stored (as the torch path does, and TensorRT-LLM's context phase); later chunks and
+        # decodes read every key as stored, on either path.
+        return not (self.one_byte_cache and chunk.num_computed_tokens == 0)
 
     def _packing_order(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Kernel-attended chunks first; within each group, the chunks of one adapter side by

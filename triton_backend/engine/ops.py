@@ -71,14 +71,15 @@ class CppOps(TorchOps):
 
     def attention(self, layer, qkv, positions, rotary, cache, meta, num_heads, num_kv_heads,
                   head_dim, scale):
-        if type(cache) is not PagedKVCache or cache.k.dtype != qkv.dtype:
-            # One-byte caches quantize on write and dequantize on read: the torch path does it.
+        if not cache.kernel_reads(qkv.dtype):
             return super().attention(layer, qkv, positions, rotary, cache, meta, num_heads,
                                      num_kv_heads, head_dim, scale)
         qkv = qkv.contiguous()
+        # A one-byte cache (int8, FP8) is quantized on write and widened on read by the kernels.
+        k_scale, v_scale = cache.layer_scales(layer)
         self._ops.rope_write_cache(qkv, positions, rotary.cos, rotary.sin, num_heads,
                                    num_kv_heads, cache.k[layer], cache.v[layer],
-                                   meta.slot_mapping)
+                                   meta.slot_mapping, k_scale, v_scale)
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q = qkv[:, :q_size].view(-1, num_heads, head_dim)
         out = torch.empty_like(q)
@@ -86,7 +87,7 @@ class CppOps(TorchOps):
         if rows:  # short queries (decodes): the paged kernel, in place over the cache
             out[:rows] = self._ops.paged_attention(
                 q[:rows], cache.k[layer], cache.v[layer], meta.block_tables, meta.seq_lens,
-                meta.query_start, cache.tokens_per_block, scale)
+                meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale)
         if meta.prefills:  # long chunks: torch's flash attention over the rotated q, k, v
             k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)

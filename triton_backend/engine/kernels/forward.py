@@ -4,7 +4,7 @@ A decode step runs about ten kernels per layer; called one by one from Python ea
 microseconds of dispatch, a few milliseconds per step on a small model. `DecodeForward` gathers
 the loaded model's weights once, in the order the C++ side reads them, and runs a step there when
 the step is one it covers: every row attended by the paged kernel (no long prefill chunk), a cache
-in the activation dtype, and projections that are packed bf16, packed INT4 (our kernel) or dense
+the kernel reads (in the activation dtype, or one byte per element), and projections that are packed bf16, packed INT4 (our kernel) or dense
 in the activation dtype (below the row count where bf16 projections switch to torch's GEMM).
 Rows with LoRA adapters run there too: each projection adds its runs' deltas as the Python
 model does (`lora/batch.py`). Anything else, and every other device, takes the Python model,
@@ -96,4 +96,4 @@ class DecodeForward:
             meta.query_start, rotary.cos, rotary.sin, self.cache.k, self.cache.v, self.weights,
             self.kinds, self.out_features, self.group_sizes, *self.dims,
             self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs,
-            self.single_region)
+            self.single_region, self.cache.kernel_scales())

@@ -57,6 +57,19 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.kv_dtype = kv_dtype
         self.k_scales = torch.tensor(k_scales, dtype=torch.float32, device=device)
         self.v_scales = torch.tensor(v_scales, dtype=torch.float32, device=device)
+        # The scales as the kernels take them: rounded to fp32 first, as `write` divides by them.
+        self._scales = torch.stack([self.k_scales, self.v_scales]).cpu().contiguous()
+        self._layer_scales = list(zip(self.k_scales.tolist(), self.v_scales.tolist()))
+
+    def kernel_reads(self, dtype: torch.dtype) -> bool:
+        """The C++ kernels quantize on write and widen on read, for any activation dtype."""
+        return self.k.device.type == "cpu"
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        return self._layer_scales[layer]
+
+    def kernel_scales(self) -> torch.Tensor:
+        return self._scales
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         storage = self.k.dtype

@@ -9,6 +9,11 @@
 // long context is spread over the threads even for a single sequence. Each part keeps its own
 // max, sum and weighted values; parts are merged in order. Part boundaries depend only on the
 // row's own key count, so a row's result never depends on what else is in the step.
+//
+// The cache holds the activations' dtype, or one byte per element (int8 or FP8 e4m3, stored as
+// value / scale with one key and one value scale per layer): its rows are widened to fp32 as
+// they are read, the key scale folded into the scaled query and the value scale applied to each
+// part's weighted sum, so a one-byte cache is read at half the bytes of a bf16 one.
 #include "step.h"
 #include "vec.h"
 
@@ -16,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace llm_forge {
@@ -93,11 +99,11 @@ inline void add_values(const T* const* rows, int64_t count, const float* const* 
 // per query head of kv head h to `partial + (h - h0) * head_stride`. The cache holds a slot's kv
 // heads side by side, so walking a key block across all the item's heads reads each slot's rows
 // as one run; each head's arithmetic is the same whichever heads share its item.
-template <typename T>
-void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v_cache,
+template <typename T, typename C>
+void attend_part(const Geometry& g, const T* q_row, const C* k_cache, const C* v_cache,
                  const int32_t* table, int64_t h0, int64_t h1, int64_t kb, int64_t ke,
-                 float* partial, int64_t head_stride, std::vector<float>& scratch,
-                 std::vector<int64_t>& slots) {
+                 float* partial, int64_t head_stride, float k_scale, float v_scale,
+                 std::vector<float>& scratch, std::vector<int64_t>& slots) {
   const int64_t G = g.group(), D = g.D, n = ke - kb, H = h1 - h0, QH = H * G;
   const int64_t stride = n + kLanes;
   scratch.resize(QH * stride + QH * D);
@@ -112,9 +118,10 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
                g.kv_slot_stride + h0 * D;
     if (++offset == g.tokens_per_block) offset = 0, ++block;
   }
+  const float q_scale = g.scale * k_scale;  // q . key = (q * k_scale) . stored key
   for (int64_t qh = 0; qh < QH; ++qh) {
     const T* q = q_row + (h0 * G + qh) * g.q_head_stride;
-    for (int64_t i = 0; i < D; ++i) qf[qh * D + i] = to_float(q[i]) * g.scale;
+    for (int64_t i = 0; i < D; ++i) qf[qh * D + i] = to_float(q[i]) * q_scale;
   }
   const int64_t row_elems = H * D;  // one slot's rows of the item's heads, contiguous
   for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j)
@@ -201,7 +208,7 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
       for (int64_t jj = 0; jj < count && j0 + kPrefetchKeys + jj < n; ++jj)
         prefetch_row<3>(v_cache + slots[j0 + kPrefetchKeys + jj], row_elems);
     for (int64_t kvh = 0; kvh < H; ++kvh) {
-      const T* rows[kLanes];
+      const C* rows[kLanes];
       for (int64_t jj = 0; jj < count; ++jj) rows[jj] = v_cache + slots[j0 + jj] + kvh * D;
       for (int64_t h = kvh * G; h < (kvh + 1) * G; h += kValueHeads) {
         const int64_t heads = std::min<int64_t>(kValueHeads, (kvh + 1) * G - h);
@@ -220,6 +227,11 @@ void attend_part(const Geometry& g, const T* q_row, const T* k_cache, const T* v
       }
     }
   }
+  if (v_scale != 1.f)  // a one-byte cache's values are stored / v_scale
+    for (int64_t h = 0; h < QH; ++h) {
+      float* acc = head_partial(h) + 2;
+      for (int64_t i = 0; i < D; ++i) acc[i] *= v_scale;
+    }
 }
 
 // Merge a (row, kv head)'s parts in order and write its heads' outputs.
@@ -249,14 +261,18 @@ template <typename T>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start,
-                          const Geometry& g, at::Tensor& out) {
+                          const Geometry& g, float k_scale, float v_scale, at::Tensor& out) {
   step::AttentionPlan plan =
       step::plan_attention(g, block_tables, seq_lens, query_start, at::get_num_threads());
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  parallel_chunks(static_cast<int64_t>(plan.items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) step::attend_item(plan, qp, kp, vp, i);
+  step::with_cache_type<T>(k_cache, v_cache, [&](auto* tag) {
+    using C = std::remove_pointer_t<decltype(tag)>;
+    const C* kp = static_cast<const C*>(k_cache.data_ptr());
+    const C* vp = static_cast<const C*>(v_cache.data_ptr());
+    parallel_chunks(static_cast<int64_t>(plan.items.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        step::attend_item(plan, qp, kp, vp, i, k_scale, v_scale);
+    });
   });
   T* op = out.data_ptr<T>();
   at::parallel_for(0, plan.groups(), 16, [&](int64_t begin, int64_t end) {
@@ -321,8 +337,9 @@ AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
   return plan;
 }
 
-template <typename T>
-void attend_item(AttentionPlan& plan, const T* q, const T* k_cache, const T* v_cache, int64_t i) {
+template <typename T, typename C>
+void attend_item(AttentionPlan& plan, const T* q, const C* k_cache, const C* v_cache, int64_t i,
+                 float k_scale, float v_scale) {
   thread_local std::vector<float> scratch;
   thread_local std::vector<int64_t> slots;
   const Geometry& g = plan.g;
@@ -330,11 +347,17 @@ void attend_item(AttentionPlan& plan, const T* q, const T* k_cache, const T* v_c
   attend_part(g, q + it.row * g.q_row_stride, k_cache, v_cache,
               plan.tables + it.seq * g.max_blocks, it.kv_begin, it.kv_end, it.key_begin,
               it.key_end, plan.parts.data() + it.partial * g.partial_size(), it.head_stride,
-              scratch, slots);
+              k_scale, v_scale, scratch, slots);
 }
-template void attend_item(AttentionPlan&, const float*, const float*, const float*, int64_t);
-template void attend_item(AttentionPlan&, const at::BFloat16*, const at::BFloat16*,
-                          const at::BFloat16*, int64_t);
+#define LLM_FORGE_ATTEND_ITEM(T, C) \
+  template void attend_item(AttentionPlan&, const T*, const C*, const C*, int64_t, float, float);
+LLM_FORGE_ATTEND_ITEM(float, float)
+LLM_FORGE_ATTEND_ITEM(float, int8_t)
+LLM_FORGE_ATTEND_ITEM(float, fp8)
+LLM_FORGE_ATTEND_ITEM(at::BFloat16, at::BFloat16)
+LLM_FORGE_ATTEND_ITEM(at::BFloat16, int8_t)
+LLM_FORGE_ATTEND_ITEM(at::BFloat16, fp8)
+#undef LLM_FORGE_ATTEND_ITEM
 
 template <typename T>
 void merge_group(const AttentionPlan& plan, int64_t gi, T* out) {
@@ -351,20 +374,22 @@ template void merge_group(const AttentionPlan&, int64_t, at::BFloat16*);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           int64_t tokens_per_block, double scale) {
+                           int64_t tokens_per_block, double scale, double k_scale,
+                           double v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the cache must be contiguous [slots, Hkv, D]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "q must be bf16 or fp32");
   Geometry g{q.size(1), k_cache.size(1), q.size(2), tokens_per_block, block_tables.size(1),
              q.stride(0), q.stride(1), k_cache.stride(0), static_cast<float>(scale)};
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kBFloat16)
     paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, query_start,
-                                       g, out);
+                                       g, k_scale, v_scale, out);
   else
-    paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, query_start, g, out);
+    paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, query_start, g,
+                                k_scale, v_scale, out);
   return out;
 }
 

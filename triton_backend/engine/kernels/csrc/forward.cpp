@@ -1,7 +1,8 @@
 // All decoder layers of a decode step in one call: the same kernels the Python model calls one by
 // one (norms, projections, rotary + KV write, paged attention, SiLU * up), without a Python
 // round trip per op. It covers steps whose every row is attended by the paged kernel (decodes
-// and short chunks) over a cache in the activation dtype, with projections of four kinds:
+// and short chunks) over a cache in the activation dtype or of one byte per element (int8, FP8),
+// with projections of four kinds:
 // packed bf16, packed INT4 (ours, or torch's int4pack where the plan measured it faster), or a
 // dense weight in the activation dtype. LoRA adapters of the step's rows are added after each
 // projection, as `lora/batch.py` adds them in the Python model, with the same kernels. Everything
@@ -16,6 +17,7 @@
 
 #include <atomic>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace llm_forge {
@@ -218,9 +220,12 @@ struct StepArgs {
   at::IntArrayRef kinds, out_features, group_sizes;
   int64_t num_heads, num_kv_heads, D, tokens_per_block;
   double eps, scale;
+  const float* k_scales;  // per layer, for a one-byte cache (else null: scales of 1)
+  const float* v_scales;
 };
 
-template <typename T>
+// T: the activations' dtype; C: the cache's (T, or a one-byte cache's int8 / fp8).
+template <typename T, typename C>
 at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
   const at::Tensor &positions = args.positions, &slot_mapping = args.slot_mapping,
                    &block_tables = args.block_tables, &seq_lens = args.seq_lens,
@@ -262,10 +267,8 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
                   sin.scalar_type() == at::kFloat,
               "cos/sin must be contiguous fp32 rows of head_dim");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == x_in.scalar_type() &&
-                  v_cache.scalar_type() == x_in.scalar_type() && k_cache.size(2) == num_kv_heads &&
-                  k_cache.size(3) == D,
-              "the cache must be contiguous [layers, slots, Hkv, D] in the activations' dtype");
+                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == D,
+              "the cache must be contiguous [layers, slots, Hkv, D]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.is_contiguous() && slot_mapping.is_contiguous() &&
                   positions.numel() == M && slot_mapping.numel() == M,
@@ -298,8 +301,8 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = static_cast<C*>(k_cache.data_ptr());
+  C* vc = static_cast<C*>(v_cache.data_ptr());
   const int64_t layer_stride = k_cache.stride(0);
 
   // Per layer: the 4 projections and the attention claim work from counters 0-4, threads
@@ -371,8 +374,10 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
     for (int64_t layer = 0; layer < layers; ++layer) {
       const RegionLinear* L = lin.data() + 4 * layer;
       std::atomic<int64_t>* c = counters.get() + layer * kCounters;
-      T* kl = kc + layer * layer_stride;
-      T* vl = vc + layer * layer_stride;
+      C* kl = kc + layer * layer_stride;
+      C* vl = vc + layer * layer_stride;
+      const float k_scale = args.k_scales ? args.k_scales[layer] : 1.f;
+      const float v_scale = args.v_scales ? args.v_scales[layer] : 1.f;
       for (int64_t m = r_begin; m < r_end; ++m) {  // the previous layer's output joins the stream
         if (layer == 0)
           layer_row::rms_norm(residual + m * H, norms[0], hb + m * H, H, feps);
@@ -388,10 +393,12 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       for (int64_t m = r_begin; m < r_end; ++m)
         layer_row::rope_write(qkv + m * L[0].N, cp + pos[m] * D, sp + pos[m] * D, num_heads,
                               num_kv_heads, D, kl + slots[m] * kv_width,
-                              vl + slots[m] * kv_width);
+                              vl + slots[m] * kv_width, k_scale, v_scale);
       wait_fetching(&L[1], c + 6);
       claim(c + 4, n_items, 1, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) step::attend_item(plan, qkv, kl, vl, i);
+        for (int64_t i = b; i < e; ++i)
+          step::attend_item(plan, static_cast<const T*>(qkv), static_cast<const C*>(kl),
+                            static_cast<const C*>(vl), i, k_scale, v_scale);
       });
       wait_fetching(&L[1], c + 6);
       for (int64_t m = r_begin; m < r_end; ++m) {
@@ -437,8 +444,16 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
                           const Weights& lora, at::IntArrayRef lora_runs,
-                          bool single_region) {
+                          bool single_region, const c10::optional<at::Tensor>& kv_scales) {
   const int64_t layers = k_cache.size(0);
+  // A one-byte cache comes with its scales: [2, layers] fp32, keys' then values'.
+  const bool one_byte = k_cache.element_size() == 1;
+  TORCH_CHECK(!one_byte || (kv_scales.has_value() && kv_scales->scalar_type() == at::kFloat &&
+                            kv_scales->is_contiguous() && kv_scales->dim() == 2 &&
+                            kv_scales->size(0) == 2 && kv_scales->size(1) == layers),
+              "decode_forward: a one-byte cache needs kv_scales, [2, ", layers, "] fp32");
+  const float* k_scales = one_byte ? kv_scales->data_ptr<float>() : nullptr;
+  const float* v_scales = one_byte ? k_scales + layers : nullptr;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer + 1 &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   out_features.size() == kinds.size() && group_sizes.size() == kinds.size(),
@@ -453,9 +468,18 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     const at::Tensor x_in = hidden.contiguous();
     const StepArgs args{positions, slot_mapping, block_tables, seq_lens, query_start, cos, sin,
                         k_cache, v_cache, weights, kinds, out_features, group_sizes, num_heads,
-                        num_kv_heads, head_dim, tokens_per_block, eps, scale};
-    if (x_in.scalar_type() == at::kBFloat16) return region_forward<at::BFloat16>(x_in, args);
-    if (x_in.scalar_type() == at::kFloat) return region_forward<float>(x_in, args);
+                        num_kv_heads, head_dim, tokens_per_block, eps, scale, k_scales,
+                        v_scales};
+    at::Tensor out;
+    auto run = [&](auto* activations) {
+      using T = std::remove_pointer_t<decltype(activations)>;
+      step::with_cache_type<T>(k_cache, v_cache, [&](auto* tag) {
+        out = region_forward<T, std::remove_pointer_t<decltype(tag)>>(x_in, args);
+      });
+    };
+    if (x_in.scalar_type() == at::kBFloat16) run(static_cast<at::BFloat16*>(nullptr));
+    else if (x_in.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+    if (out.defined()) return out;
   }
   const int64_t q_size = num_heads * head_dim;
   at::Tensor x = hidden.contiguous();  // this step's own buffer: the residual stream lives in it
@@ -476,11 +500,13 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                               : add_rms_norm(x, residual, required(weights, base), eps);
     at::Tensor qkv = proj(0, h).contiguous();
     at::Tensor k_layer = k_cache.select(0, layer), v_layer = v_cache.select(0, layer);
+    const double k_scale = one_byte ? k_scales[layer] : 1.0;
+    const double v_scale = one_byte ? v_scales[layer] : 1.0;
     rope_write_cache(qkv, positions, cos, sin, num_heads, num_kv_heads, k_layer, v_layer,
-                     slot_mapping);
+                     slot_mapping, k_scale, v_scale);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads, head_dim});
     at::Tensor o = paged_attention(q, k_layer, v_layer, block_tables, seq_lens, query_start,
-                                   tokens_per_block, scale);
+                                   tokens_per_block, scale, k_scale, v_scale);
     h = add_rms_norm(proj(1, o.view({-1, q_size})), residual, required(weights, base + 1), eps);
     x = proj(3, silu_mul(proj(2, h)));
   }

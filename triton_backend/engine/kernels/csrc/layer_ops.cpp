@@ -5,10 +5,13 @@
 // and rounds where the torch ops round (an intermediate stored as bf16 is rounded as bf16 here
 // too), so a bf16 engine computes what its pure-torch path computes, up to fp32 summation order.
 #include "layer_rows.h"
+#include "step.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <type_traits>
 
 namespace llm_forge {
 namespace {
@@ -50,12 +53,14 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
 }
 
 // Rotate q and k of each token in place (rotate-half form, as Llama) and write k and v into the
-// layer's cache at the token's slot. cos/sin rows are fp32 [max_positions, D] with both halves
-// equal; torch casts them to the activation dtype first, and so do we.
+// layer's cache at the token's slot (quantized with the layer's scales for a one-byte cache).
+// cos/sin rows are fp32 [max_positions, D] with both halves equal; torch casts them to the
+// activation dtype first, and so do we.
 template <typename T>
 void rope_write_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                            const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
-                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                           float k_scale, float v_scale) {
   const int64_t T_ = qkv.size(0), D = cos.size(1);
   const int64_t row = qkv.stride(0);
   T* base = qkv.data_ptr<T>();
@@ -63,13 +68,17 @@ void rope_write_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const a
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
   const int64_t kv_stride = num_kv_heads * D;
-  at::parallel_for(0, T_, 4, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      layer_row::rope_write(base + t * row, cp + pos[t] * D, sp + pos[t] * D, num_q_heads,
-                       num_kv_heads, D, kc + slot[t] * kv_stride, vc + slot[t] * kv_stride);
+  step::with_cache_type<T>(k_cache, v_cache, [&](auto* tag) {
+    using C = std::remove_pointer_t<decltype(tag)>;
+    C* kc = static_cast<C*>(k_cache.data_ptr());
+    C* vc = static_cast<C*>(v_cache.data_ptr());
+    at::parallel_for(0, T_, 4, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        layer_row::rope_write(base + t * row, cp + pos[t] * D, sp + pos[t] * D, num_q_heads,
+                              num_kv_heads, D, kc + slot[t] * kv_stride, vc + slot[t] * kv_stride,
+                              k_scale, v_scale);
+    });
   });
 }
 
@@ -116,21 +125,21 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
-                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping) {
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                      double k_scale, double v_scale) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous(), "cos/sin must be contiguous fp32");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
               "positions and slot_mapping must be int64");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(), "the cache must be contiguous in the dtype of qkv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * cos.size(1), "qkv width");
   if (qkv.scalar_type() == at::kBFloat16)
     rope_write_cache_impl<at::BFloat16>(qkv, positions, cos, sin, num_q_heads, num_kv_heads,
-                                        k_cache, v_cache, slot_mapping);
+                                        k_cache, v_cache, slot_mapping, k_scale, v_scale);
   else
     rope_write_cache_impl<float>(qkv, positions, cos, sin, num_q_heads, num_kv_heads, k_cache,
-                                 v_cache, slot_mapping);
+                                 v_cache, slot_mapping, k_scale, v_scale);
 }
 
 }  // namespace llm_forge

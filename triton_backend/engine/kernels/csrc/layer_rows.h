@@ -5,8 +5,10 @@
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace llm_forge {
 namespace layer_row {
@@ -56,12 +58,26 @@ void silu_mul(const T* g, T* o, int64_t I) {
   }
 }
 
+// A cache element from a fp32 value, as quant/kv_cache.py's quantize_kv stores it: x / scale,
+// int8 rounded half to even and clamped to [-128, 127], FP8 e4m3 clamped to +-448 (torch's own
+// conversion), bit for bit.
+template <typename C>
+C quantize_kv(float x, float scale);
+template <>
+inline int8_t quantize_kv<int8_t>(float x, float scale) {
+  return static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(x / scale))));
+}
+template <>
+inline fp8 quantize_kv<fp8>(float x, float scale) {
+  return fp8(std::min(448.f, std::max(-448.f, x / scale)));
+}
+
 // Rotate one token's q and k heads in place (rotate-half form, as Llama; c and s its position's
 // fp32 cos/sin rows, cast to T first as torch does) and copy its k and v into the cache slot's
-// rows.
-template <typename T>
+// rows: as they are when the cache holds T, else quantized with the layer's scales.
+template <typename T, typename C>
 void rope_write(T* q, const float* c, const float* s, int64_t num_q_heads, int64_t num_kv_heads,
-                int64_t D, T* k_slot, T* v_slot) {
+                int64_t D, C* k_slot, C* v_slot, float k_scale, float v_scale) {
   const int64_t half = D / 2, kv_stride = num_kv_heads * D;
   for (int64_t h = 0; h < num_q_heads + num_kv_heads; ++h) {
     T* x = q + h * D;
@@ -76,8 +92,15 @@ void rope_write(T* q, const float* c, const float* s, int64_t num_q_heads, int64
     }
   }
   const T* k = q + num_q_heads * D;
-  std::memcpy(k_slot, k, kv_stride * sizeof(T));
-  std::memcpy(v_slot, k + kv_stride, kv_stride * sizeof(T));
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(k_slot, k, kv_stride * sizeof(T));
+    std::memcpy(v_slot, k + kv_stride, kv_stride * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < kv_stride; ++i) {
+      k_slot[i] = quantize_kv<C>(to_float(k[i]), k_scale);
+      v_slot[i] = quantize_kv<C>(to_float(k[kv_stride + i]), v_scale);
+    }
+  }
 }
 
 }  // namespace layer_row

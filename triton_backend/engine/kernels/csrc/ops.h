@@ -59,13 +59,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
                         double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+// The cache: in the activations' dtype, or one byte per element (int8, or FP8 e4m3 in uint8)
+// stored as value / scale with the layer's k_scale and v_scale.
 void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
-                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping);
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                      double k_scale = 1.0, double v_scale = 1.0);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
-                           int64_t tokens_per_block, double scale);
+                           int64_t tokens_per_block, double scale, double k_scale = 1.0,
+                           double v_scale = 1.0);
 
 // Each row's first maximal logit and its log probability; masked (row, id) pairs count as -inf.
 std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits,
@@ -85,6 +89,7 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
                           const c10::List<c10::optional<at::Tensor>>& lora,
-                          at::IntArrayRef lora_runs, bool single_region);
+                          at::IntArrayRef lora_runs, bool single_region,
+                          const c10::optional<at::Tensor>& kv_scales);
 
 }  // namespace llm_forge

@@ -21,9 +21,11 @@ TORCH_LIBRARY(llm_forge, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &llm_forge::silu_mul);
   m.def("rope_write_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
         "int num_q_heads, int num_kv_heads, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor slot_mapping) -> ()", &llm_forge::rope_write_cache);
+        "Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> ()",
+        &llm_forge::rope_write_cache);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start, int tokens_per_block, float scale) -> Tensor",
+        "Tensor seq_lens, Tensor query_start, int tokens_per_block, float scale, "
+        "float k_scale=1.0, float v_scale=1.0) -> Tensor",
         &llm_forge::paged_attention);
   m.def("greedy_pick(Tensor logits, int[] masked_rows, int[] masked_ids) -> (Tensor, Tensor)",
         &llm_forge::greedy_pick);
@@ -34,6 +36,6 @@ TORCH_LIBRARY(llm_forge, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] weights, int[] kinds, "
         "int[] out_features, int[] group_sizes, int num_heads, int num_kv_heads, int head_dim, "
         "int tokens_per_block, float eps, float scale, Tensor?[] lora, int[] lora_runs, "
-        "bool single_region=True) -> Tensor",
+        "bool single_region=True, Tensor? kv_scales=None) -> Tensor",
         &llm_forge::decode_forward);
 }

@@ -4,6 +4,8 @@
 // pieces under their own parallel loops, so both paths compute the same values.
 #pragma once
 
+#include "vec.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
@@ -51,6 +53,28 @@ void bf16_check_layout(const at::Tensor& packed, int64_t N);
 template <typename T, typename P>
 void widen_row(const T* x, const P* prequant, int64_t K, float* out);
 
+// ---- the KV cache ----
+
+// Runs body(static_cast<C*>(nullptr)) with C the element type of the k and v caches, for
+// activations of type T: T itself, or a one-byte cache (quant/kv_cache.py) holding int8 values
+// (int8 tensors) or FP8 e4m3 bit patterns (uint8 tensors: torch's CPU index_copy_ has no float8
+// kernel). Anything else is an error.
+template <typename T, typename F>
+void with_cache_type(const at::Tensor& k_cache, const at::Tensor& v_cache, const F& body) {
+  const at::ScalarType type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == type, "the k and v caches must share a dtype");
+  if (type == at::kChar) {
+    body(static_cast<int8_t*>(nullptr));
+  } else if (type == at::kByte) {
+    body(static_cast<fp8*>(nullptr));
+  } else {
+    TORCH_CHECK(type == c10::CppTypeToScalarType<T>::value, "the cache holds ", type,
+                ": it must hold the activations' dtype (", c10::CppTypeToScalarType<T>::value,
+                "), int8 or FP8 e4m3 (as uint8)");
+    body(static_cast<T*>(nullptr));
+  }
+}
+
 // ---- paged attention (attention.cpp) ----
 
 struct Geometry {
@@ -81,8 +105,11 @@ struct AttentionPlan {
 AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start,
                              int64_t threads);
-template <typename T>
-void attend_item(AttentionPlan& plan, const T* q, const T* k_cache, const T* v_cache, int64_t i);
+// Item i of the plan over a cache of C (see with_cache_type); a one-byte cache's values are
+// stored / scale, its layer's k_scale and v_scale (1 for a cache in the activations' dtype).
+template <typename T, typename C>
+void attend_item(AttentionPlan& plan, const T* q, const C* k_cache, const C* v_cache, int64_t i,
+                 float k_scale, float v_scale);
 // Merge (row, kv head) group gi's parts and write its query heads' outputs into out [T, Hq, D].
 template <typename T>
 void merge_group(const AttentionPlan& plan, int64_t gi, T* out);

@@ -1,4 +1,5 @@
-// Portable 8-lane float vectors (GCC/Clang vector extensions) and bf16 <-> fp32 conversions.
+// Portable 8-lane float vectors (GCC/Clang vector extensions), bf16 <-> fp32 conversions, and
+// the one-byte KV cache's elements (int8, FP8 e4m3) read as fp32.
 //
 // Compiled with -march=native on the machine that runs it, so the compiler maps these onto AVX2
 // (or wider) where present and onto NEON elsewhere; nothing here names an instruction set except
@@ -7,6 +8,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,6 +30,7 @@ typedef uint32_t vu __attribute__((vector_size(32)));
 typedef uint16_t vh __attribute__((vector_size(16)));
 
 using bf16 = c10::BFloat16;
+using fp8 = c10::Float8_e4m3fn;  // a one-byte KV cache's FP8 elements (stored in uint8 by torch)
 
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
 
@@ -82,6 +85,34 @@ inline vf load_bits(const uint16_t* p) {  // 8 bf16 bit patterns -> fp32 (exact)
 }
 inline vf load(const bf16* p) { return load_bits(reinterpret_cast<const uint16_t*>(p)); }
 
+inline vf load(const int8_t* p) {  // 8 int8 values -> fp32 (exact)
+#if defined(__AVX2__)
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef int8_t vb __attribute__((vector_size(8)));
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vf);
+#endif
+}
+
+inline vf load(const fp8* p) {  // 8 FP8 e4m3 values -> fp32 (exact, subnormals included)
+#if defined(__AVX2__) && defined(__F16C__)
+  // s eeee mmm moved into fp16's fields (s 0eeee mmm0000000) is the same number times 2^-8 in
+  // fp16, whose exponent bias is 15 where e4m3's is 7; the hardware widens fp16, subnormals too.
+  // (e4m3's NaN pattern would read as 480: a cache never holds it, values are clamped to 448.)
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_cvtph_ps(h) * splat(256.f);
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 // fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0: exactly c10::BFloat16's rounding.
 inline vh to_bf16_bits(vf v) {
   vu u = (vu)v;
@@ -107,6 +138,8 @@ template <typename T> inline float round_to(float x) { return static_cast<float>
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(fp8 x) { return static_cast<float>(x); }
 
 // exp(x) for 8 lanes: Cephes-style range reduction and polynomial, ~1 ulp in float. Used by
 // softmax and SiLU, where torch's own vectorized exp is just as approximate.
