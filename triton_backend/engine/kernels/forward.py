@@ -4,8 +4,9 @@ A decode step runs about ten kernels per layer; called one by one from Python ea
 microseconds of dispatch, a few milliseconds per step on a small model. `DecodeForward` gathers
 the loaded model's weights once, in the order the C++ side reads them, and runs a step there when
 the step is one it covers: every row attended by the paged kernel (no long prefill chunk), a cache
-the kernel reads (in the activation dtype, or one byte per element), and projections that are packed bf16, packed INT4 (our kernel) or dense
-in the activation dtype (below the row count where bf16 projections switch to torch's GEMM).
+the kernel reads (in the activation dtype, or one byte per element), and projections that are
+packed bf16, packed INT4 (our kernel) or dense in the activation dtype (below the row count where
+bf16 projections switch to torch's GEMM).
 Rows with LoRA adapters run there too: each projection adds its runs' deltas as the Python
 model does (`lora/batch.py`). Anything else, and every other device, takes the Python model,
 which stays the reference.
