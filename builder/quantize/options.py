@@ -44,8 +44,9 @@ class QuantizeOptions:
     group_size: int = 128
     exclude_modules: list[str] = field(default_factory=lambda: ["lm_head"])
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
-    # INT4 with a zero per group (asymmetric round-to-nearest, by llm-forge, no calibration): keeps
-    # a checkpoint that is itself on such a grid (GGUF Q4_1, GPTQ) as it is. torch target only.
+    # INT4 with a zero per group (asymmetric round-to-nearest, by llm-forge; only a one-byte
+    # kv_cache calibrates): keeps a checkpoint that is itself on such a grid (GGUF Q4_1, GPTQ)
+    # as it is. torch target only.
     zero_point: bool = False
     # The LM head in int8 (per column and block of 32 inputs), quantized when the torch runtime
     # loads the engine and multiplied with int8 activations by the CPU kernels.
@@ -68,9 +69,6 @@ class QuantizeOptions:
         if self.zero_point and self.weights != "int4_rtn":
             raise ValueError(f"quantization.zero_point: needs weights int4_rtn (int4_awq and fp8 "
                              f"are symmetric, as TensorRT-LLM runs them), got {self.weights!r}")
-        if self.zero_point and self.kv_cache != "none":
-            raise ValueError("quantization.zero_point: quantizes weights only, without "
-                             "calibration; a quantized kv_cache needs int4_rtn without it")
 
     @property
     def enabled(self) -> bool:

@@ -1,20 +1,28 @@
-"""INT4 with a zero per group, by llm-forge: asymmetric round-to-nearest, no calibration, no
-ModelOpt, no TensorRT-LLM checkpoint (the torch target only).
+"""INT4 with a zero per group, by llm-forge: asymmetric round-to-nearest, no TensorRT-LLM
+checkpoint (the torch target only).
 
 A checkpoint whose projections already sit on an asymmetric 4-bit grid (a GGUF Q4_1 export such as
 the demo model, a GPTQ/AWQ-with-zeros export) is reproduced by it instead of re-rounded onto the
 symmetric grid `int4_awq`/`int4_rtn` use, which costs such a model most of its quality.
+
+The weights need no calibration. A one-byte KV cache (`kv_cache: int8 | fp8`) does: its per-layer
+scales come from ModelOpt's K/V quantizers run over the calibration text on the checkpoint with
+every quantized projection replaced by its INT4 dequantization, so the keys and values measured
+are the ones the engine will write.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from builder import convert
+from builder.quantize import calibration, modelopt_run
 from builder.quantize.modelopt_run import check_exclusion_patterns, is_excluded
 from builder.quantize.options import QuantizeOptions
 from triton_backend.engine.config import WEIGHTS_FILE, QuantConfig
@@ -22,6 +30,7 @@ from triton_backend.engine.models.llama import PROJECTIONS
 from triton_backend.engine.quant import int4
 
 QUANT_ALGO = "W4A16_ZERO_POINT"
+KV_CACHE_QUANT_ALGOS = {"int8": "INT8", "fp8": "FP8"}  # TensorRT-LLM's names, as ModelOpt records
 
 
 def _is_projection(module: str) -> bool:
@@ -49,6 +58,62 @@ def quantize_state(state: dict[str, torch.Tensor], options: QuantizeOptions,
     return out
 
 
+def dequantize_projections(model: nn.Module, options: QuantizeOptions) -> nn.Module:
+    """Replace, in place, each HF projection `quantize_state` quantizes by its zero-point INT4
+    dequantization (groups run along each row, so q/k/v or gate/up apart equal them fused)."""
+    with torch.no_grad():
+        for _, linear in modelopt_run.quantized_linears(model, options).values():
+            q, scales, zeros = int4.quantize_rtn_zero_point(linear.weight, options.group_size)
+            linear.weight.copy_(int4.dequantize(q, scales, zeros=zeros))
+    return model
+
+
+def attention_kv_scales(model: nn.Module) -> dict[str, list[float]]:
+    """{"k": [...], "v": [...]} per layer from a model whose K/V quantizers ModelOpt calibrated:
+    the scales ModelOpt's TensorRT-LLM export writes (amax/127 for int8, amax/448 clamped to
+    >= 1 for FP8)."""
+    from modelopt.torch.export.quant_utils import get_kv_cache_scaling_factor
+
+    attentions = [m for m in model.modules() if hasattr(m, "k_bmm_quantizer")]
+    layers = model.config.num_hidden_layers
+    if len(attentions) != layers:
+        raise RuntimeError(f"ModelOpt put K/V quantizers on {len(attentions)} attention modules "
+                           f"of a {layers}-layer model")
+    scales: dict[str, list[float]] = {"k": [], "v": []}
+    for attention in attentions:
+        k, v = get_kv_cache_scaling_factor(attention)
+        if k is None or v is None:
+            raise RuntimeError("a K/V quantizer recorded no amax: no calibration text reached it")
+        scales["k"].append(float(k.reshape(-1)[0]))
+        scales["v"].append(float(v.reshape(-1)[0]))
+    return scales
+
+
+def calibrate_kv_cache(hf_dir: Path, options: QuantizeOptions, progress: Callable[[str], None]
+                       ) -> tuple[dict[str, list[float]], dict]:
+    """(per-layer K/V cache scales, the calibration's record) for a zero-point INT4 build."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    dequantize_projections(model, options)
+    cal = options.calibration
+    batches = calibration.token_windows(AutoTokenizer.from_pretrained(str(hf_dir)),
+                                        calibration.load_texts(cal.dataset), cal.samples,
+                                        cal.seq_len)
+    progress(f"calibrating the {options.kv_cache} KV cache on the INT4 weights: "
+             f"{len(batches)} x {cal.seq_len} tokens of {cal.dataset!r}")
+    kv_only = replace(options, weights="none", zero_point=False)
+    modelopt_run.calibrate(model, kv_only, batches, progress)
+    scales = attention_kv_scales(model)
+    import modelopt
+
+    record = {"tool": f"nvidia-modelopt {modelopt.__version__}", "dataset": cal.dataset,
+              "samples": len(batches), "seq_len": cal.seq_len,
+              "seconds": round(time.perf_counter() - start, 1)}
+    return scales, record
+
+
 def quantize_zero_point(hf_dir: Path, engine_dir: Path, options: QuantizeOptions,
                         dtype: torch.dtype, progress: Callable[[str], None]):
     """Write engine_dir/model.safetensors; the result for the engine config."""
@@ -61,14 +126,17 @@ def quantize_zero_point(hf_dir: Path, engine_dir: Path, options: QuantizeOptions
     state = quantize_state(state, options, dtype)
     save_file(state, str(Path(engine_dir) / WEIGHTS_FILE), metadata={"format": "pt"})
     stored, bf16 = linear_bytes(state)
-    seconds = time.perf_counter() - start
-    progress(f"quantized in {seconds:.0f}s; quantized linears {stored / 2**20:.1f} MiB "
-             f"({stored / bf16:.0%} of 16-bit)")
+    progress(f"quantized in {time.perf_counter() - start:.0f}s; quantized linears "
+             f"{stored / 2**20:.1f} MiB ({stored / bf16:.0%} of 16-bit)")
+    extra = {"tool": "llm-forge", "quant_algo": QUANT_ALGO, "kv_cache_quant_algo": None}
+    if options.kv_cache != "none":
+        extra["kv_cache_scales"], extra["calibration"] = calibrate_kv_cache(hf_dir, options,
+                                                                            progress)
+        extra["kv_cache_quant_algo"] = KV_CACHE_QUANT_ALGOS[options.kv_cache]
+    extra["seconds"] = round(time.perf_counter() - start, 1)
     return QuantizationResult(
-        quantization=QuantConfig(weights=options.weights, kv_cache="none",
+        quantization=QuantConfig(weights=options.weights, kv_cache=options.kv_cache,
                                  group_size=options.group_size,
                                  exclude_modules=list(options.exclude_modules), zero_point=True),
-        kv_cache_dtype="auto",
-        extra={"tool": "llm-forge", "quant_algo": QUANT_ALGO, "kv_cache_quant_algo": None,
-               "seconds": round(seconds, 1)},
-        quantized_linear_bytes=stored, quantized_linear_bf16_bytes=bf16)
+        kv_cache_dtype="auto" if options.kv_cache == "none" else options.kv_cache,
+        extra=extra, quantized_linear_bytes=stored, quantized_linear_bf16_bytes=bf16)

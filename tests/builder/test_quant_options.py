@@ -36,8 +36,6 @@ def test_from_a_spec_dataclass_like_section():
      r"quantization\.zero_point: must be true or false, got 'yes'"),
     ({"weights": "int4_awq", "zero_point": True},
      r"quantization\.zero_point: needs weights int4_rtn \(int4_awq and fp8 are symmetric"),
-    ({"weights": "int4_rtn", "kv_cache": "int8", "zero_point": True},
-     r"quantization\.zero_point: quantizes weights only, without calibration"),
     ({"lm_head": "int4"}, r"quantization\.lm_head: must be one of \['none', 'int8'\], got 'int4'"),
 ])
 def test_errors_name_the_field(section, message):
