@@ -25,12 +25,12 @@ from builder import convert
 from builder.quantize import calibration, modelopt_run
 from builder.quantize.modelopt_run import check_exclusion_patterns, is_excluded
 from builder.quantize.options import QuantizeOptions
+from builder.quantize.trtllm_checkpoint import KV_CACHE_QUANT_ALGOS
 from triton_backend.engine.config import WEIGHTS_FILE, QuantConfig
 from triton_backend.engine.models.llama import PROJECTIONS
 from triton_backend.engine.quant import int4
 
 QUANT_ALGO = "W4A16_ZERO_POINT"
-KV_CACHE_QUANT_ALGOS = {"int8": "INT8", "fp8": "FP8"}  # TensorRT-LLM's names, as ModelOpt records
 
 
 def _is_projection(module: str) -> bool:
@@ -92,6 +92,7 @@ def attention_kv_scales(model: nn.Module) -> dict[str, list[float]]:
 def calibrate_kv_cache(hf_dir: Path, options: QuantizeOptions, progress: Callable[[str], None]
                        ) -> tuple[dict[str, list[float]], dict]:
     """(per-layer K/V cache scales, the calibration's record) for a zero-point INT4 build."""
+    import modelopt
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
@@ -106,8 +107,6 @@ def calibrate_kv_cache(hf_dir: Path, options: QuantizeOptions, progress: Callabl
     kv_only = replace(options, weights="none", zero_point=False)
     modelopt_run.calibrate(model, kv_only, batches, progress)
     scales = attention_kv_scales(model)
-    import modelopt
-
     record = {"tool": f"nvidia-modelopt {modelopt.__version__}", "dataset": cal.dataset,
               "samples": len(batches), "seq_len": cal.seq_len,
               "seconds": round(time.perf_counter() - start, 1)}
@@ -128,11 +127,11 @@ def quantize_zero_point(hf_dir: Path, engine_dir: Path, options: QuantizeOptions
     stored, bf16 = linear_bytes(state)
     progress(f"quantized in {time.perf_counter() - start:.0f}s; quantized linears "
              f"{stored / 2**20:.1f} MiB ({stored / bf16:.0%} of 16-bit)")
-    extra = {"tool": "llm-forge", "quant_algo": QUANT_ALGO, "kv_cache_quant_algo": None}
+    extra = {"tool": "llm-forge", "quant_algo": QUANT_ALGO,
+             "kv_cache_quant_algo": KV_CACHE_QUANT_ALGOS[options.kv_cache]}
     if options.kv_cache != "none":
         extra["kv_cache_scales"], extra["calibration"] = calibrate_kv_cache(hf_dir, options,
                                                                             progress)
-        extra["kv_cache_quant_algo"] = KV_CACHE_QUANT_ALGOS[options.kv_cache]
     extra["seconds"] = round(time.perf_counter() - start, 1)
     return QuantizationResult(
         quantization=QuantConfig(weights=options.weights, kv_cache=options.kv_cache,

@@ -85,11 +85,14 @@ def test_zero_point_engines_decode_through_the_fast_path_with_the_python_models_
     assert steps > 10 and with_fast == without
 
 
+KV_CALIBRATION = CalibrationOptions(samples=6, seq_len=48, batch_size=4)
+
+
 def _zero_point_kv_build(tmp, kv_cache: str):
     engine_dir = tiny.build_engine(tmp, "qwen2_bias_tied", dtype="bfloat16")
     options = QuantizeOptions(weights="int4_rtn", zero_point=True, group_size=GROUP,
                               kv_cache=kv_cache, exclude_modules=["lm_head", "layers.1.mlp.proj"],
-                              calibration=CalibrationOptions(samples=6, seq_len=48, batch_size=4))
+                              calibration=KV_CALIBRATION)
     quantize_engine(engine_dir, tmp / "hf-qwen2_bias_tied", options)
     return engine_dir, tmp / "hf-qwen2_bias_tied"
 
@@ -105,13 +108,15 @@ def _reference_kv_amax(hf_dir) -> torch.Tensor:
     dequantized weights."""
     from transformers import AutoTokenizer
 
+    cal = KV_CALIBRATION
     windows = calibration.token_windows(AutoTokenizer.from_pretrained(str(hf_dir)),
-                                        calibration.load_texts("builtin"), 6, 48)
+                                        calibration.load_texts(cal.dataset), cal.samples,
+                                        cal.seq_len)
     model = _dequantized_reference(hf_dir)
     amax = torch.zeros(2, model.config.num_hidden_layers)
     with torch.inference_mode():
-        for start in range(0, len(windows), 4):
-            cache = model(windows[start:start + 4], use_cache=True).past_key_values
+        for start in range(0, len(windows), cal.batch_size):
+            cache = model(windows[start:start + cal.batch_size], use_cache=True).past_key_values
             for layer in range(model.config.num_hidden_layers):
                 keys, values = cache.layers[layer].keys, cache.layers[layer].values
                 amax[0, layer] = max(amax[0, layer], keys.abs().max())
@@ -133,7 +138,7 @@ def test_a_zero_point_build_calibrates_its_int8_cache_on_the_int4_keys_and_value
     assert config.quantization.zero_point
     extra = config.extra["quantization"]
     assert (extra["quant_algo"], extra["kv_cache_quant_algo"]) == ("W4A16_ZERO_POINT", "INT8")
-    assert extra["calibration"]["samples"] == 6
+    assert extra["calibration"]["samples"] == KV_CALIBRATION.samples == 6
     torch.testing.assert_close(_recorded_scales(engine_dir), _reference_kv_amax(hf_dir) / 127,
                                rtol=1e-4, atol=0)
 
