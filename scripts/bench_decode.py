@@ -172,11 +172,15 @@ def main() -> None:
         for name, side in sides.items():  # warm-up: first-call costs stay out of the figures
             side.run_one(ids_list[0][:16], texts[0][:40])
             print(f"warmed up {name}", file=sys.stderr)
-        for repeat in range(args.repeats):  # interleaved, so drift hits every side alike
-            for name, side in sides.items():
-                one = measure_one(side, ids_list, texts, repeat % len(ids_list),
-                                  args.ttft_samples)
-                every = side.run_all(ids_list, texts)
+        for repeat in range(args.repeats):
+            # Interleaved, so drift hits every side alike: each concurrency's runs of all sides
+            # back to back (the pairs `paired_ratios` divides), in an order that reverses every
+            # repeat, so no side always runs first after the other concurrency's runs.
+            order = list(sides.items())[::-1 if repeat % 2 else 1]
+            ones = {name: measure_one(side, ids_list, texts, repeat % len(ids_list),
+                                      args.ttft_samples) for name, side in order}
+            for name, side in order:
+                one, every = ones[name], side.run_all(ids_list, texts)
                 runs[name].append({"c1": as_dict(one), "cN": as_dict(every)})
                 print(f"repeat {repeat + 1}/{args.repeats} {name}: TTFT {one.ttft_s * 1e3:.0f} ms,"
                       f" decode {one.decode_tok_s:.1f} tok/s, c={protocol.num_prompts} "
