@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from builder.quantize.options import CalibrationOptions
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BUILTIN = {"builtin": DATA_DIR / "calibration.txt", "builtin:heldout": DATA_DIR / "heldout.txt"}
@@ -62,3 +66,16 @@ def token_windows(tokenizer, texts: list[str], samples: int, seq_len: int,
         raise ValueError(f"{purpose} text has {len(stream)} tokens, fewer than one window of "
                          f"{seq_len} tokens ({setting})")
     return torch.tensor(stream[:count * seq_len], dtype=torch.long).reshape(count, seq_len)
+
+
+def windows(tokenizer, options: CalibrationOptions) -> torch.Tensor:
+    """The windows a spec's `quantization.calibration` asks for (`token_windows` over its
+    dataset)."""
+    return token_windows(tokenizer, load_texts(options.dataset), options.samples,
+                         options.seq_len)
+
+
+def record(options: CalibrationOptions, samples: int, seconds: float) -> dict:
+    """What an engine's config records of a calibration: its text, windows and time."""
+    return {"dataset": options.dataset, "samples": samples, "seq_len": options.seq_len,
+            "seconds": round(seconds, 1)}

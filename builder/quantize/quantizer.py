@@ -89,8 +89,7 @@ def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: Qua
     modelopt_run.check_group_size(model, options)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     cal = options.calibration
-    batches = calibration.token_windows(tokenizer, calibration.load_texts(cal.dataset),
-                                        cal.samples, cal.seq_len)
+    batches = calibration.windows(tokenizer, cal)
     progress(f"calibrating {options.weights} weights / {options.kv_cache} KV cache on "
              f"{len(batches)} x {cal.seq_len} tokens of {cal.dataset!r}")
     start = time.perf_counter()
@@ -126,9 +125,7 @@ def _extra(options: QuantizeOptions, ckpt_config: dict, kv_scales: dict, samples
     extra = {"tool": f"nvidia-modelopt {modelopt.__version__}",
              "trtllm_checkpoint": trtllm_checkpoint.CHECKPOINT_DIR,
              "quant_algo": quant_algo, "kv_cache_quant_algo": kv_algo,
-             "calibration": {"dataset": options.calibration.dataset, "samples": samples,
-                             "seq_len": options.calibration.seq_len,
-                             "seconds": round(seconds, 1)}}
+             "calibration": calibration.record(options.calibration, samples, seconds)}
     if kv_scales:
         extra["kv_cache_scales"] = kv_scales
     return extra

@@ -99,18 +99,14 @@ def calibrate_kv_cache(hf_dir: Path, options: QuantizeOptions, progress: Callabl
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     dequantize_projections(model, options)
     cal = options.calibration
-    batches = calibration.token_windows(AutoTokenizer.from_pretrained(str(hf_dir)),
-                                        calibration.load_texts(cal.dataset), cal.samples,
-                                        cal.seq_len)
+    batches = calibration.windows(AutoTokenizer.from_pretrained(str(hf_dir)), cal)
     progress(f"calibrating the {options.kv_cache} KV cache on the INT4 weights: "
              f"{len(batches)} x {cal.seq_len} tokens of {cal.dataset!r}")
     kv_only = replace(options, weights="none", zero_point=False)
     modelopt_run.calibrate(model, kv_only, batches, progress)
     scales = attention_kv_scales(model)
-    record = {"tool": f"nvidia-modelopt {modelopt.__version__}", "dataset": cal.dataset,
-              "samples": len(batches), "seq_len": cal.seq_len,
-              "seconds": round(time.perf_counter() - start, 1)}
-    return scales, record
+    return scales, {"tool": f"nvidia-modelopt {modelopt.__version__}",
+                    **calibration.record(cal, len(batches), time.perf_counter() - start)}
 
 
 def quantize_zero_point(hf_dir: Path, engine_dir: Path, options: QuantizeOptions,

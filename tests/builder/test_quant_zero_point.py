@@ -109,9 +109,7 @@ def _reference_kv_amax(hf_dir) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     cal = KV_CALIBRATION
-    windows = calibration.token_windows(AutoTokenizer.from_pretrained(str(hf_dir)),
-                                        calibration.load_texts(cal.dataset), cal.samples,
-                                        cal.seq_len)
+    windows = calibration.windows(AutoTokenizer.from_pretrained(str(hf_dir)), cal)
     model = _dequantized_reference(hf_dir)
     amax = torch.zeros(2, model.config.num_hidden_layers)
     with torch.inference_mode():
