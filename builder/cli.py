@@ -10,8 +10,11 @@ import click
 from builder import __version__
 from builder.cli_bench import bench_command
 from builder.cli_engine import engine_command, generate_command
-from builder.cli_serve import query_command, repository_command, serve_command
+from builder.cli_drain import drain_command
 from builder.cli_quant import check_command
+from builder.cli_query import query_command
+from builder.cli_repository import repository_command
+from builder.cli_serve import serve_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,6 +30,7 @@ main.add_command(check_command)
 main.add_command(repository_command)
 main.add_command(serve_command)
 main.add_command(query_command)
+main.add_command(drain_command)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""`forge repository`, `forge serve` and `forge query`: emit, serve and query the Triton repository."""
+"""`forge serve`: tritonserver for a repository, supervised, with probes, until drained."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -9,55 +10,10 @@ from pathlib import Path
 import click
 
 from builder.errors import EXIT_INTERNAL, fail
+from builder.serving.addresses import LOOPBACK, bind_address, check_port_free
+from builder.serving.health import (DEFAULT_HEALTH_PORT, LIVENESS_PATH, READINESS_PATH,
+                                    STARTUP_PATH, HealthState)
 from builder.serving.serve import ALLOCATOR_PACKAGES, MALLOC_CHOICES
-
-@click.command("repository")
-@click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--output", "output_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="A field of the spec's repository: or serving: section, e.g. --set "
-                   "decoupled=false or --set max_waiting_requests=16 (repeatable).")
-def repository_command(engine_dir, output_dir, settings) -> None:
-    """Re-emit the Triton model repository for an engine directory, from the repository: and
-    serving: sections of the spec it was built with, changed by --set."""
-    import dataclasses
-
-    import yaml
-
-    from builder.manifest import spec_serving_sections
-    from builder.repository import RepositoryOptions, emit_repository
-    from builder.spec import ServingSpec
-
-    serving_keys = {f.name for f in dataclasses.fields(ServingSpec)}
-    repository, serving = spec_serving_sections(Path(engine_dir))
-    try:
-        for item in settings:
-            key, sep, raw = item.partition("=")
-            if not sep:
-                raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-            key = key.strip()
-            (serving if key in serving_keys else repository)[key] = yaml.safe_load(raw)
-        path = emit_repository(Path(engine_dir), Path(output_dir),
-                               RepositoryOptions.from_dict(repository), ServingSpec(**serving))
-    except (ValueError, FileNotFoundError) as exc:  # SpecError is a ValueError
-        fail(str(exc))
-    click.echo(f"repository: {path}")
-    for line in adapter_lines(Path(engine_dir)):
-        click.echo(line)
-
-
-def adapter_lines(engine_dir: Path) -> list[str]:
-    """The LoRA adapters an engine serves: the model name and lora_task_id of each."""
-    from triton_backend.engine.config import EngineConfig
-
-    lora = EngineConfig.load(engine_dir).lora
-    if lora is None:
-        return []
-    lines = [f"LoRA adapters (max_rank {lora.max_rank}, {lora.max_loras} resident, "
-             f"{lora.max_cpu_loras} cached; more can be sent as lora_weights + lora_config):"]
-    lines += [f"  {a.name}: lora_task_id {a.task_id}, rank {a.rank}, "
-              f"{', '.join(a.target_modules)}" for a in lora.adapters]
-    return lines
 
 
 @click.command("serve")
@@ -70,8 +26,9 @@ def adapter_lines(engine_dir: Path) -> list[str]:
 @click.option("--demo-max-tokens", type=int, default=64, show_default=True)
 @click.option("--openai-port", type=int, default=None,
               help="Also serve the OpenAI-compatible API on this port (0: a free one).")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address the OpenAI-compatible API binds to.")
+@click.option("--host", default=LOOPBACK, show_default=True,
+              help="Address the OpenAI-compatible API and the health port bind to (0.0.0.0 "
+                   "in a pod).")
 @click.option("--openai-triton-model",
               type=click.Choice(["tensorrt_llm", "ensemble", "tensorrt_llm_bls"]),
               default="tensorrt_llm", show_default=True,
@@ -80,7 +37,7 @@ def adapter_lines(engine_dir: Path) -> list[str]:
 @click.option("--api-key", envvar="LLM_FORGE_API_KEY", default=None,
               help="Clients of the OpenAI API must send this key as a bearer token (401 "
                    "otherwise); also read from LLM_FORGE_API_KEY. Triton's own ports take no "
-                   "key: they bind loopback.")
+                   "key: they bind loopback unless --triton-host says otherwise.")
 @click.option("--openai-max-concurrent-requests", type=int, default=256, show_default=True,
               help="Requests in flight on the OpenAI API; more get HTTP 429.")
 @click.option("--drain-timeout", type=click.FloatRange(0, 3600), default=30.0,
@@ -95,64 +52,153 @@ def adapter_lines(engine_dir: Path) -> list[str]:
               default="auto", show_default=True,
               help="The allocator tritonserver and its stubs run with: auto takes jemalloc, "
                    "else tcmalloc, if installed (glibc's malloc keeps every peak's memory).")
+@click.option("--health-port", type=click.IntRange(0, 65535), default=DEFAULT_HEALTH_PORT,
+              show_default=True,
+              help="forge serve's probes (GET /health/startup, /health/ready, /health/live) and "
+                   "POST /drain (loopback clients only), bound to --host (0: a free port).")
+@click.option("--triton-host", default=LOOPBACK, show_default=True,
+              help="Address Triton's HTTP and gRPC ports bind to. They take no key: open them "
+                   "only behind a network policy.")
+@click.option("--metrics-host", default=LOOPBACK, show_default=True,
+              help="Address Triton's metrics port binds to (0.0.0.0 in a pod, for Prometheus "
+                   "and the gateway's endpoint picker).")
 def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_timeout, demo_prompt,
                   demo_max_tokens, openai_port, host, openai_triton_model, api_key,
-                  openai_max_concurrent_requests, drain_timeout, max_reloads, malloc) -> None:
-    """Start tritonserver on loopback for a repository and supervise it; Ctrl-C or SIGTERM drain
-    it and exit 0; exit 1 if tritonserver itself dies."""
-    from builder.serving.serve import engine_report, start_tritonserver
+                  openai_max_concurrent_requests, drain_timeout, max_reloads, malloc,
+                  health_port, triton_host, metrics_host) -> None:
+    """Start tritonserver for a repository and supervise it, with probes on the health port;
+    Ctrl-C, SIGTERM or `forge drain` drain it and exit 0; exit 1 if tritonserver itself dies."""
+    from builder.serving.serve import start_tritonserver
 
-    stop, openai, supervisors = threading.Event(), None, []
+    health, stop = HealthState(), threading.Event()
+
+    def begin_drain() -> None:  # SIGTERM, Ctrl-C and POST /drain alike
+        health.begin_drain()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: begin_drain())
+    health_server = _start_health(health, host, health_port, begin_drain, triton_host,
+                                  metrics_host)
     try:
-        server = start_tritonserver(repository_dir, http_port=http_port, grpc_port=grpc_port,
-                                    metrics_port=metrics_port, ready_timeout=ready_timeout,
-                                    drain_timeout=drain_timeout, malloc=malloc)
-    except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
-        fail(str(exc), code=EXIT_INTERNAL)
-    try:
-        click.echo(f"tritonserver ready (log: {server.log_path})")
-        click.echo(f"  HTTP     http://{server.http_url}")
-        click.echo(f"  gRPC     {server.grpc_url}")
-        click.echo(f"  metrics  {server.metrics_url}")
-        hint = (f" (glibc's; apt-get install {ALLOCATOR_PACKAGES['jemalloc']} keeps memory "
-                "flat under load)"
-                if server.allocator == "system" and malloc == "auto" else "")
-        click.echo(f"  malloc   {server.allocator}{hint}")
-        click.echo(served_engine_line(repository_dir))
-        report = engine_report(server.metrics_url)
-        if report:
-            click.echo(report)
-        click.echo("try:")  # a chat model answers a bare question with its end token at once
-        click.echo(f"  curl -s -X POST http://{server.http_url}/v2/models/ensemble/generate "
-                   "-d '{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, "
-                   "\"apply_chat_template\": true}'")
-        if demo_prompt:
-            _demo(server, demo_prompt, demo_max_tokens)
-            return
-        if openai_port is not None:
-            openai = _start_openai(repository_dir, server, openai_port, host, openai_triton_model,
-                                   openai_max_concurrent_requests, api_key)
-        supervisors = _start_supervisors(server, Path(repository_dir), max_reloads)
-        while not stop.wait(1.0):
-            if not server.is_alive():
-                fail(f"tritonserver exited with code {server.process.returncode}:\n"
-                      f"{server.log_tail()}", code=EXIT_INTERNAL)
-            if openai is not None and not openai.is_alive():
-                fail("the OpenAI server stopped", code=EXIT_INTERNAL)
-        from builder.serving.supervisor import drain, stop_supervisors
-
-        stop_supervisors(supervisors, report=click.echo)
-        click.echo(f"draining: no new requests; requests in flight may finish within "
-                   f"{drain_timeout:g} s")
-        drain(server, drain_timeout, report=click.echo)
+        try:
+            for bound, port, option in ((triton_host, http_port, "--http-port"),
+                                        (triton_host, grpc_port, "--grpc-port"),
+                                        (metrics_host, metrics_port, "--metrics-port"),
+                                        (host, openai_port or 0, "--openai-port")):
+                check_port_free(bound, port, option)
+        except ValueError as exc:
+            fail(str(exc))
+        try:
+            server = start_tritonserver(
+                repository_dir, http_port=http_port, grpc_port=grpc_port,
+                metrics_port=metrics_port, ready_timeout=ready_timeout,
+                drain_timeout=drain_timeout, malloc=malloc, triton_host=triton_host,
+                metrics_host=metrics_host)
+        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            fail(str(exc), code=EXIT_INTERNAL)
+        with _stopping(server) as parts:
+            _print_endpoints(server, repository_dir, malloc, health_server.url)
+            if demo_prompt:
+                _demo(server, demo_prompt, demo_max_tokens)
+                return
+            if openai_port is not None:
+                parts.openai = _start_openai(repository_dir, server, openai_port, host,
+                                             openai_triton_model,
+                                             openai_max_concurrent_requests, api_key)
+            parts.supervisors = _start_supervisors(server, Path(repository_dir), max_reloads,
+                                                   health)
+            health.mark_started()
+            _serve(server, parts, health, stop, drain_timeout)
     finally:
-        for supervisor in supervisors:
+        health_server.stop()
+
+
+def _start_health(health, host: str, port: int, on_drain, triton_host: str, metrics_host: str):
+    """The health port, listening before tritonserver starts (its startup probe answers 503
+    while the models load); the addresses checked first (exit 2 naming the option)."""
+    from builder.serving.health_server import HealthServer
+
+    try:
+        for value, option in ((host, "--host"), (triton_host, "--triton-host"),
+                              (metrics_host, "--metrics-host")):
+            bind_address(value, option)
+    except ValueError as exc:
+        fail(str(exc))
+    try:
+        return HealthServer(health, host, port, on_drain)
+    except OSError as exc:
+        fail(f"--health-port {port}: cannot bind {host}:{port} ({exc.strerror or exc}); "
+             f"another server holds it? (0 picks a free port)")
+
+
+def _print_endpoints(server, repository_dir, malloc: str, health_url: str) -> None:
+    from builder.serving.serve import engine_report
+
+    click.echo(f"tritonserver ready (log: {server.log_path})")
+    click.echo(f"  HTTP     http://{server.http_url}{_bound(server.triton_host)}")
+    click.echo(f"  gRPC     {server.grpc_url}{_bound(server.triton_host)}")
+    click.echo(f"  metrics  {server.metrics_url}{_bound(server.metrics_host)}")
+    click.echo(f"  health   {health_url}{STARTUP_PATH} {READINESS_PATH} {LIVENESS_PATH} "
+               f"(POST /drain from loopback: forge drain)")
+    hint = (f" (glibc's; apt-get install {ALLOCATOR_PACKAGES['jemalloc']} keeps memory "
+            "flat under load)"
+            if server.allocator == "system" and malloc == "auto" else "")
+    click.echo(f"  malloc   {server.allocator}{hint}")
+    click.echo(served_engine_line(repository_dir))
+    report = engine_report(server.metrics_url)
+    if report:
+        click.echo(report)
+    click.echo("try:")  # a chat model answers a bare question with its end token at once
+    click.echo(f"  curl -s -X POST http://{server.http_url}/v2/models/ensemble/generate "
+               "-d '{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, "
+               "\"apply_chat_template\": true}'")
+
+
+def _bound(host: str) -> str:
+    return "" if host == LOOPBACK else f" (bound to {host})"
+
+
+def _serve(server, parts: "_Parts", health: HealthState, stop: threading.Event,
+           drain_timeout: float) -> None:
+    """Serve until `stop` (SIGTERM, Ctrl-C, POST /drain), then drain; exit 1 if tritonserver or
+    the OpenAI server dies."""
+    from builder.serving.drain import drain
+    from builder.serving.supervisor import stop_supervisors
+
+    while not stop.wait(1.0):
+        if not server.is_alive():
+            fail(f"tritonserver exited with code {server.process.returncode}:\n"
+                 f"{server.log_tail()}", code=EXIT_INTERNAL)
+        if parts.openai is not None and not parts.openai.is_alive():
+            fail("the OpenAI server stopped", code=EXIT_INTERNAL)
+    stop_supervisors(parts.supervisors, report=click.echo)
+    click.echo(f"draining: no new requests; requests in flight may finish within "
+               f"{drain_timeout:g} s")
+    drain(server, drain_timeout, report=click.echo)
+    health.mark_drained()
+
+
+class _Parts:
+    """What runs beside tritonserver: the OpenAI server and the supervisors."""
+
+    def __init__(self) -> None:
+        self.openai = None
+        self.supervisors: list = []
+
+
+@contextlib.contextmanager
+def _stopping(server):
+    """Whatever happens inside, nothing reloads afterwards and everything stops, reported."""
+    parts = _Parts()
+    try:
+        yield parts
+    finally:
+        for supervisor in parts.supervisors:
             supervisor.halt()  # a failed start or drain: nothing may reload what is stopping
-        if openai is not None:
+        if parts.openai is not None:
             click.echo("stopping the OpenAI server")
-            openai.stop()
+            parts.openai.stop()
         click.echo("stopping tritonserver")
         stopping = time.monotonic()
         server.stop()
@@ -163,7 +209,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                        f"(log: {server.log_path})", err=True)
 
 
-def _start_supervisors(server, repository_dir: Path, max_reloads: int) -> list:
+def _start_supervisors(server, repository_dir: Path, max_reloads: int, health) -> list:
     """One supervisor per Python model of the repository. Only `tensorrt_llm` (the engine) is
     reloaded when it stops answering; the others only when their stub is dead (an inconclusive
     answer from them never reloads anything)."""
@@ -174,7 +220,7 @@ def _start_supervisors(server, repository_dir: Path, max_reloads: int) -> list:
     models = supervised_models(repository_dir)
     supervisors = [Supervisor(server.http_url, model=model, max_reloads=max_reloads,
                               hung_seconds=30.0 if model == "tensorrt_llm" else math.inf,
-                              report=click.echo) for model in models]
+                              health=health, report=click.echo) for model in models]
     for supervisor in supervisors:
         supervisor.start()
     if not supervisors:
@@ -234,50 +280,3 @@ def _demo(server, prompt: str, max_tokens: int) -> None:
     for chunk in stream_grpc(server.grpc_url, "ensemble", inputs):
         click.echo(decode_text(chunk), nl=False)
     click.echo("\n")
-
-
-@click.command("query")
-@click.argument("prompt")
-@click.option("--url", default=None, help="host:port (default: localhost:8001 gRPC, :8000 HTTP)")
-@click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
-@click.option("--stream/--no-stream", default=False, show_default=True)
-@click.option("--model", type=click.Choice(["ensemble", "tensorrt_llm_bls"]), default="ensemble",
-              show_default=True)
-@click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float)
-@click.option("--top-k", type=int)
-@click.option("--top-p", type=float)
-@click.option("--seed", type=int)
-@click.option("--stop-word", "stop_words", multiple=True)
-@click.option("--chat", is_flag=True,
-              help="Send the prompt as a user message of the model's chat template.")
-def query_command(prompt, url, protocol, stream, model, max_tokens, temperature, top_k, top_p,
-                  seed, stop_words, chat) -> None:
-    """Send one prompt to a running server and print the text (as it streams with --stream)."""
-    from builder.client import decode_text, generate_http, stream_grpc, text_inputs
-
-    url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
-    values = dict(text_input=prompt, max_tokens=max_tokens, temperature=temperature,
-                  top_k=top_k, top_p=top_p, seed=seed, stop_words=list(stop_words) or None,
-                  apply_chat_template=True if chat else None)
-    printed = 0
-    try:
-        if protocol == "grpc":
-            for chunk in stream_grpc(url, model, text_inputs(stream=stream, **values)):
-                text = decode_text(chunk)
-                printed += len(text)
-                click.echo(text, nl=False)
-        else:
-            payload = {k: v for k, v in values.items() if v is not None}
-            payload["stream"] = stream
-            for event in generate_http(url, model, payload, stream=stream):
-                printed += len(event["text_output"])
-                click.echo(event["text_output"], nl=False)
-        click.echo()
-        if not printed and not chat:  # an instruct model ends a bare question at once
-            click.echo("(the answer is empty: the model ended at once; a chat model answers "
-                       "questions asked as a chat turn: --chat)", err=True)
-    except RuntimeError as exc:
-        fail(str(exc))
-    except Exception as exc:  # connection refused and friends
-        fail(f"{url}: {type(exc).__name__}: {exc}", code=EXIT_INTERNAL)

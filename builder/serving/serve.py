@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.metrics_reader import scrape
+from builder.serving.addresses import LOOPBACK, bind_address, connect_host
 from triton_backend.engine.numbers import is_number
 from triton_backend.models.serving_control import CONTROL_TOKEN_ENV, DRAIN_SECONDS_ENV
 
-LOOPBACK = "127.0.0.1"
 # Headers that say who a client is, passed to the models (matched ignoring case).
 CLIENT_HEADER_PATTERN = "^(authorization|x-llm-forge-client)$"
 # How long requests in flight may take to finish when the server stops (forge serve's drain).
@@ -196,18 +196,20 @@ class TritonServer:
     _stopped: bool = field(default=False, repr=False)
     control_token: str = field(default="", repr=False)  # the secret of its drain request
     allocator: str = "system"  # the malloc it runs with (see `find_allocator`)
+    triton_host: str = LOOPBACK   # the address its HTTP and gRPC ports bind to
+    metrics_host: str = LOOPBACK  # the address its metrics port binds to
 
     @property
     def http_url(self) -> str:
-        return f"{LOOPBACK}:{self.http_port}"
+        return f"{connect_host(self.triton_host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{LOOPBACK}:{self.grpc_port}"
+        return f"{connect_host(self.triton_host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        return f"http://{connect_host(self.metrics_host)}:{self.metrics_port}/metrics"
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
@@ -316,17 +318,21 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 
 def server_command(install: TritonInstall, repository: Path, ports: tuple[int, int, int],
                    backend_dir: Path | None, log_verbose: int = 0,
-                   drain_timeout: float = DEFAULT_DRAIN_SECONDS) -> list[str]:
-    """The tritonserver command line. On SIGTERM Triton waits up to `--exit-timeout-secs` for
-    requests in flight and for unloading the models: the drain timeout plus UNLOAD_SECONDS."""
+                   drain_timeout: float = DEFAULT_DRAIN_SECONDS,
+                   hosts: tuple[str, str] = (LOOPBACK, LOOPBACK)) -> list[str]:
+    """The tritonserver command line, HTTP and gRPC bound to `hosts[0]`, metrics to `hosts[1]`.
+    On SIGTERM Triton waits up to `--exit-timeout-secs` for requests in flight and for unloading
+    the models: the drain timeout plus UNLOAD_SECONDS."""
     if not is_number(drain_timeout) or not 0 <= drain_timeout <= 3600:
         raise ValueError(f"drain timeout must be a number of seconds in [0, 3600], "
                          f"got {drain_timeout!r}")
     http_port, grpc_port, metrics_port = ports
+    triton_host = bind_address(hosts[0], "--triton-host")
+    metrics_host = bind_address(hosts[1], "--metrics-host")
     cmd = [str(install.binary), f"--model-repository={repository}",
-           f"--http-address={LOOPBACK}", f"--http-port={http_port}",
-           f"--grpc-address={LOOPBACK}", f"--grpc-port={grpc_port}",
-           f"--metrics-address={LOOPBACK}", f"--metrics-port={metrics_port}",
+           f"--http-address={triton_host}", f"--http-port={http_port}",
+           f"--grpc-address={triton_host}", f"--grpc-port={grpc_port}",
+           f"--metrics-address={metrics_host}", f"--metrics-port={metrics_port}",
            "--allow-gpu-metrics=false",
            f"--exit-timeout-secs={math.ceil(drain_timeout + UNLOAD_SECONDS)}",
            "--model-control-mode=explicit", "--load-model=*",
@@ -345,30 +351,35 @@ def start_tritonserver(repository_dir: str | Path, *, http_port: int | None = No
                        ready_timeout: float = 180.0, log_path: str | Path | None = None,
                        log_verbose: int = 0, install: TritonInstall | None = None,
                        drain_timeout: float = DEFAULT_DRAIN_SECONDS,
-                       malloc: str = "auto") -> TritonServer:
-    """Start tritonserver on loopback for `repository_dir` and wait until it is ready.
+                       malloc: str = "auto", triton_host: str = LOOPBACK,
+                       metrics_host: str = LOOPBACK) -> TritonServer:
+    """Start tritonserver for `repository_dir` and wait until it is ready.
 
-    Ports left as None are picked free; `malloc` picks the allocator (`find_allocator`). Returns
-    a `TritonServer` with `.grpc_url`, `.http_url`, `.metrics_url` and `.stop()`. On any failure
-    the server is stopped before raising.
+    HTTP and gRPC bind to `triton_host`, metrics to `metrics_host` (loopback unless asked:
+    Triton's ports take no key). Ports left as None are picked free (on loopback); `malloc` picks
+    the allocator (`find_allocator`). Returns a `TritonServer` with `.grpc_url`, `.http_url`,
+    `.metrics_url` and `.stop()`. On any failure the server is stopped before raising.
     """
     repository = Path(repository_dir).resolve()
     if not repository.is_dir():
         raise FileNotFoundError(f"--repository {repository}: no such directory")
+    hosts = (bind_address(triton_host, "--triton-host"),
+             bind_address(metrics_host, "--metrics-host"))
     install = install or find_tritonserver()
     env, allocator = with_allocator(server_environment(install), malloc)
     workdir = Path(tempfile.mkdtemp(prefix="forge-triton-"))
     backend_dir = _prepare_backend_dir(install, workdir) if install.from_wheel else None
     ports = (http_port or free_port(), grpc_port or free_port(), metrics_port or free_port())
     log = Path(log_path) if log_path else workdir / "tritonserver.log"
-    command = server_command(install, repository, ports, backend_dir, log_verbose, drain_timeout)
+    command = server_command(install, repository, ports, backend_dir, log_verbose, drain_timeout,
+                             hosts)
     token = secrets.token_hex(16)
     env.update({DRAIN_SECONDS_ENV: str(drain_timeout), CONTROL_TOKEN_ENV: token})
     with open(log, "ab") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     server = TritonServer(process, *ports, log_path=log, workdir=workdir, control_token=token,
-                          allocator=allocator)
+                          allocator=allocator, triton_host=triton_host, metrics_host=metrics_host)
     server.drain_timeout = drain_timeout
     try:
         server.wait_ready(ready_timeout)

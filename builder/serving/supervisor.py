@@ -1,4 +1,4 @@
-"""`forge serve`'s supervisor and drain: readiness that tells the truth, a model that heals itself.
+"""`forge serve`'s supervisor: readiness that tells the truth, a model that heals itself.
 
 Triton 2.51 keeps a Python model READY after its stub process dies (every request then fails
 with "Stub process '<instance>' is not healthy", forever), and keeps our `tensorrt_llm` model
@@ -6,6 +6,9 @@ READY when its engine is down for good (the crash-loop limit of `supervision.py`
 supervisor asks the model itself: every `period` seconds it sends `tensorrt_llm` a `stop` request
 under a reserved id (`serving_control.py`), which never reaches the engine: the model answers it
 at once with an empty final response, or with an error once its engine is down for good.
+An engine being restarted in place (after a crash or a freeze) answers `ENGINE_RESTARTING`:
+alive but not ready, left to its restart for `restart_seconds` before the supervisor counts it
+as down. What each probe finds goes to forge serve's `HealthState` (`health.py`).
 
 On a failed probe it unloads the model through Triton's repository API: from that moment the
 model, the ensemble built on it and (strict readiness) `/v2/health/ready` answer not ready. Then
@@ -16,10 +19,6 @@ and readiness is back once the load returns. After more than `max_reloads` failu
 Not ready on purpose: Triton's strict readiness ignores unloaded models, but not a model that
 failed to load. `mark_not_ready` loads a stand-in model (`NOT_READY_MODEL`, sent with the load
 request, never in the repository) whose initialize refuses with the reason.
-
-The drain (`drain`) is ours because Triton's is not enough: on SIGTERM, Triton 2.51 stops the
-ensemble's streams where they are (its steps are new requests, refused while exiting), waits its
-exit timeout and then exits without a final response on them.
 """
 from __future__ import annotations
 
@@ -34,17 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from builder.metrics_reader import scrape
+from builder.serving.health import RESTART_LIMIT_SECONDS, HealthState
 from triton_backend.engine.supervision import CrashLoop, RestartPolicy
-from triton_backend.models.serving_control import (PROBE_REQUEST_ID, STOP_REQUEST_INPUTS,
-                                                   drain_request_id)
+from triton_backend.models.serving_control import (ENGINE_RESTARTING, PROBE_REQUEST_ID,
+                                                   STOP_REQUEST_INPUTS)
 
 # The messages that mean the model cannot serve: Triton's for a dead stub, ours for a dead engine.
 FAILURE_MARKERS = ("is not healthy", "the engine is down")
+RESTARTING_MARKER = ENGINE_RESTARTING.split("(", 1)[0].rstrip()
 NOT_READY_MODEL = "forge_serve_not_ready"
-RELAY_SECONDS = 1.0  # for a final response to pass from tensorrt_llm through the ensemble
-CONTROL_SECONDS = 10.0  # for each of the drain's two calls (the drain request, readiness off)
-SLOW_SECONDS = 2.0  # a drain phase that takes longer is reported with its time
 _NOT_READY_SOURCE = ("class TritonPythonModel:\n"
                      "    def initialize(self, args):\n"
                      "        raise RuntimeError({reason!r})\n")
@@ -54,6 +51,8 @@ _NOT_READY_SOURCE = ("class TritonPythonModel:\n"
 class ProbeResult:
     ok: bool | None  # True: answered; False: cannot serve; None: inconclusive
     message: str = ""
+    restarting: bool = False  # the engine is restarting in place (ok is None)
+    answered: bool = True     # False: tritonserver gave no answer at all (ok is None)
 
 
 def _post(url: str, body: dict | None, timeout: float) -> tuple[int, str]:
@@ -81,16 +80,18 @@ def _ask(http_url: str, model: str, endpoint: str, body: dict, timeout: float,
     try:
         status, text = _post(f"http://{http_url}/v2/models/{model}/{endpoint}", body, timeout)
     except (urllib.error.URLError, OSError) as exc:
-        return ProbeResult(None, f"no answer: {exc}")
+        return ProbeResult(None, f"no answer: {exc}", answered=False)
     if status == 200:
         return ProbeResult(True)
     message = _error_text(text)
     if alive_error is not None and alive_error in message:
         return ProbeResult(True)
+    if RESTARTING_MARKER in message:
+        return ProbeResult(None, message, restarting=True)
     return ProbeResult(False if any(m in message for m in FAILURE_MARKERS) else None, message)
 
 
-def _control_request(http_url: str, model: str, request_id: str, timeout: float) -> ProbeResult:
+def control_request(http_url: str, model: str, request_id: str, timeout: float) -> ProbeResult:
     """A `stop` request under `request_id`, through Triton's HTTP `generate` endpoint."""
     body = {"id": request_id, **{name: [value] for name, value in STOP_REQUEST_INPUTS.items()}}
     return _ask(http_url, model, "generate", body, timeout)
@@ -119,7 +120,7 @@ def probe_model(http_url: str, model: str = "tensorrt_llm", timeout: float = 5.0
     if model in _LIVENESS_PROBES:
         endpoint, body, alive_error = _LIVENESS_PROBES[model]
         return _ask(http_url, model, endpoint, body, timeout, alive_error)
-    return _control_request(http_url, model, PROBE_REQUEST_ID, timeout)
+    return control_request(http_url, model, PROBE_REQUEST_ID, timeout)
 
 
 def supervised_models(repository_dir: Path) -> list[str]:
@@ -168,21 +169,27 @@ def mark_not_ready(http_url: str, reason: str, timeout: float = 60.0) -> str | N
 class Supervisor(threading.Thread):
     """Probes `model` on a running server and reloads it when it cannot serve (see the module).
 
-    `report` receives one line per event (a failed probe, a reload, giving up); `stop()` ends the
-    thread (before a drain, so nothing is reloaded while the server stops)."""
+    `report` receives one line per event (a failed probe, an engine restarting, a reload, giving
+    up); `health` what each probe found; `stop()` ends the thread (before a drain, so nothing is
+    reloaded while the server stops)."""
 
     def __init__(self, http_url: str, *, model: str = "tensorrt_llm", period: float = 1.0,
-                 probe_timeout: float = 5.0, hung_seconds: float = 30.0, max_reloads: int = 3,
+                 probe_timeout: float = 5.0, hung_seconds: float = 30.0,
+                 restart_seconds: float = RESTART_LIMIT_SECONDS, max_reloads: int = 3,
                  window_seconds: float = 300.0, load_timeout: float = 900.0,
-                 report: Callable[[str], None] = print,
+                 health: HealthState | None = None, report: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(name=f"forge-serve-supervisor-{model}", daemon=True)
         self.http_url, self.model, self.period = http_url, model, period
         self.probe_timeout, self.hung_seconds = probe_timeout, hung_seconds
+        self.restart_seconds = restart_seconds
         self.load_timeout, self.report, self._clock = load_timeout, report, clock
+        self.health = health if health is not None else HealthState(clock=clock)
         self.reloads = CrashLoop(RestartPolicy(max_reloads, window_seconds), clock=clock)
         self.gave_up = threading.Event()
         self._halt = threading.Event()
+        self._unanswered_since: float | None = None
+        self._restarting_since: float | None = None
 
     def halt(self) -> None:
         """Probe and reload nothing more; a probe in flight ends within `probe_timeout`."""
@@ -194,26 +201,57 @@ class Supervisor(threading.Thread):
             self.join(timeout)
 
     def run(self) -> None:
-        unanswered_since = None
         while not self._halt.wait(self.period):
             result = probe_model(self.http_url, self.model, self.probe_timeout)
-            if self._halt.is_set() or result.ok:
-                unanswered_since = None
+            if self._halt.is_set():
                 continue
-            if result.ok is None:  # no answer, or one that says nothing about the model
-                now = self._clock()
-                unanswered_since = unanswered_since or now
-                if now - unanswered_since < self.hung_seconds:
-                    continue
-                result = ProbeResult(False, f"no conclusive answer to the health probe for "
-                                            f"{self.hung_seconds:g} s (last: {result.message})")
-            unanswered_since = None
-            self._recover(result.message)
+            reason = self._verdict(result)
+            if reason is None:
+                continue
+            self._recover(reason)
             if self.gave_up.is_set():
                 return
 
+    def _verdict(self, result: ProbeResult) -> str | None:
+        """Why the model must be unloaded and reloaded after this probe, or None; `health` told
+        what the probe found. An engine restarting in place gets `restart_seconds`, a probe with
+        no conclusive answer `hung_seconds`, before either counts as a failure."""
+        now = self._clock()
+        if result.ok:
+            if self._restarting_since is not None:
+                self.report(f"supervisor: {self.model}'s engine is serving again after "
+                            f"{now - self._restarting_since:.1f} s of restarting in place")
+            self._unanswered_since = self._restarting_since = None
+            self.health.serving(self.model)
+            return None
+        if result.ok is False:
+            self._unanswered_since = self._restarting_since = None
+            return result.message
+        if result.restarting:
+            self._unanswered_since = None
+            if self._restarting_since is None:
+                self._restarting_since = now
+                self.report(f"supervisor: {result.message}; not ready until it is back (a "
+                            f"reload after {self.restart_seconds:g} s)")
+            self.health.restarting(self.model, result.message)
+            if now - self._restarting_since < self.restart_seconds:
+                return None
+            self._restarting_since = None
+            return (f"the engine still restarting after {self.restart_seconds:g} s "
+                    f"({result.message})")
+        if not result.answered:
+            self.health.unanswered(self.model, result.message)
+        if self._unanswered_since is None:
+            self._unanswered_since = now
+        if now - self._unanswered_since < self.hung_seconds:
+            return None
+        self._unanswered_since = None
+        return (f"no conclusive answer to the health probe for {self.hung_seconds:g} s "
+                f"(last: {result.message})")
+
     def _recover(self, reason: str) -> None:
         started = self._clock()
+        self.health.unloaded(self.model, reason)
         self.report(f"supervisor: {self.model} cannot serve ({reason}); unloading it, the "
                     f"server is not ready until it is back")
         error = unload_model(self.http_url, self.model)
@@ -229,12 +267,14 @@ class Supervisor(threading.Thread):
         if error:
             self.report(f"supervisor: reloading {self.model} failed after {took:.1f} s: {error}")
         else:
+            self.health.serving(self.model)
             self.report(f"supervisor: {self.model} reloaded, ready again after {took:.1f} s "
                         f"({self._budget()})")
 
     def _give_up(self, reason: str) -> None:
         why = (f"forge serve stopped reloading {self.model}: {self._budget()}; "
                f"last failure: {reason}")
+        self.health.gave_up(self.model, why)
         mark_not_ready(self.http_url, why)
         self.gave_up.set()
         self.report(f"supervisor: {why}; {self.model} stays unloaded and the server not ready "
@@ -261,58 +301,3 @@ def stop_supervisors(supervisors: list[Supervisor], timeout: float = 6.0,
     busy = [supervisor.model for supervisor in supervisors if supervisor.is_alive()]
     if busy:
         report(f"supervisor: still waiting for a probe of {', '.join(busy)}; draining anyway")
-
-
-def active_requests(metrics_url: str, model: str = "tensorrt_llm") -> int | None:
-    """Requests the model is still answering, from its `model_active_requests` counter."""
-    try:
-        stats = scrape(metrics_url, timeout=5.0).of(model)
-    except (urllib.error.URLError, OSError):
-        return None
-    value = stats.get("model_active_requests")
-    return None if value is None else int(value)
-
-
-def drain(server, timeout: float, report: Callable[[str], None] = print,
-          model: str = "tensorrt_llm") -> None:
-    """Stop admission, let requests in flight finish up to `timeout` s, then stop the server.
-
-    The model refuses new requests with the drain error from now on and, at `timeout`, cancels
-    what still runs (it reads the same timeout from the environment the launcher gave the
-    server); readiness turns false at once (`mark_not_ready`). Then tritonserver gets
-    SIGTERM with nothing in flight, unloads the models and exits."""
-    started = time.monotonic()
-    result = _control_request(server.http_url, model, drain_request_id(server.control_token),
-                              CONTROL_SECONDS)
-    if result.ok is not True:
-        report(f"drain: {model} did not take the drain request ({result.message})")
-    _slow(report, "the drain request", started)
-    marked = time.monotonic()
-    error = mark_not_ready(server.http_url, "the server is shutting down (draining)",
-                           timeout=CONTROL_SECONDS)
-    if error:
-        report(f"drain: readiness could not be turned off ({error}); draining anyway")
-    _slow(report, "turning readiness off", marked)
-    at_start = active_requests(server.metrics_url, model)
-    deadline = started + timeout + 5.0  # the model ends what is left at `timeout`
-    while server.is_alive() and time.monotonic() < deadline:
-        if active_requests(server.metrics_url, model) == 0:
-            # The last responses still pass postprocessing or the BLS: an ensemble step that
-            # starts after tritonserver's SIGTERM is refused and its stream stalls.
-            time.sleep(RELAY_SECONDS)
-            break
-        time.sleep(0.2)
-    if at_start == 0:
-        report("drain: no requests were in flight")
-    else:
-        count = f"{at_start} " if at_start else ""
-        report(f"drain: {count}requests in flight ended after {time.monotonic() - started:.1f} s "
-               f"(drain timeout {timeout:g} s)")
-
-
-def _slow(report: Callable[[str], None], phase: str, started: float) -> None:
-    """Say how long `phase` took when it held the drain up (a stopping server should show where
-    its time went)."""
-    took = time.monotonic() - started
-    if took > SLOW_SECONDS:
-        report(f"drain: {phase} took {took:.1f} s")

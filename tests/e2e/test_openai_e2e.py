@@ -353,7 +353,7 @@ def test_triton_not_reachable_gets_503_and_no_template_gets_400(tmp_path):
 def test_apply_chat_template_input_and_forge_query_chat(served):
     from click.testing import CliRunner
 
-    from builder.cli_serve import query_command
+    from builder.cli_query import query_command
 
     chat = served.client().chat.completions.create(
         model=NAME, max_tokens=32, messages=[{"role": "user", "content": QUESTION}])

@@ -32,9 +32,9 @@ import pytest
 from builder.client import decode_text, generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port, http_ok
-from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, _control_request,
-                                        active_requests, probe_model, stop_supervisors,
-                                        supervised_models)
+from builder.serving.drain import active_requests
+from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, control_request,
+                                        probe_model, stop_supervisors, supervised_models)
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.serving_control import (CONTROL_TOKEN_ENV, DRAIN_REFUSED,
                                                    DRAIN_REQUEST_ID, PROBE_REQUEST_ID,
@@ -335,7 +335,7 @@ def test_only_the_launchers_secret_id_is_a_drain_request(monkeypatch):
 def test_a_client_cannot_drain_the_server_with_a_guessed_id(supervised):
     server, _, _ = supervised
     for request_id in (DRAIN_REQUEST_ID, drain_request_id(""), drain_request_id("0" * 32)):
-        assert _control_request(server.http_url, "tensorrt_llm", request_id, 10.0).ok is True
+        assert control_request(server.http_url, "tensorrt_llm", request_id, 10.0).ok is True
     assert _ready(server) and _answers(server, "tensorrt_llm_bls") and _answers(server, "ensemble")
 
 

@@ -1,0 +1,74 @@
+"""`forge serve`'s drain: on SIGTERM, Ctrl-C or `POST /drain`, requests in flight finish first.
+
+The drain is ours because Triton's is not enough: on SIGTERM, Triton 2.51 stops the ensemble's
+streams where they are (its steps are new requests, refused while exiting), waits its exit
+timeout and then exits without a final response on them.
+"""
+from __future__ import annotations
+
+import time
+import urllib.error
+from typing import Callable
+
+from builder.metrics_reader import scrape
+from builder.serving.supervisor import control_request, mark_not_ready
+from triton_backend.models.serving_control import drain_request_id
+
+RELAY_SECONDS = 1.0  # for a final response to pass from tensorrt_llm through the ensemble
+CONTROL_SECONDS = 10.0  # for each of the drain's two calls (the drain request, readiness off)
+SLOW_SECONDS = 2.0  # a drain phase that takes longer is reported with its time
+
+
+def active_requests(metrics_url: str, model: str = "tensorrt_llm") -> int | None:
+    """Requests the model is still answering, from its `model_active_requests` counter."""
+    try:
+        stats = scrape(metrics_url, timeout=5.0).of(model)
+    except (urllib.error.URLError, OSError):
+        return None
+    value = stats.get("model_active_requests")
+    return None if value is None else int(value)
+
+
+def drain(server, timeout: float, report: Callable[[str], None] = print,
+          model: str = "tensorrt_llm") -> None:
+    """Stop admission, let requests in flight finish up to `timeout` s, then stop the server.
+
+    The model refuses new requests with the drain error from now on and, at `timeout`, cancels
+    what still runs (it reads the same timeout from the environment the launcher gave the
+    server); readiness turns false at once (`mark_not_ready`). Then tritonserver gets
+    SIGTERM with nothing in flight, unloads the models and exits."""
+    started = time.monotonic()
+    result = control_request(server.http_url, model, drain_request_id(server.control_token),
+                              CONTROL_SECONDS)
+    if result.ok is not True:
+        report(f"drain: {model} did not take the drain request ({result.message})")
+    _slow(report, "the drain request", started)
+    marked = time.monotonic()
+    error = mark_not_ready(server.http_url, "the server is shutting down (draining)",
+                           timeout=CONTROL_SECONDS)
+    if error:
+        report(f"drain: readiness could not be turned off ({error}); draining anyway")
+    _slow(report, "turning readiness off", marked)
+    at_start = active_requests(server.metrics_url, model)
+    deadline = started + timeout + 5.0  # the model ends what is left at `timeout`
+    while server.is_alive() and time.monotonic() < deadline:
+        if active_requests(server.metrics_url, model) == 0:
+            # The last responses still pass postprocessing or the BLS: an ensemble step that
+            # starts after tritonserver's SIGTERM is refused and its stream stalls.
+            time.sleep(RELAY_SECONDS)
+            break
+        time.sleep(0.2)
+    if at_start == 0:
+        report("drain: no requests were in flight")
+    else:
+        count = f"{at_start} " if at_start else ""
+        report(f"drain: {count}requests in flight ended after {time.monotonic() - started:.1f} s "
+               f"(drain timeout {timeout:g} s)")
+
+
+def _slow(report: Callable[[str], None], phase: str, started: float) -> None:
+    """Say how long `phase` took when it held the drain up (a stopping server should show where
+    its time went)."""
+    took = time.monotonic() - started
+    if took > SLOW_SECONDS:
+        report(f"drain: {phase} took {took:.1f} s")
