@@ -26,7 +26,7 @@ serve: setup $(REPO)/ensemble/config.pbtxt
 	$(FORGE) serve --repository $(REPO)
 
 demo: setup $(REPO)/ensemble/config.pbtxt
-	$(FORGE) serve --repository $(REPO) --http-port 0 --grpc-port 0 --metrics-port 0 \
+	$(FORGE) serve --repository $(REPO) --http-port 0 --grpc-port 0 --metrics-port 0 --health-port 0 \
 		--demo-prompt "$(PROMPT)" --demo-max-tokens 64
 
 # After the suite, the tests whose results go through the kernels run again as an AVX2-only

@@ -1,0 +1,269 @@
+"""forge serve's probes end to end: a real `forge serve` (a subprocess on free loopback ports).
+
+Startup answers 503 while tritonserver loads, then 200; readiness drops while the supervisor
+reloads a killed stub and comes back, liveness stays 200 throughout; POST /drain turns
+readiness off at once and forge serve exits 0, drained. `forge drain --wait` returns only once
+a stream in flight has ended. An engine down for good with no reloads allowed fails readiness
+and liveness. Triton's HTTP port stays on loopback while metrics open to every interface.
+The engine runs with the pure-torch kernels (probes do not depend on them; restarts stay quick).
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from builder.client import stream_grpc, text_inputs
+from builder.repository import RepositoryOptions, emit_repository
+from builder.serving.health import DRAIN_PATH, LIVENESS_PATH, READINESS_PATH, STARTUP_PATH
+from builder.serving.serve import free_port
+from tests.triton_helpers import build_tiny_engine
+
+
+def probe(port: int, path: str) -> tuple[int | None, str]:
+    """(HTTP status, the body's status) of a probe; (None, why) when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+            return reply.status, json.loads(reply.read())["status"]
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["status"]
+    except (urllib.error.URLError, OSError) as exc:
+        return None, str(exc)
+
+
+def poll(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1]
+                                            .split()[1]) == pid:
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _descendant_with(pid: int, text: str) -> int | None:
+    for child in _children(pid):
+        try:
+            cmdline = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if text.encode() in cmdline:
+            return child
+        found = _descendant_with(child, text)
+        if found is not None:
+            return found
+    return None
+
+
+class ForgeServe:
+    def __init__(self, repository: Path, *args: str):
+        self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "health")}
+        self.output = Path(os.environ.get("TMPDIR", "/tmp")) / f"forge-probes-{os.getpid()}-" \
+                                                                f"{self.ports['health']}.out"
+        self.sink = open(self.output, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "builder.cli", "serve", "--repository", str(repository),
+             *(f"--{name}-port={port}" for name, port in self.ports.items()), *args],
+            stdout=self.sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def health(self) -> int:
+        return self.ports["health"]
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait_serving(self, timeout: float = 240) -> None:
+        assert poll(lambda: "supervisor: probing" in self.text() or self.process.poll()
+                    is not None, timeout, 0.2), self.text()
+        assert self.process.poll() is None, self.text()
+
+    def close(self) -> None:
+        servers = _children(self.process.pid)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        for pid in servers:  # a forge serve killed here leaves its tritonserver behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.sink.close()
+        self.output.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    engine_dir = build_tiny_engine(tmp_path_factory.mktemp("probed"), max_seq_len=1024,
+                                   max_input_len=256)
+    return emit_repository(engine_dir, engine_dir.parent.parent / "repo",
+                           RepositoryOptions(stats_period_ms=20))
+
+
+@pytest.fixture
+def forge_serve(repository, monkeypatch):
+    monkeypatch.setenv("LLM_FORGE_KERNELS", "torch")  # inherited by the server and its engines
+    started: list[ForgeServe] = []
+
+    def start(*args: str) -> ForgeServe:
+        started.append(ForgeServe(repository, *args))
+        return started[-1]
+
+    yield start
+    for serve in started:
+        serve.close()
+
+
+@pytest.mark.slow
+def test_probes_follow_the_start_a_reload_and_the_drain(forge_serve):
+    serve = forge_serve("--drain-timeout", "4")
+    first: list[tuple[int | None, str]] = []
+    assert poll(lambda: first.append(probe(serve.health, STARTUP_PATH)) or first[-1][0],
+                60, 0.05), serve.text()
+    assert first[-1] == (503, "starting"), first  # listening before tritonserver is ready
+    assert probe(serve.health, READINESS_PATH) == (503, "starting")
+    serve.wait_serving()
+    assert probe(serve.health, STARTUP_PATH) == (200, "started")
+    assert probe(serve.health, READINESS_PATH) == (200, "ready")
+    assert probe(serve.health, LIVENESS_PATH) == (200, "live")
+    assert f"health   http://127.0.0.1:{serve.health}{STARTUP_PATH}" in serve.text()
+
+    # a killed tensorrt_llm stub: reloaded; liveness holds all along
+    lives: list[tuple[int | None, str]] = []
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            lives.append(probe(serve.health, LIVENESS_PATH))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    stub = _descendant_with(serve.process.pid, "tensorrt_llm_0_0")
+    assert stub is not None
+    os.kill(stub, signal.SIGKILL)
+    assert poll(lambda: probe(serve.health, READINESS_PATH)[0] == 503, 30), serve.text()
+    assert poll(lambda: probe(serve.health, READINESS_PATH) == (200, "ready"), 180), serve.text()
+    watching.set()
+    watcher.join(15)
+    assert "tensorrt_llm reloaded" in serve.text()
+    assert lives and set(lives) == {(200, "live")}, lives
+
+    # POST /drain: readiness off at once, forge serve drains and exits 0
+    request = urllib.request.Request(f"http://127.0.0.1:{serve.health}{DRAIN_PATH}", data=b"",
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.status == 202
+    assert probe(serve.health, READINESS_PATH)[0] == 503
+    assert serve.process.wait(90) == 0, serve.text()
+    assert "drain: no requests were in flight" in serve.text()
+    assert probe(serve.health, LIVENESS_PATH)[0] is None  # the health port went with it
+    print(f"\nthe health port answered startup 503 while tritonserver loaded; through the "
+          f"reload {len(lives)} liveness answers, all 200")
+
+
+def _non_loopback_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect(("192.0.2.1", 9))  # picks the outgoing interface; sends nothing
+            address = udp.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.mark.slow
+def test_forge_drain_waits_for_the_stream_in_flight_and_triton_stays_on_loopback(forge_serve):
+    serve = forge_serve("--drain-timeout", "4", "--metrics-host", "0.0.0.0", "--host", "0.0.0.0")
+    serve.wait_serving()
+    address = _non_loopback_address()
+    if address is not None:  # metrics open to the pod's network, Triton's HTTP port not
+        assert _answers(f"http://{address}:{serve.ports['metrics']}/metrics")
+        assert not _answers(f"http://{address}:{serve.ports['http']}/v2/health/ready")
+        assert _answers(f"http://127.0.0.1:{serve.ports['http']}/v2/health/ready")
+        assert probe(serve.health, LIVENESS_PATH) == (200, "live")
+    ended: list[str] = []
+    first = threading.Event()
+
+    def stream():  # 1000 tokens: cancelled at the drain timeout, with its final response
+        reason = ""
+        for chunk in stream_grpc(f"127.0.0.1:{serve.ports['grpc']}", "ensemble",
+                                 text_inputs(text_input="The quick brown fox", max_tokens=1000,
+                                             stream=True), timeout=120):
+            first.set()
+            reason = chunk["finish_reason"].reshape(-1)[0].decode()
+        ended.append(reason)
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    assert first.wait(60), serve.text()
+    drained = subprocess.run(
+        [sys.executable, "-m", "builder.cli", "drain", "--health-port", str(serve.health),
+         "--wait", "--timeout", "120"], capture_output=True, text=True, timeout=180)
+    assert drained.returncode == 0, drained.stdout + drained.stderr + serve.text()
+    assert ended in (["cancelled"], ["length"]), ended  # over before forge drain returned
+    assert "drain: finished after" in drained.stdout
+    assert serve.process.wait(90) == 0, serve.text()
+    assert "drain: 1 requests in flight ended" in serve.text()
+
+
+def _engine_pid(metrics_port: int) -> int | None:
+    import re
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                    timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    match = re.search(r'llm_forge_executor_stats\{[^}]*stat="engine_pid"[^}]*\} ([0-9.e+]+)', text)
+    return int(float(match.group(1))) if match else None
+
+
+@pytest.mark.slow
+def test_an_engine_down_for_good_with_no_reloads_left_fails_readiness_and_liveness(forge_serve):
+    serve = forge_serve("--max-reloads", "0")
+    serve.wait_serving()
+    # The engine's crash-loop limit: the 4th death of a ready engine within 300 s is the last.
+    killed: list[int] = []
+    for _ in range(4):
+        assert poll(lambda: _engine_pid(serve.ports["metrics"]) not in (None, *killed), 120), \
+            serve.text()
+        killed.append(_engine_pid(serve.ports["metrics"]))
+        assert probe(serve.health, LIVENESS_PATH) == (200, "live")
+        os.kill(killed[-1], signal.SIGKILL)
+    assert poll(lambda: probe(serve.health, LIVENESS_PATH)[0] == 503, 60), serve.text()
+    assert probe(serve.health, LIVENESS_PATH) == (503, "gave_up")
+    assert probe(serve.health, READINESS_PATH) == (503, "gave_up")
+    assert probe(serve.health, STARTUP_PATH) == (200, "started")
+    assert "forge serve stopped reloading tensorrt_llm" in serve.text()
+    assert "tensorrt_llm: the engine is down" in serve.text()
