@@ -76,19 +76,11 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         health.begin_drain()
         stop.set()
 
+    health_server = _open_ports(health, begin_drain, host, health_port, openai_port,
+                                (triton_host, http_port, grpc_port), (metrics_host, metrics_port))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: begin_drain())
-    health_server = _start_health(health, host, health_port, begin_drain, triton_host,
-                                  metrics_host)
     try:
-        try:
-            for bound, port, option in ((triton_host, http_port, "--http-port"),
-                                        (triton_host, grpc_port, "--grpc-port"),
-                                        (metrics_host, metrics_port, "--metrics-port"),
-                                        (host, openai_port or 0, "--openai-port")):
-                check_port_free(bound, port, option)
-        except ValueError as exc:
-            fail(str(exc))
         try:
             server = start_tritonserver(
                 repository_dir, http_port=http_port, grpc_port=grpc_port,
@@ -114,11 +106,14 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
         health_server.stop()
 
 
-def _start_health(health, host: str, port: int, on_drain, triton_host: str, metrics_host: str):
+def _open_ports(health: HealthState, on_drain, host: str, health_port: int,
+                openai_port: int | None, triton: tuple[str, int, int], metrics: tuple[str, int]):
     """The health port, listening before tritonserver starts (its startup probe answers 503
-    while the models load); the addresses checked first (exit 2 naming the option)."""
+    while the models load), once every address is checked; then the other ports checked free.
+    Exit 2 naming the option otherwise."""
     from builder.serving.health_server import HealthServer
 
+    (triton_host, http_port, grpc_port), (metrics_host, metrics_port) = triton, metrics
     try:
         for value, option in ((host, "--host"), (triton_host, "--triton-host"),
                               (metrics_host, "--metrics-host")):
@@ -126,10 +121,20 @@ def _start_health(health, host: str, port: int, on_drain, triton_host: str, metr
     except ValueError as exc:
         fail(str(exc))
     try:
-        return HealthServer(health, host, port, on_drain)
+        health_server = HealthServer(health, host, health_port, on_drain)
     except OSError as exc:
-        fail(f"--health-port {port}: cannot bind {host}:{port} ({exc.strerror or exc}); "
-             f"another server holds it? (0 picks a free port)")
+        fail(f"--health-port {health_port}: cannot bind {host}:{health_port} "
+             f"({exc.strerror or exc}); another server holds it? (0 picks a free port)")
+    try:
+        for bound, port, option in ((triton_host, http_port, "--http-port"),
+                                    (triton_host, grpc_port, "--grpc-port"),
+                                    (metrics_host, metrics_port, "--metrics-port"),
+                                    (host, openai_port or 0, "--openai-port")):
+            check_port_free(bound, port, option)
+    except ValueError as exc:
+        health_server.stop()
+        fail(str(exc))
+    return health_server
 
 
 def _print_endpoints(server, repository_dir, malloc: str, health_url: str) -> None:

@@ -257,3 +257,30 @@ def test_forge_drain_names_the_cause_when_nothing_answers_or_it_does_not_finish(
     assert "had not finished draining after 1 s" in result.output
     result = CliRunner().invoke(drain_command, ["--host", "pod"])
     assert result.exit_code == 2 and "--host 'pod': expected an IP address" in result.output
+
+
+@pytest.mark.parametrize("option", ["--health-port", "--http-port", "--metrics-port"])
+def test_forge_serve_refuses_a_port_in_use_before_starting_anything(tmp_path, option):
+    """Exit 2 naming the option, before tritonserver starts (and before its signal handlers)."""
+    from builder.cli_serve import serve_command
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        ports = {"--health-port": "0", "--http-port": "0", "--grpc-port": "0",
+                 "--metrics-port": "0", option: str(port)}
+        result = CliRunner().invoke(serve_command, ["--repository", str(tmp_path),
+                                                    *(item for pair in ports.items()
+                                                      for item in pair)])
+    assert result.exit_code == 2, result.output
+    assert f"error: {option} {port}: cannot bind 127.0.0.1:{port}" in result.output
+
+
+def test_forge_serve_refuses_an_address_that_is_not_an_ip_address(tmp_path):
+    from builder.cli_serve import serve_command
+
+    result = CliRunner().invoke(serve_command, ["--repository", str(tmp_path), "--triton-host",
+                                                "pod.local", "--health-port", "0"])
+    assert result.exit_code == 2
+    assert "error: --triton-host 'pod.local': expected an IP address" in result.output
