@@ -40,7 +40,7 @@ def start_forge_serve(repository: Path, log_path: Path) -> tuple[subprocess.Pope
     process = subprocess.Popen(
         forge_command() + ["serve", "--repository", str(repository), "--http-port", str(http),
                            "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-                           "--openai-port", str(openai)],
+                           "--openai-port", str(openai), "--health-port", "0"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
     openai_url, deadline = f"127.0.0.1:{openai}", time.monotonic() + 600
     while True:

@@ -266,10 +266,10 @@ def one_server(args, label: str, run_dir: Path) -> dict:
                    "--served-model-name", args.model_name, "--max-model-len", str(args.max_model_len)]
         env, stop_signal = server_env(dict(OFFLINE, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))), signal.SIGINT
     else:
-        # Triton's own ports: 0 lets forge serve pick free ones.
+        # Triton's own ports and the health port: 0 lets forge serve pick free ones.
         command = [str(ROOT / ".venv" / "bin" / "forge"), "serve", "--repository",
                    args.forge[label], "--http-port", "0", "--grpc-port", "0",
-                   "--metrics-port", "0", "--openai-port", str(port)]
+                   "--metrics-port", "0", "--health-port", "0", "--openai-port", str(port)]
         env, stop_signal = server_env(OFFLINE), signal.SIGTERM
     record = {"server_command": command, "log": str(log_path), "busy_before": busy_before(),
               "levels": {}}

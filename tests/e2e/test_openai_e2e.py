@@ -73,7 +73,7 @@ def serve_openai(out: Path, spec: dict):
     process = subprocess.Popen(
         _forge() + ["serve", "--repository", str(repository), "--http-port", str(ports[0]),
                     "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-                    "--openai-port", str(ports[3])],
+                    "--openai-port", str(ports[3]), "--health-port", "0"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     running = Served(repository, engine, f"http://127.0.0.1:{ports[3]}/v1",
                      f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[2]}/metrics", process)

@@ -433,7 +433,7 @@ class ForgeServe:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "builder.cli", "serve", "--repository", str(repository),
              "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-             "--metrics-port", str(self.metrics_port), *args],
+             "--metrics-port", str(self.metrics_port), "--health-port", "0", *args],
             stdout=self.sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
