@@ -43,13 +43,15 @@ def drain(server, timeout: float, report: Callable[[str], None] = print,
     if result.ok is not True:
         report(f"drain: {model} did not take the drain request ({result.message})")
     _slow(report, "the drain request", started)
+    # Counted before readiness is turned off: that can take longer than the drain timeout on a
+    # busy machine, and the requests cancelled at the timeout were in flight all the same.
+    at_start = active_requests(server.metrics_url, model)
     marked = time.monotonic()
     error = mark_not_ready(server.http_url, "the server is shutting down (draining)",
                            timeout=CONTROL_SECONDS)
     if error:
         report(f"drain: readiness could not be turned off ({error}); draining anyway")
     _slow(report, "turning readiness off", marked)
-    at_start = active_requests(server.metrics_url, model)
     deadline = started + timeout + 5.0  # the model ends what is left at `timeout`
     while server.is_alive() and time.monotonic() < deadline:
         if active_requests(server.metrics_url, model) == 0:
