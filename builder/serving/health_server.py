@@ -81,6 +81,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False  # stopping never waits for a slow client
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], state: HealthState,
