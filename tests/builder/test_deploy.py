@@ -18,7 +18,7 @@ from deploy_helpers import (CUSTOM_KINDS, IN_CI, KUBERNETES_VERSION, REPO, all_o
                             npm_models_installed, one, shared_inference_pool_schemas)
 
 CPU_SPEC = REPO / "examples" / "smollm2-135m.yaml"
-GPU_SPEC = REPO / "examples" / "smollm2-135m-trtllm-h100-tp2.yaml"
+GPU_SPEC = REPO / "examples" / "smollm2-135m-trtllm-tp2.yaml"
 
 
 def render(spec: Path, out: Path) -> Path:

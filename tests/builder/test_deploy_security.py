@@ -16,7 +16,7 @@ from builder.serving.health import LIVENESS_PATH, READINESS_PATH, STARTUP_PATH
 from deploy_helpers import REPO, all_objects, one, options
 
 SPECS = {"cpu": REPO / "examples" / "smollm2-135m.yaml",
-         "gpu": REPO / "examples" / "smollm2-135m-trtllm-h100-tp2.yaml"}
+         "gpu": REPO / "examples" / "smollm2-135m-trtllm-tp2.yaml"}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 
