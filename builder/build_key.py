@@ -1,7 +1,7 @@
 """The build key: everything an engine is a function of, so CI rebuilds only what changed.
 
 Components: the spec as given (after command-line overrides; `output` excluded, the key lives in
-the engine directory itself), the sha256 of every checkpoint source file, the calibration and
+the engine directory itself; `deployment` excluded, it changes the manifests, never the engine), the sha256 of every checkpoint source file, the calibration and
 evaluation data of a quantized build, the toolchain versions of the target, and llm-forge's
 version. `build_key.json` in the engine directory keeps the components, so a mismatch can say what
 changed. Computing the key imports neither torch nor transformers: an up-to-date `forge engine`
@@ -74,7 +74,7 @@ def _data_files(spec: dict) -> dict[str, Path]:
 
 def components(spec: dict, hasher: FileHasher) -> dict:
     """The key's inputs, as plain JSON data."""
-    spec = {k: v for k, v in spec.items() if k != "output"}
+    spec = {k: v for k, v in spec.items() if k not in ("output", "deployment")}
     source = str(spec.get("checkpoint", ""))
     files = checkpoint_files(source)
     root = Path(source).expanduser()

@@ -9,6 +9,7 @@ import click
 
 from builder import __version__
 from builder.cli_bench import bench_command
+from builder.cli_deploy import deploy_command
 from builder.cli_engine import engine_command, generate_command
 from builder.cli_drain import drain_command
 from builder.cli_quant import check_command
@@ -31,6 +32,7 @@ main.add_command(repository_command)
 main.add_command(serve_command)
 main.add_command(query_command)
 main.add_command(drain_command)
+main.add_command(deploy_command)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from builder.deployment_spec import DeploymentSpec
 from builder.hardware import FP8_PROFILES, GPU_PROFILES, PROFILES
 from builder.lora import LoraSpec
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
@@ -134,6 +135,7 @@ class BuildSpec:
     repository: dict = field(default_factory=dict)
     serving: ServingSpec = field(default_factory=ServingSpec)
     lora: LoraSpec | None = None  # None: no adapters (see builder/lora.py)
+    deployment: DeploymentSpec | None = None  # None: forge deploy refuses (builder/deployment_spec.py)
     source: Path | None = None  # the YAML file this spec came from
 
     def __post_init__(self) -> None:
@@ -152,6 +154,11 @@ class BuildSpec:
             self._check_trtllm()
         else:
             self._check_cpu_target()
+        if self.deployment is not None:
+            try:
+                self.deployment.check_against(self.name, self.target, self.parallelism.world_size)
+            except ValueError as exc:
+                raise SpecError(str(exc)) from None
 
     def _check_cpu_target(self) -> None:
         if self.hardware != "cpu":
@@ -198,7 +205,7 @@ def default_limits(max_position_embeddings: int) -> Limits:
 
 _SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": QuantizationSpec,
              "parallelism": ParallelismSpec, "speculative": SpeculativeConfig,
-             "serving": ServingSpec, "lora": LoraSpec}
+             "serving": ServingSpec, "lora": LoraSpec, "deployment": DeploymentSpec}
 
 
 def _build_section(key: str, klass: type, raw: Any) -> Any:

@@ -14,6 +14,22 @@ EXTRAS="serve,dev,quant"
 STAMP="$VENV/.llm-forge-setup"
 WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
+# The published schemas of the custom resources forge deploy renders (ServiceMonitor,
+# ScaledObject), for tests/builder/test_deploy.py: npm packages pinned by their lock file,
+# installed into tests/crd_models/node_modules; reinstalled only when the lock file changes.
+CRD_MODELS="tests/crd_models"
+CRD_STAMP="$CRD_MODELS/node_modules/.llm-forge-setup"
+CRD_WANT="$(sha256sum "$CRD_MODELS/package-lock.json" | cut -d' ' -f1)"
+if [[ ! -f "$CRD_STAMP" || "$(cat "$CRD_STAMP")" != "$CRD_WANT" ]]; then
+    if command -v npm >/dev/null; then
+        echo "[setup] CRD schemas for the deploy tests (npm ci in $CRD_MODELS)"
+        (cd "$CRD_MODELS" && npm ci --no-audit --no-fund --loglevel=error)
+        echo "$CRD_WANT" > "$CRD_STAMP"
+    else
+        echo "[setup] npm not found: the deploy tests' CRD schema checks need node and npm" >&2
+    fi
+fi
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
     exit 0
 fi

@@ -48,6 +48,7 @@ OUTCOMES = ("completed", "cancelled", "error", "rejected", "timeout", "invalid")
 BUSY_MARKER = "server busy"                 # admission.ServerBusy's messages start with it
 DEADLINE_MARKER = "exceeded its deadline"   # llm_engine.deadline_error
 LORA_REQUEST_METRIC = "nv_trt_llm_lora_request_metrics"  # registered by LoRA engines only
+LORA_INFO_METRIC = "vllm:lora_requests_info"  # vLLM's name: the gateway's endpoint picker reads it
 METRIC_NAMES = (tuple(HISTOGRAMS) + ("nv_trt_llm_kv_cache_block_metrics",
                                      "nv_trt_llm_request_metrics", "llm_forge_executor_stats",
                                      "llm_forge_requests_total"))
