@@ -99,7 +99,7 @@ def main() -> None:
     import torch
 
     from triton_backend.engine.llm_engine import LLMEngine
-    from triton_backend.engine.process.executor import available_cores
+    from triton_backend.engine.cpu_budget import available_cores
 
     args = _parse_args()
     torch.set_num_threads(args.threads or available_cores())

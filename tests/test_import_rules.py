@@ -1,7 +1,7 @@
 """The import rules of docs/structure.md, checked on every module (imports inside functions
 included): `builder` may import `triton_backend.engine`, never the reverse; the engine never
 imports Triton; the block manager and the scheduler import no torch (they are tested, and
-reasoned about, without a model)."""
+reasoned about, without a model), nor does the CPU budget (read before torch sizes its threads)."""
 import ast
 import subprocess
 import sys
@@ -44,15 +44,15 @@ def test_the_engine_never_imports_triton(path):
     assert not {n for n in imported(path) if _top(n) in TRITON_MODULES}
 
 
-@pytest.mark.parametrize("name", ["block_manager.py", "scheduler.py"])
-def test_the_block_manager_and_the_scheduler_import_no_torch(name):
+@pytest.mark.parametrize("name", ["block_manager.py", "scheduler.py", "cpu_budget.py"])
+def test_the_torch_free_modules_import_no_torch(name):
     assert not {n for n in imported(ROOT / "triton_backend/engine" / name) if _top(n) == "torch"}
 
 
-def test_the_block_manager_and_the_scheduler_load_without_torch():
+def test_the_torch_free_modules_load_without_torch():
     """Not even through what they import: loading them leaves torch unloaded."""
-    code = ("import sys, triton_backend.engine.scheduler, triton_backend.engine.block_manager; "
-            "print('torch' in sys.modules)")
+    code = ("import sys, triton_backend.engine.scheduler, triton_backend.engine.block_manager, "
+            "triton_backend.engine.cpu_budget; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from builder.metrics_reader import scrape
 from builder.serving.addresses import LOOPBACK, bind_address, connect_host
+from triton_backend.engine.cpu_budget import cpu_budget
 from triton_backend.engine.numbers import is_number
 from triton_backend.models.serving_control import CONTROL_TOKEN_ENV, DRAIN_SECONDS_ENV
 
@@ -287,7 +288,8 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 def engine_report(metrics_url: str, timeout: float = 5.0) -> str | None:
     """One line on the engine behind a running server, from its `/metrics`: the threads it
-    computes with (of the cores this machine allows) and whether the C++ kernels are on."""
+    computes with (of how many the affinity mask and the cgroup CPU quota allow, and which of
+    the two limited them) and whether the C++ kernels are on."""
     deadline = time.monotonic() + timeout
     stats: dict[str, float] = {}
     while "num_threads" not in stats:  # the model publishes its first counters just after ready
@@ -299,12 +301,8 @@ def engine_report(metrics_url: str, timeout: float = 5.0) -> str | None:
             return None
         if "num_threads" not in stats:
             time.sleep(0.2)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
     kernels = {1.0: "C++ CPU kernels", 0.0: "pure-torch kernels"}.get(stats.get("cpp_kernels"), "")
-    return (f"engine: {int(stats['num_threads'])} torch threads ({cores} cores allowed here; "
+    return (f"engine: {int(stats['num_threads'])} torch threads ({cpu_budget().describe()}; "
             f"repository option engine_num_threads), {kernels}").rstrip(", ")
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.cpu_budget import available_cores
 from triton_backend.engine.engine_options import EngineOptions
-from triton_backend.engine.process.executor import ENGINE_ISOLATIONS, available_cores
+from triton_backend.engine.process.executor import ENGINE_ISOLATIONS
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 from triton_backend.models.model_params import ModelParams
 

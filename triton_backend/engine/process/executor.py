@@ -13,11 +13,11 @@ restart policy allows, the executor is down: `is_alive()` is false and enqueues 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.cpu_budget import available_cores
 from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.handle import EngineHandle, EngineLaunch, EngineProcessError
 from triton_backend.engine.request import FinishReason, Request, Response
@@ -29,14 +29,6 @@ __all__ = ["ENGINE_ISOLATIONS", "EngineProcessError", "ProcessExecutor", "availa
 log = logging.getLogger(__name__)
 # Where an engine loop may run: a process of its own (serving) or a thread of the caller.
 ENGINE_ISOLATIONS = ("process", "thread")
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its affinity mask), not the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class ProcessExecutor:

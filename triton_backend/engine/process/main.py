@@ -28,8 +28,8 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
+from triton_backend.engine.cpu_budget import available_cores
 from triton_backend.engine.engine_options import EngineOptions
-from triton_backend.engine.process.executor import available_cores
 from triton_backend.engine.request import FinishReason, Response
 
 log = logging.getLogger("llm_forge.engine_process")

@@ -12,10 +12,14 @@
 #include "ops.h"
 #include "step.h"
 
+#include <linux/futex.h>
 #include <omp.h>
-#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -106,48 +110,71 @@ void add_lora(const at::Tensor& in, at::Tensor& out, const Weights& lora, at::In
 // main thread's dispatch while the other threads spin. Here the team is forked once per step:
 // row-sized work (norms, rotary, a projection's input quantized or widened, the attention's
 // merge) runs on thread 0, or on each thread's share of the rows when there are enough rows; the
-// projections and the attention are claimed in chunks by every thread; spin barriers separate
-// the phases, and a thread waiting at one asks for the next projection's weights (into L2)
-// instead of only spinning. The same kernels on the same chunks of output columns, in the same
+// projections and the attention are claimed in chunks by every thread; barriers separate the
+// phases (a waiter spins briefly, then sleeps), and a thread waiting at one asks for the next
+// projection's weights (into L2) before it spins. The same kernels on the same chunks of output columns, in the same
 // order of arithmetic: the values are those of the op-by-op path (a test holds them equal).
 
 constexpr int64_t kRowsSplitMin = 8;          // fewer rows: row-sized phases run on thread 0
 constexpr int64_t kPrefetchChunk = 4096;      // bytes a waiting thread asks for at a time
-constexpr int64_t kSpinsBeforeYield = 2000;  // ~40 us; then a waiter yields its core each round
+// How long a thread waiting at a barrier spins before it sleeps. Longer than a quiet phase
+// gap (a few us), short enough that a core shared with another process or throttled by a CPU
+// quota is given up instead of burnt while the teammate it waits for queues for a core.
+constexpr int64_t kSpinNanos = 50000;
 
-// A barrier for a fixed team. A waiting thread runs `idle()` while it returns true, then spins;
-// after a while it yields the core each round, so a teammate the OS preempted (for a server
-// process wanting the core) gets a core back instead of queueing behind a spinner.
-class SpinBarrier {
+// A barrier for a fixed team. A waiting thread runs `idle()` while it returns true, spins for
+// kSpinNanos, then sleeps on a futex until the last thread to arrive changes the generation and
+// wakes the sleepers. Sleeping matters beyond the core it frees: a core gone idle pulls a
+// runnable thread from a busy core's queue at once, so a teammate the OS preempted (for a busy
+// neighbour) moves to the waiter's core instead of waiting there for the neighbour's time slice.
+// (Spinning, even with sched_yield, keeps the waiter's core busy and the teammate queued.)
+class TeamBarrier {
  public:
-  explicit SpinBarrier(int n) : n_(n) {}
+  explicit TeamBarrier(int n) : n_(n) {}
   template <typename Idle>
   void wait(const Idle& idle) {
-    const int64_t gen = generation_.load(std::memory_order_acquire);
+    const uint32_t gen = generation_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
       arrived_.store(0, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+      // Seen by a sleeper's increment or not: then that sleeper sees the new generation.
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
       return;
     }
     bool working = true;
-    int64_t spins = 0;
+    int64_t spins = 0, deadline = 0;
     while (generation_.load(std::memory_order_acquire) == gen) {
       if (working && idle()) continue;
+      if (working) deadline = now_ns() + kSpinNanos;
       working = false;
-      if (++spins < kSpinsBeforeYield) {
+      if ((++spins & 63) != 0 || now_ns() < deadline) {
 #if defined(__x86_64__)
         _mm_pause();
 #endif
-      } else {
-        sched_yield();
+        continue;
       }
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      if (generation_.load(std::memory_order_seq_cst) == gen)
+        futex(FUTEX_WAIT_PRIVATE, static_cast<int>(gen));  // returns at once if it moved on
+      sleepers_.fetch_sub(1, std::memory_order_relaxed);
     }
   }
 
  private:
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  long futex(int op, int value) {
+    return syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), op, value, nullptr,
+                   nullptr, 0);
+  }
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word is 32 bits");
   const int n_;
   alignas(64) std::atomic<int> arrived_{0};
-  alignas(64) std::atomic<int64_t> generation_{0};
+  alignas(64) std::atomic<uint32_t> generation_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
 };
 
 // One projection as the region runs it: raw pointers into weights the caller holds.
@@ -343,11 +370,11 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
     }
   };
 
-  std::unique_ptr<SpinBarrier> barrier;
+  std::unique_ptr<TeamBarrier> barrier;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp single
-    barrier.reset(new SpinBarrier(omp_get_num_threads()));  // single's own barrier follows
+    barrier.reset(new TeamBarrier(omp_get_num_threads()));  // single's own barrier follows
     const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
     const bool split = M >= kRowsSplitMin;
     const int64_t r_begin = split ? tid * M / team : (tid == 0 ? 0 : M);
