@@ -8,16 +8,16 @@
 # The image recipes run this same script with a few variables set (unset, `make setup` installs
 # exactly as described above):
 #   VENV        where the virtual environment goes (default .venv)
-#   EXTRAS      llm-forge's extras (default serve,dev,quant; an image that only serves: serve)
-#   TORCH_PIN   the torch requirement (default torch==2.13.0); torch==2.13.0+cpu names the CPU
-#               build itself, so no index can hand over a CUDA build in its place
+#   SETUP_EXTRAS     llm-forge's extras (default serve,dev,quant; an image that only serves: serve)
+#   SETUP_TORCH_PIN  the torch requirement (default torch==2.13.0); torch==2.13.0+cpu names the
+#                    CPU build itself, so no index can hand over a CUDA build in its place
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
-TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
-EXTRAS="${EXTRAS:-serve,dev,quant}"
+TORCH_PIN="${SETUP_TORCH_PIN:-torch==2.13.0}"
+EXTRAS="${SETUP_EXTRAS:-serve,dev,quant}"
 STAMP="$VENV/.llm-forge-setup"
 # What was asked for is part of the stamp: another set of extras or another torch reinstalls.
 WANT="$({ cat pyproject.toml scripts/setup.sh; echo "$EXTRAS $TORCH_PIN"; } | sha256sum | cut -d' ' -f1)"
