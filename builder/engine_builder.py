@@ -190,7 +190,7 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
         write_manifest(tmp_dir, spec, hf_dir)
         log(f"eos ids {config.tokenizer.eos_token_ids}, chat template: "
             f"{config.tokenizer.has_chat_template}")
-    with steps.step("CPU kernels for this machine (compiled once, cached)") as log:
+    with steps.step("CPU kernels (compiled once, cached)") as log:
         prepare_cpu_kernels(config, log)
     if options.enabled or options.lm_head != "none":
         with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:

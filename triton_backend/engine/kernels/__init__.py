@@ -169,7 +169,8 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
     if cached:
         say(f"CPU kernels: loaded from the cache ({elapsed:.1f}s)")
     else:
-        say(f"CPU kernels: compiled for this CPU in {elapsed:.1f}s, cached in {build_dir}")
+        target = "this CPU" if march() == "native" else march()
+        say(f"CPU kernels: compiled for {target} in {elapsed:.1f}s, cached in {build_dir}")
     return True
 
 
