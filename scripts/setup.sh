@@ -4,15 +4,23 @@
 #
 # torch is installed first and pinned: torch==2.13.0 is the CPU build pip finds on local disk.
 # An unpinned torch (or a package that asks for a newer one) would pull a multi-GB CUDA build.
+#
+# The image recipes run this same script with a few variables set (unset, `make setup` installs
+# exactly as described above):
+#   VENV        where the virtual environment goes (default .venv)
+#   SETUP_EXTRAS     llm-forge's extras (default serve,dev,quant; an image that only serves: serve)
+#   SETUP_TORCH_PIN  the torch requirement (default torch==2.13.0); torch==2.13.0+cpu names the
+#                    CPU build itself, so no index can hand over a CUDA build in its place
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
-TORCH_PIN="torch==2.13.0"
-EXTRAS="serve,dev,quant"
+TORCH_PIN="${SETUP_TORCH_PIN:-torch==2.13.0}"
+EXTRAS="${SETUP_EXTRAS:-serve,dev,quant}"
 STAMP="$VENV/.llm-forge-setup"
-WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+# What was asked for is part of the stamp: another set of extras or another torch reinstalls.
+WANT="$({ cat pyproject.toml scripts/setup.sh; echo "$EXTRAS $TORCH_PIN"; } | sha256sum | cut -d' ' -f1)"
 
 # The published schemas of the custom resources forge deploy renders (ServiceMonitor,
 # ScaledObject), for tests/builder/test_deploy.py: npm packages pinned by their lock file,

@@ -110,10 +110,10 @@ class ModelRunner:
                                  and self.kv_cache.kernel_reads(self.dtype))
         self.one_byte_cache = self.kv_cache.k.element_size() == 1
         if isinstance(self.ops, CppOps) and self.dtype == torch.bfloat16:
-            from triton_backend.engine.kernels import build_key
+            from triton_backend.engine.kernels import plan_key
             from triton_backend.engine.kernels.linear import bf16_gemm_plan, pack_linears
 
-            plan = bf16_gemm_plan(build_key())
+            plan = bf16_gemm_plan(plan_key())
             if plan.packed:
                 pack_linears(self.model, plan)
                 if lora is not None:  # adapters take the same kernel

@@ -4,8 +4,13 @@
 on the machine that runs it) into the operator library `torch.ops.llm_forge`, under
 `<cache>/kernels/<key>/`, where the key hashes the sources, the flags, the torch version and
 install (two virtual environments write different include paths into the build files, so sharing
-a build directory would make them rebuild in turn) and the CPU. The first call on a machine compiles (tens of seconds, logged with its time); later calls,
+a build directory would make them rebuild in turn) and, for `-march=native`, the CPU. The first call on a machine compiles (tens of seconds, logged with its time); later calls,
 in any process, load the cached library in well under a second.
+
+A named instruction-set level (`LLM_FORGE_KERNEL_MARCH=x86-64-v3`) makes one library for every CPU
+that has the level, so an image can carry it compiled at build time: its key leaves the CPU out,
+a CPU without the level gets the pure-torch paths (never an illegal instruction), and what is
+measured per CPU (the GEMM plans) is keyed by `plan_key()`, which always names the CPU.
 
 Everything here has a pure-torch equivalent in the model code, used when the extension cannot be
 built (no compiler, no ninja) or when `LLM_FORGE_KERNELS=torch` asks for it.
@@ -43,6 +48,17 @@ MARCH_CHOICES = ("native", "x86-64-v2", "x86-64-v3", "x86-64-v4")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
 ENV_SWITCH = "LLM_FORGE_KERNELS"  # "torch": never build, use the pure-torch paths
 
+# The CPU flags each named level needs (the x86-64 psABI levels, as gcc's -march takes them); a
+# library built for a level runs only where /proc/cpuinfo lists every one.
+MARCH_FLAGS = {
+    "x86-64-v2": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"),
+    "x86-64-v3": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1",
+                  "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
+    "x86-64-v4": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1",
+                  "bmi2", "f16c", "fma", "abm", "movbe", "xsave", "avx512f", "avx512bw",
+                  "avx512cd", "avx512dq", "avx512vl"),
+}
+
 _state: dict[str, object] = {}
 
 
@@ -55,15 +71,33 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def march() -> str:
+    """The instruction-set level asked for by `LLM_FORGE_KERNEL_MARCH` (default native)."""
+    chosen = os.environ.get(MARCH_ENV, "native").strip() or "native"
+    if chosen not in MARCH_CHOICES:
+        raise ValueError(f"{MARCH_ENV} must be one of {', '.join(MARCH_CHOICES)}, got {chosen!r}")
+    return chosen
+
+
 def cflags() -> tuple[str, ...]:
-    march = os.environ.get(MARCH_ENV, "native").strip() or "native"
-    if march not in MARCH_CHOICES:
-        raise ValueError(f"{MARCH_ENV} must be one of {', '.join(MARCH_CHOICES)}, got {march!r}")
-    return (*CFLAGS, f"-march={march}")
+    return (*CFLAGS, f"-march={march()}")
+
+
+def missing_cpu_flags(level: str, cpu_flags: set[str]) -> list[str]:
+    """The flags of a named level that this CPU lacks (none for native: built for itself)."""
+    return [flag for flag in MARCH_FLAGS.get(level, ()) if flag not in cpu_flags]
+
+
+def _cpu_flags() -> set[str]:
+    for line in _cpu_signature().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
 
 
 def build_key() -> str:
-    """Names one build of the kernels: sources, flags, torch (version and install) and the CPU."""
+    """Names one build of the kernels: sources, flags, torch (version and install) and, for
+    native builds only, the CPU (a named level's library is the same on every CPU)."""
     if "key" in _state:
         return str(_state["key"])
     digest = hashlib.sha256()
@@ -72,9 +106,20 @@ def build_key() -> str:
     digest.update(" ".join((*cflags(), *LDFLAGS)).encode())
     digest.update(torch.__version__.encode())
     digest.update(os.path.dirname(torch.__file__).encode())
-    digest.update(_cpu_signature().encode())
+    if march() == "native":
+        digest.update(_cpu_signature().encode())
     _state["key"] = digest.hexdigest()[:16]
     return str(_state["key"])
+
+
+def plan_key() -> str:
+    """Names what is measured on one CPU with one build (the GEMM plans): the build key, which
+    for native builds already names the CPU, else the build key and the CPU."""
+    key = build_key()
+    if march() == "native":
+        return key
+    cpu = hashlib.sha256(_cpu_signature().encode()).hexdigest()[:8]
+    return f"{key}-cpu-{cpu}"
 
 
 def kernels_wanted() -> bool:
@@ -95,6 +140,13 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
         _state["ok"] = False
         say(f"CPU kernels: off ({ENV_SWITCH}=torch), using the pure-torch paths")
         return False
+    if platform.machine() == "x86_64":
+        missing = missing_cpu_flags(march(), _cpu_flags())
+        if missing:
+            _state["ok"] = False
+            say(f"CPU kernels: built for {march()} ({MARCH_ENV}), which this CPU lacks "
+                f"({', '.join(missing)}); using the pure-torch paths")
+            return False
     key = build_key()
     build_dir = cache_root() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +169,8 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
     if cached:
         say(f"CPU kernels: loaded from the cache ({elapsed:.1f}s)")
     else:
-        say(f"CPU kernels: compiled for this CPU in {elapsed:.1f}s, cached in {build_dir}")
+        target = "this CPU" if march() == "native" else march()
+        say(f"CPU kernels: compiled for {target} in {elapsed:.1f}s, cached in {build_dir}")
     return True
 
 

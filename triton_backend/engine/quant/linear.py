@@ -72,13 +72,13 @@ class _QuantizedLinear(nn.Module):
 def _cpp_int4_choice(in_features: int, out_features: int, group_size: int):
     """The measured `Int4Choice` for this shape when our kernels are built (the decode kernel
     may still be torch's int4pack); None otherwise (torch's int4pack for every call)."""
-    from triton_backend.engine.kernels import build_key, kernels_wanted, load_cpu_kernels
+    from triton_backend.engine.kernels import kernels_wanted, load_cpu_kernels, plan_key
 
     if not kernels_wanted() or not load_cpu_kernels():
         return None
     from triton_backend.engine.kernels.linear import int4_kernel_choice
 
-    return int4_kernel_choice(build_key(), in_features, out_features, group_size)
+    return int4_kernel_choice(plan_key(), in_features, out_features, group_size)
 
 
 class Int4WeightOnlyLinear(_QuantizedLinear):
