@@ -21,22 +21,26 @@ from triton_backend.models.metrics import EPP_METRIC_SPECS, LORA_INFO_METRIC
 
 pytestmark = pytest.mark.slow
 MAX_BATCH_SIZE = 4
-STREAMS = [1, 1, 2, None, None, None, None, None, None, None, None, None]  # lora_task_id each
+STREAMS = [1, 1, 1, None, None, None, None, None, None, None, None, None]  # lora_task_id each
 PROMPT = [5 + i % 50 for i in range(20)]
 NEW_TOKENS = 200
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
 
 
 @pytest.fixture(scope="module")
-def server(lora_build, tmp_path_factory):
+def server(tmp_path_factory):
     import lora_helpers
+    import tiny
 
-    _, adapters, _ = lora_build
+    # one adapter, trained a single step: what it does to the tokens does not matter here
     tmp = tmp_path_factory.mktemp("epp")
-    engine_dir = lora_helpers.build_lora_engine(tmp, adapters,
+    hf_dir = tiny.make_checkpoint(tmp / "hf-llama_gqa", "llama_gqa")
+    adapter = lora_helpers.train_adapter(hf_dir, tmp / "peft-adapter-a",
+                                         *lora_helpers.ADAPTERS["adapter-a"], steps=1)
+    engine_dir = lora_helpers.build_lora_engine(tmp, {"adapter-a": adapter},
                                                 limits={"max_batch_size": MAX_BATCH_SIZE})
     repo = emit_repository(engine_dir, tmp / "repo", RepositoryOptions(stats_period_ms=20))
-    with running_tritonserver(repo) as running:
+    with running_tritonserver(repo, ready_timeout=600) as running:  # a busy machine is slow
         yield running
 
 
