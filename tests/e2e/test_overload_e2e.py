@@ -75,9 +75,8 @@ def start_hog(server):
 
 
 def waiting(server) -> float:
-    samples = scrape(server)
-    return (value(samples, "nv_trt_llm_request_metrics", request_type="waiting")
-            + value(samples, "nv_trt_llm_request_metrics", request_type="queued"))
+    """Requests accepted and not running (`waiting` counts the executor's `queued` ones too)."""
+    return value(scrape(server), "nv_trt_llm_request_metrics", request_type="waiting")
 
 
 def wait_until_waiting(server, count: int) -> None:

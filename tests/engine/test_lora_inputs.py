@@ -173,7 +173,7 @@ def test_block_hashes_are_salted_by_adapter():
 
 def test_lora_metrics_per_adapter_and_state(lora_build):
     from tests.e2e.test_observability import FakeFamily, FakePbUtils
-    from triton_backend.models.metrics import LORA_REQUEST_METRIC, ExecutorMetrics
+    from triton_backend.models.metrics import LORA_INFO_METRIC, LORA_REQUEST_METRIC, ExecutorMetrics
 
     _, _, engine_dir = lora_build
     engine = LLMEngine(engine_dir, num_kv_blocks=8)  # room for one sequence: the others wait
@@ -193,6 +193,10 @@ def test_lora_metrics_per_adapter_and_state(lora_build):
         return FakeFamily.created[(LORA_REQUEST_METRIC, tuple(sorted(labels.items())))].values
 
     assert gauge("adapter-a", "running") == [1.0] and gauge("adapter-b", "waiting") == [2.0]
+    # the endpoint picker's info gauge, in vLLM's shape (lora.max_loras is 8 by default)
+    info = {"model": "tensorrt_llm", "version": "1", "max_lora": "8",
+            "running_lora_adapters": "adapter-a", "waiting_lora_adapters": "adapter-b"}
+    assert (LORA_INFO_METRIC, tuple(sorted(info.items()))) in FakeFamily.created
     metrics.publish(dict(stats, lora_running={}, lora_waiting={}))
     assert gauge("adapter-a", "running") == [0.0]  # listed at 0 once its requests are done
     stat = ("llm_forge_executor_stats", tuple(sorted(

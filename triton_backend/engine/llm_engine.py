@@ -312,7 +312,8 @@ class LLMEngine:
                     **prefix_cache_stats(bm, sched), **self._spec_stats(), **self._lora_stats())
 
     def _lora_stats(self) -> dict:
-        """Adapter cache counters, and per adapter name how many requests run and wait."""
+        """Adapter cache counters, the most distinct adapters one step runs, and per adapter name
+        how many requests run and wait."""
         if self.lora is None:
             return {}
         running, waiting = {}, {}
@@ -324,7 +325,8 @@ class LLMEngine:
             if seq.lora_task_id is not None and seq.status.value == "waiting":
                 name = self.lora.name_of(seq.lora_task_id)
                 waiting[name] = waiting.get(name, 0) + 1
-        return dict(self.lora.get_stats(), lora_running=running, lora_waiting=waiting)
+        return dict(self.lora.get_stats(), lora_max_loras=self.lora.limits.max_loras,
+                    lora_running=running, lora_waiting=waiting)
 
     def _spec_stats(self) -> dict:
         steps, drafts = self.stats["spec_num_verify_steps"], self.stats["spec_num_draft_tokens"]
