@@ -19,18 +19,13 @@ from __future__ import annotations
 
 from builder.deploy.context import ENGINE_TYPE, ENGINE_TYPE_LABEL, DeployContext
 from builder.deploy.network import EPP_GRPC_PORT
-from triton_backend.models.metrics import LORA_INFO_METRIC
+from triton_backend.models.metrics import EPP_METRIC_SPECS
 
 EPP_RELEASE = "v1.5.0"
 EPP_IMAGE = f"registry.k8s.io/gateway-api-inference-extension/epp:{EPP_RELEASE}"
 EPP_CONFIG_FILE = "epp-config.yaml"
 POOL_GROUP = "inference.networking.k8s.io"
 
-WAITING_SPEC = "nv_trt_llm_request_metrics{request_type=waiting}"
-RUNNING_SPEC = "nv_trt_llm_request_metrics{request_type=scheduled}"
-KV_USAGE_SPEC = "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}"
-BLOCK_SIZE_SPEC = "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=tokens_per}"
-NUM_BLOCKS_SPEC = "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max}"
 
 
 def inference_pool(ctx: DeployContext) -> dict:
@@ -53,16 +48,13 @@ def serves_lora(ctx: DeployContext) -> bool:
 
 
 def engine_config(ctx: DeployContext) -> dict:
-    """The `core-metrics-extractor` entry for our pods. An empty spec turns a metric off (the
-    EPP would log a missing family otherwise)."""
-    return {"name": ENGINE_TYPE,
-            "queuedRequestsSpec": WAITING_SPEC,
-            "runningRequestsSpec": RUNNING_SPEC,
-            "kvUsageSpec": KV_USAGE_SPEC,
-            "loraSpec": LORA_INFO_METRIC if serves_lora(ctx) else "",
-            "cacheInfoSpec": "",
-            "cacheBlockSizeSpec": BLOCK_SIZE_SPEC,
-            "cacheNumBlocksSpec": NUM_BLOCKS_SPEC}
+    """The `core-metrics-extractor` entry for our pods: the specs of the names our metrics
+    module exports (`EPP_METRIC_SPECS`). An empty spec turns a metric off (the EPP would log a
+    missing family otherwise)."""
+    specs = dict(EPP_METRIC_SPECS)
+    if not serves_lora(ctx):
+        specs["loraSpec"] = ""
+    return {"name": ENGINE_TYPE, **specs, "cacheInfoSpec": ""}
 
 
 def epp_config(ctx: DeployContext) -> dict:
