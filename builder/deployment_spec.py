@@ -26,6 +26,11 @@ from typing import Any
 from triton_backend.engine.numbers import is_int, is_number
 
 MODEL_SOURCES = ("image", "volume")
+# The CPU image's layout (Containerfile): its working directory, where `forge engine` wrote the
+# engine and `model_repository/<name>`, and the uid that owns them and serves.
+IMAGE_WORKDIR = "/opt/llm-forge/src"
+IMAGE_UID = 10001
+VOLUME_REPOSITORY = "/models/model_repository"  # with model_source volume (the claim at /models)
 AUTOSCALERS = ("keda", "hpa", "none")
 TRITON_EXPOSURES = ("loopback", "gateway")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -142,7 +147,7 @@ class DeploymentSpec:
     image: str | None = None
     model_source: str = "image"
     volume_claim: str | None = None
-    repository_path: str = "/models/model_repository"
+    repository_path: str | None = None  # default: where the model source puts it
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     node_selector: dict[str, str] | None = None
     api_key_secret: str | None = None
@@ -152,7 +157,7 @@ class DeploymentSpec:
     monitoring_namespace: str = "monitoring"
     client_namespaces: list[str] = field(default_factory=list)
     triton_ports: str | None = None
-    run_as_user: int = 1000
+    run_as_user: int = IMAGE_UID
 
     def __post_init__(self) -> None:
         if isinstance(self.resources, dict):
@@ -198,13 +203,14 @@ class DeploymentSpec:
                 raise ValueError("deployment.volume_claim: required with model_source volume "
                                  "(the PersistentVolumeClaim holding the engine and repository)")
             check_dns_label("deployment.volume_claim", self.volume_claim)
-            if not str(self.repository_path).startswith("/models/"):
+            if self.repository_path is not None and not str(
+                    self.repository_path).startswith("/models/"):
                 raise ValueError(f"deployment.repository_path: the claim is mounted at /models; "
                                  f"the repository must be under it, got {self.repository_path!r}")
         elif self.volume_claim is not None:
             raise ValueError("deployment.volume_claim: only with model_source volume "
                              "(model_source image bakes the engine into the image)")
-        if not str(self.repository_path).startswith("/"):
+        if self.repository_path is not None and not str(self.repository_path).startswith("/"):
             raise ValueError(f"deployment.repository_path: an absolute path in the container, "
                              f"got {self.repository_path!r}")
         if self.image is not None and (not isinstance(self.image, str) or not self.image.strip()
@@ -218,6 +224,9 @@ class DeploymentSpec:
             check_dns_label("deployment.name (from name)", self.name)
         if self.api_key_secret is None:
             self.api_key_secret = f"{self.name}-api-key"
+        if self.repository_path is None:  # the image's own (Containerfile), or the claim's
+            self.repository_path = (f"{IMAGE_WORKDIR}/model_repository/{spec_name}"
+                                    if self.model_source == "image" else VOLUME_REPOSITORY)
         multi_rank = target == "trtllm" and world_size > 1
         if self.triton_ports is None:
             self.triton_ports = "gateway" if multi_rank else "loopback"

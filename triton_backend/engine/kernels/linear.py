@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,16 @@ LAYOUTS = ("tiles", "pairs")
 PLAN_ENV = "LLM_FORGE_GEMM_PLAN"  # auto (measure) | torch | tiles | pairs
 PLAN_CHOICES = ("auto", "torch", *LAYOUTS)
 
+
+
+def _keep_plan(path: Path, text: str) -> None:
+    """Cache a measured plan. A cache it cannot write (an image's, under a read-only root
+    filesystem, on a CPU the image was not built on) only means measuring again next start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        log.warning("GEMM plan not cached (%s); it is measured again at the next start", exc)
 
 def pack_weight(weight: torch.Tensor, layout: str = "tiles") -> torch.Tensor:
     """[N, K] -> bf16 tiles of 16 output columns. `tiles`: [ceil(N / 16), K, 16], tile t holds
@@ -232,8 +243,7 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     # The layout whose worse decode-size ratio over torch is best.
     layout = max(timings, key=lambda name: min(timings[name][0]))
     plan = _plan_from_timings(*timings[layout], layout)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"plan": plan.__dict__, "torch_over_packed_time": {
+    _keep_plan(path, json.dumps({"plan": plan.__dict__, "torch_over_packed_time": {
         name: t[0] for name, t in timings.items()}, "upcast_over_packed_time": {
         name: t[1] for name, t in timings.items()}}, indent=1) + "\n")
     log.info("bf16 GEMM plan: %s", plan)
@@ -410,8 +420,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     choice = Int4Choice(winner, _upcast_threshold(upcast_over_kernel[dtype]), dtype)
     cached[shape] = {"choice": choice.__dict__, "torch_over_ours_time": torch_over_ours,
                      "upcast_over_kernel_time": upcast_over_kernel, "version": INT4_PLAN_VERSION}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cached, indent=1) + "\n")
+    _keep_plan(path, json.dumps(cached, indent=1) + "\n")
     log.info("INT4 %s: %s", shape, choice)
     return choice
 
