@@ -18,6 +18,7 @@ from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.ops import CppOps, select_ops
+from triton_backend.engine.progress import Progress
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from triton_backend.engine.speculative.verifier import verify
@@ -93,14 +94,17 @@ def top_alternatives(raw: dict[int, tuple[int, torch.Tensor]], sampled: dict, ac
 
 class ModelRunner:
     def __init__(self, engine_dir: str | Path, config: EngineConfig, num_blocks: int,
-                 device: str | torch.device = "cpu", lora: AdapterCache | None = None) -> None:
-        """`lora`: the engine's adapter cache (None: an engine without adapters)."""
+                 device: str | torch.device = "cpu", lora: AdapterCache | None = None,
+                 progress: Progress | None = None) -> None:
+        """`lora`: the engine's adapter cache (None: an engine without adapters); `progress`:
+        the engine's progress count, which the model advances per layer (a new one if None)."""
         self.config = config
         self.lora = lora
         self.device = torch.device(device)
         self.dtype = runtime_dtype(config, self.device)
         self.tokens_per_block = config.kv_cache.tokens_per_block
         self.model = load_model(engine_dir, config, self.device)
+        self.progress = self.model.progress = progress or Progress()
         self.kv_cache = make_kv_cache(config, self.dtype, self.device, num_blocks)
         self.sampler = Sampler()
         self.ops = select_ops(self.device)
