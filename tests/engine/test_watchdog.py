@@ -25,7 +25,7 @@ from triton_backend.engine.kernels import ENV_SWITCH
 from triton_backend.engine.process.executor import ProcessExecutor
 from triton_backend.engine.process.watchdog import (MIN_FREEZE_SECONDS, ProgressWatch,
                                                     check_freeze_seconds)
-from triton_backend.engine.supervision import RestartPolicy
+from triton_backend.engine.supervision import EngineHealth, RestartPolicy, health_of
 
 from tiny import final_response
 
@@ -254,3 +254,16 @@ def test_progress_watch_and_its_limit():
     for bad in (0, 0.5, -1, float("nan"), "5", True):
         with pytest.raises(ValueError, match="engine_freeze_seconds must be a number >= 1"):
             check_freeze_seconds(bad)
+
+
+def test_executors_without_a_health_verb_are_running_or_down():
+    class Looping:
+        def __init__(self, alive, reason=""):
+            self.alive, self.down_reason = alive, reason
+
+        def is_alive(self):
+            return self.alive
+
+    assert health_of(Looping(True)) == EngineHealth("running")
+    assert health_of(Looping(False, "2 crashes")) == EngineHealth("down", "2 crashes")
+    assert health_of(Looping(False)) == EngineHealth("down", "stopped")
