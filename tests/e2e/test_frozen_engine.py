@@ -123,7 +123,6 @@ def test_a_stopped_engine_ends_every_stream_and_serves_again(server):
         answer = generate_http(server.http_url, "ensemble", question, timeout=300)[0]
         served = time.monotonic() - stopped
         assert answer["text_output"] == expected
-        assert served < SERVING_BOUND_SECONDS, f"served again {served:.1f} s after SIGSTOP"
     finally:
         probing.set()
         try:
@@ -149,3 +148,5 @@ def test_a_stopped_engine_ends_every_stream_and_serves_again(server):
     print(f"\nSIGSTOP under {STREAMS} streams: all ended {ended:.1f} s after it, served again "
           f"{served:.1f} s after it; {len(restarting)} of {len(answers)} probes answered "
           f"{restarting[0]!r}")
+    # Last, so a slow restart on a crowded machine still shows every check above.
+    assert served < SERVING_BOUND_SECONDS, f"served again {served:.1f} s after SIGSTOP"
