@@ -251,6 +251,7 @@ class ProcessExecutor:
             held, self._held = self._held, []
             if not closing:  # under the lock, so no new request or cancel overtakes these
                 self._handle, self._restarting, self._restart_cause = handle, False, ""
+                self._stats = dict(handle.info["stats"])  # not the dead engine's last ones
                 self._watch.arm()
                 for request_id, request in held:
                     handle.send(("enqueue", request_id, request))
