@@ -19,6 +19,11 @@ Failures: a step that raises ends only its own requests (see `LLMEngine.step`). 
 outside a step ends the requests in flight with an error naming it, and the loop starts again in
 place from an empty batch, up to the restart policy's limit; past it the loop stops and every
 request, queued or later, is refused (`is_alive()` turns false).
+
+Progress: the loop advances `progress` (the engine's count, see `progress.py`) on every iteration,
+and an idle loop wakes every `LOOP_TICK_SECONDS` to advance it, so a watchdog can tell an idle
+engine from a frozen one. `get_stats` never waits for the loop's lock (which the loop holds while
+it admits requests, an adapter load included): the engine process reports its heartbeats from it.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from pathlib import Path
 
 from triton_backend.engine.admission import AdmissionLimits
 from triton_backend.engine.llm_engine import LLMEngine
+from triton_backend.engine.progress import LOOP_TICK_SECONDS
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.response_queue import LoopMailbox, ResponseQueue
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
@@ -53,7 +59,9 @@ class Executor(LoopMailbox):
         self._crashes = CrashLoop(restart_policy)
         self.config = self.engine.config
         self.tokenizer_dir = self.engine.tokenizer_dir
+        self.progress = self.engine.progress
         self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._mailbox = ResponseQueue()
         self._pending: list[Request] = []
@@ -98,9 +106,10 @@ class Executor(LoopMailbox):
 
     def get_stats(self) -> dict:
         """Counters as of the end of the last step (the engine is only touched by the loop)."""
-        with self._lock:
-            return dict(self._stats, num_queued_requests=len(self._pending),
-                        num_loop_restarts=self._crashes.num_crashes)
+        with self._stats_lock:
+            stats = self._stats
+        return dict(stats, num_queued_requests=len(self._pending),
+                    num_loop_restarts=self._crashes.num_crashes)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still in flight end with a CANCELLED final response."""
@@ -112,7 +121,7 @@ class Executor(LoopMailbox):
     # -- loop ---------------------------------------------------------------------------------
     def _publish(self, responses: list[Response]) -> None:
         stats = self.engine.get_stats()
-        with self._lock:
+        with self._stats_lock:
             self._stats = stats
         self._mailbox.put(responses)
 
@@ -120,7 +129,8 @@ class Executor(LoopMailbox):
         """Move queued requests and cancellations into the engine. False when shutting down."""
         with self._lock:
             while not (self._pending or self._cancels or self._shutdown or self.engine.has_work()):
-                self._wakeup.wait()
+                self._wakeup.wait(LOOP_TICK_SECONDS)
+                self.progress.tick()  # idle, not frozen
             # Into the scheduler under the lock, so the admission check never misses them.
             finals = []
             for request_id, request in zip(self._pending_ids, self._pending):
@@ -146,6 +156,7 @@ class Executor(LoopMailbox):
                 try:
                     while self._admit():
                         self._publish(self.engine.step())
+                        self.progress.tick()
                     break
                 except Exception as exc:  # the loop must not die silently
                     log.exception("executor loop failed")

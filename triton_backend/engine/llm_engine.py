@@ -26,6 +26,7 @@ from triton_backend.engine.guided.compiler import GrammarCompiler
 from triton_backend.engine.guided.state import GrammarState
 from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.model_runner import ModelRunner, kv_bytes_per_token
+from triton_backend.engine.progress import Progress
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.sampler import SamplingError
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE, Scheduler, SchedulerOutput
@@ -88,20 +89,25 @@ class LLMEngine:
             cache_salt=cache_salt(self.config))
         self.priority_aging_rate, self.clock = priority_aging_rate, clock
         self.scheduler = self._new_scheduler()
-        self.lora = AdapterCache(engine_dir, self.config, dtype) if self.config.lora else None
-        self.runner = ModelRunner(engine_dir, self.config, num_blocks, device, lora=self.lora)
+        # Advanced by whatever runs on the loop's thread (see progress.py): the watchdog's signal.
+        self.progress = Progress()
+        self.lora = (AdapterCache(engine_dir, self.config, dtype, self.progress)
+                     if self.config.lora else None)
+        self.runner = ModelRunner(engine_dir, self.config, num_blocks, device, lora=self.lora,
+                                  progress=self.progress)
         self.speculator = None
         if self.config.speculative.enabled and enable_speculative_decoding is not False:
             from triton_backend.engine.speculative import make_speculator
 
-            self.speculator = make_speculator(self.engine_dir, self.config, device)
+            self.speculator = make_speculator(self.engine_dir, self.config, device,
+                                              self.progress)
         self.eos_ids = frozenset(self.config.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.config.model.vocab_size,
                                         sorted(self.eos_ids))
         self.sequences: dict[int, Sequence] = {}
         self.last_logits: torch.Tensor | None = None  # of the last step, when it was asked for
         self._ids = itertools.count(1)
-        self.faults = FaultInjector.from_env()
+        self.faults = FaultInjector.from_env(self.progress)
         self.stats = {"num_steps": 0, "max_num_seqs_in_step": 0, "num_scheduled_tokens": 0,
                       "num_completed_requests": 0, "num_cancelled_requests": 0,
                       "spec_num_verify_steps": 0, "spec_num_draft_tokens": 0,

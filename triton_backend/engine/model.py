@@ -19,6 +19,7 @@ from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.layers import RMSNorm, RotaryEmbedding, make_linear
 from triton_backend.engine.lora.batch import LoRABatch
 from triton_backend.engine.ops import TorchOps
+from triton_backend.engine.progress import Progress
 
 
 class Attention(nn.Module):
@@ -111,7 +112,9 @@ class Transformer(nn.Module):
 class CausalLM(nn.Module):
     """forward(packed ids, positions, cache, metadata, ops) -> hidden states; `logits` projects
     rows. `lm_head` is None while the embeddings are tied (the projection reads the embedding
-    table) unless a kernel gave it a layout of its own (`kernels.linear.pack_linears`)."""
+    table) unless a kernel gave it a layout of its own (`kernels.linear.pack_linears`).
+    `progress` advances after every decoder layer, so a long prefill shows the engine's watchdog
+    that it moves (the runner shares its engine's counter here)."""
 
     def __init__(self, config: EngineConfig, attention: type[Attention] = Attention) -> None:
         super().__init__()
@@ -124,6 +127,7 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
+        self.progress = Progress()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 meta: AttentionMetadata, ops: TorchOps, lora: LoRABatch | None = None
@@ -133,6 +137,7 @@ class CausalLM(nn.Module):
         residual = None
         for layer in self.transformer.layers:
             x, residual = layer(x, residual, positions, self.rotary, cache, meta, ops, lora)
+            self.progress.tick()
         if residual is None:  # a model without layers
             return self.transformer.ln_f(x, ops)
         return self.transformer.ln_f(x, ops, residual)[0]

@@ -18,6 +18,7 @@ from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.ops import CppOps, select_ops
+from triton_backend.engine.progress import Progress
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from triton_backend.engine.speculative.verifier import verify
@@ -30,6 +31,12 @@ from triton_backend.engine.weights import load_model, runtime_dtype
 # stay in the one-call decode path, instead of sending the whole step through the Python model
 # (ITL p99 while a 256-token prompt is chunked in: 2.29x the steady p50 with 8, 1.96x with 64).
 KERNEL_MAX_QUERY = 64
+# The one-call decode path runs a whole step inside one C++ call, where the engine's progress
+# count (progress.py) cannot move; what it saves is per-op dispatch, which matters only in short
+# steps. So only steps of at most this much work (rows x projection weights) take it: 256 rows
+# of SmolLM2-135M (2048 rows ran 40 s in one call on a heavily loaded 2-core machine, where the
+# watchdog would have killed it); decode batches of small models stay in it.
+ONE_CALL_MAX_WORK = 256 * 110_000_000
 
 
 @dataclass
@@ -93,14 +100,17 @@ def top_alternatives(raw: dict[int, tuple[int, torch.Tensor]], sampled: dict, ac
 
 class ModelRunner:
     def __init__(self, engine_dir: str | Path, config: EngineConfig, num_blocks: int,
-                 device: str | torch.device = "cpu", lora: AdapterCache | None = None) -> None:
-        """`lora`: the engine's adapter cache (None: an engine without adapters)."""
+                 device: str | torch.device = "cpu", lora: AdapterCache | None = None,
+                 progress: Progress | None = None) -> None:
+        """`lora`: the engine's adapter cache (None: an engine without adapters); `progress`:
+        the engine's progress count, which the model advances per layer (a new one if None)."""
         self.config = config
         self.lora = lora
         self.device = torch.device(device)
         self.dtype = runtime_dtype(config, self.device)
         self.tokens_per_block = config.kv_cache.tokens_per_block
         self.model = load_model(engine_dir, config, self.device)
+        self.progress = self.model.progress = progress or Progress()
         self.kv_cache = make_kv_cache(config, self.dtype, self.device, num_blocks)
         self.sampler = Sampler()
         self.ops = select_ops(self.device)
@@ -125,10 +135,13 @@ class ModelRunner:
                 raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
                                  "in_features divisible by 32")
         self.decode_forward = None
+        self.one_call_max_rows = 0
         if self.kernel_attention:
             from triton_backend.engine.kernels.forward import DecodeForward
 
             self.decode_forward = DecodeForward(self.model, self.kv_cache, self.dtype)
+            weights = sum(t.numel() for t in self.decode_forward.weights if t is not None)
+            self.one_call_max_rows = max(1, ONE_CALL_MAX_WORK // max(1, weights))
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput, eos_ids: dict[int, frozenset[int]],
@@ -138,7 +151,8 @@ class ModelRunner:
         chunks = self._packing_order(output.chunks)
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
         lora = self._lora_batch(chunks)
-        if self.decode_forward is not None and self.decode_forward.covers(meta, len(input_ids)):
+        if (self.decode_forward is not None and len(input_ids) <= self.one_call_max_rows
+                and self.decode_forward.covers(meta, len(input_ids))):
             hidden = self.decode_forward(input_ids, positions, meta, lora)  # all layers, one call
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops, lora)

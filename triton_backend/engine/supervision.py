@@ -1,9 +1,10 @@
 """When to restart a crashed engine, and when to stop trying (a crash loop).
 
 The executor restarts its loop in place after a crash outside a step, and `ProcessExecutor`
-starts a new engine process when its process dies. Either gives up after `max_restarts` crashes
-within `window_seconds`: an engine that crashes again and again is reported down (the model
-refuses requests and its health metric drops) instead of failing every request forever.
+starts a new engine process when its process dies (or its watchdog killed it, frozen). Either
+gives up after `max_restarts` crashes within `window_seconds`: an engine that crashes again and
+again is reported down (the model refuses requests and its health metric drops) instead of
+failing every request forever. `EngineHealth` is what an executor reports of its engine.
 """
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ from dataclasses import dataclass
 from typing import Callable
 
 from triton_backend.engine.numbers import is_int, is_number
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """What an executor's engine is doing: `running`; `restarting` in place after a crash or a
+    freeze (`reason`: the cause); `down`, shut down or for good (`reason`: why)."""
+
+    state: str
+    reason: str = ""
+
+
+def health_of(executor) -> EngineHealth:
+    """`executor.health()`, or for an executor without one (the loop in a thread of this
+    process, the naive baseline) running while its loop lives, else down."""
+    health = getattr(executor, "health", None)
+    if health is not None:
+        return health()
+    if executor.is_alive():
+        return EngineHealth("running")
+    return EngineHealth("down", getattr(executor, "down_reason", "") or "stopped")
 
 
 @dataclass(frozen=True)

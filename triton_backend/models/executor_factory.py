@@ -19,6 +19,7 @@ from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.cpu_budget import available_cores
 from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.executor import ENGINE_ISOLATIONS
+from triton_backend.engine.process.watchdog import DEFAULT_FREEZE_SECONDS
 from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 from triton_backend.models.model_params import ModelParams
 
@@ -42,10 +43,12 @@ def engine_options(params: ModelParams) -> EngineOptions:
 
 
 def create_executor(engine_dir: Path, options: EngineOptions = EngineOptions(), *,
-                    isolation: str = "process", num_threads: int = 0):
+                    isolation: str = "process", num_threads: int = 0,
+                    freeze_seconds: float | None = DEFAULT_FREEZE_SECONDS):
     """The executor of `engine_dir`'s target, built with `options` (see `EngineOptions`: the
     naive baseline serves one request at a time in arrival order and applies neither admission
-    nor aging, nor deadlines)."""
+    nor aging, nor deadlines). `freeze_seconds`: the engine process's watchdog limit (see
+    `process/watchdog.py`; a loop in a thread of this process has no watchdog)."""
     if isolation not in ENGINE_ISOLATIONS:
         raise ValueError(f"engine_isolation must be one of {ENGINE_ISOLATIONS}, got {isolation!r}")
     config = EngineConfig.load(engine_dir)
@@ -54,7 +57,8 @@ def create_executor(engine_dir: Path, options: EngineOptions = EngineOptions(), 
     if isolation == "process":
         from triton_backend.engine.process.executor import ProcessExecutor
 
-        return ProcessExecutor(engine_dir, options, num_threads=num_threads)
+        return ProcessExecutor(engine_dir, options, num_threads=num_threads,
+                               freeze_seconds=freeze_seconds)
     import torch
 
     torch.set_num_threads(num_threads or available_cores())

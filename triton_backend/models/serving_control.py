@@ -2,9 +2,10 @@
 
 Both are `stop` requests (NVIDIA's cancellation convention), so they never reach the engine:
 
-- the health probe (`PROBE_REQUEST_ID`): an empty final response while the model can serve, the
-  `ENGINE_RESTARTING` error while its engine process is being restarted in place (alive, not
-  ready), the `ENGINE_DOWN` error once its engine is down for good;
+- the health probe (`PROBE_REQUEST_ID`): an empty final response while the model can serve,
+  the `ENGINE_RESTARTING` error while its engine process is restarted in place (after a crash or
+  a freeze: alive, not ready; no reload is needed), the `ENGINE_DOWN` error once its engine is
+  down for good;
 - the drain (`drain_request_id(token)`, with the per-launch secret the launcher puts in the
   server's environment, `CONTROL_TOKEN_ENV`, so no client can drain the server by sending a
   known id; without the secret there is no drain request): from then on new requests are

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import triton_python_backend_utils as pb_utils
 
 from triton_backend.engine.admission import ServerBusy
+from triton_backend.engine.process.watchdog import DEFAULT_FREEZE_SECONDS
 from triton_backend.models.executor_factory import create_executor, engine_options
 from triton_backend.models.metrics import ExecutorMetrics, outcome_of
 from triton_backend.models.model_params import ModelParams
@@ -26,9 +27,10 @@ from triton_backend.models.request_converter import (INPUT_NAMES, RequestDefault
                                                      parse_request)
 from triton_backend.models.response_converter import (ERROR_AS_OUTPUT, StreamState,
                                                       build_outputs, coalesce, error_outputs)
-from triton_backend.models.serving_control import (DRAIN_EXPIRED, DRAIN_REFUSED,
-                                                   ENGINE_DOWN, drain_seconds,
-                                                   is_drain_request)
+from triton_backend.engine.supervision import health_of
+from triton_backend.models.serving_control import (DRAIN_EXPIRED, DRAIN_REFUSED, ENGINE_DOWN,
+                                                   ENGINE_RESTARTING, PROBE_REQUEST_ID,
+                                                   drain_seconds, is_drain_request)
 from triton_backend.models.triton_io import FINAL, make_response, read_inputs, send_error
 
 CHECK_SECONDS = 0.1  # how often client cancellations are looked for
@@ -95,7 +97,9 @@ class TensorrtLlmModel:
         self.decoupled = params.decoupled
         self.executor = create_executor(params.path("engine_dir"), engine_options(params),
                                         isolation=params.text("engine_isolation", "process"),
-                                        num_threads=params.integer("engine_num_threads", 0))
+                                        num_threads=params.integer("engine_num_threads", 0),
+                                        freeze_seconds=params.number("engine_freeze_seconds",
+                                                                     DEFAULT_FREEZE_SECONDS))
         config = self.executor.config
         self.limits, self.vocab_size = config.limits, config.model.vocab_size
         self.defaults = RequestDefaults(
@@ -169,9 +173,14 @@ class TensorrtLlmModel:
 
     def _answer_control(self, triton_id: str) -> None:
         """forge serve's health probe and drain (serving_control.py): a stop request fails while
-        the engine is down for good; the drain request starts the drain."""
-        if not self.executor.is_alive():
+        the engine is down for good, the probe also while the engine restarts in place (other
+        stops still cancel: a request held for the new engine ends at once); the drain request
+        starts the drain."""
+        health = health_of(self.executor)
+        if health.state == "down":
             raise RequestError(ENGINE_DOWN.format(reason=self._down_reason()))
+        if health.state == "restarting" and triton_id == PROBE_REQUEST_ID:
+            raise RequestError(ENGINE_RESTARTING.format(reason=health.reason))
         if self.drain_deadline is None and is_drain_request(triton_id):
             self.drain_deadline = time.monotonic() + drain_seconds()
 

@@ -18,6 +18,10 @@ Two tiers, both least recently used first out:
 An adapter held by a request in flight (waiting or running) is never evicted from the host tier;
 the scheduler never runs more than `max_loras` distinct adapters in one step, so `activate` can
 always make room in the resident tier.
+
+Loads run on the engine loop's thread (a request's adapter when the loop admits it, a resident copy
+when a step first needs it), so they advance the engine's progress count between their phases and
+per projection: the watchdog sees a large adapter load as work, not as a frozen engine.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch
 from triton_backend.engine.config import EngineConfig, LoraAdapterInfo
 from triton_backend.engine.lora.layout import check_runtime_state, fuse, parse_key
 from triton_backend.engine.lora.nvidia import contributions_from_nvidia
+from triton_backend.engine.progress import Progress
 
 MAX_TASK_ID = 2**64 - 1  # lora_task_id is a UINT64
 
@@ -62,7 +67,9 @@ class ResidentAdapter:
 
 
 class AdapterCache:
-    def __init__(self, engine_dir: str | Path, config: EngineConfig, dtype: torch.dtype) -> None:
+    def __init__(self, engine_dir: str | Path, config: EngineConfig, dtype: torch.dtype,
+                 progress: Progress | None = None) -> None:
+        """`progress`: the engine's progress count (a new one if None)."""
         if config.lora is None:
             raise ValueError("lora: the engine was built without a lora section")
         self.engine_dir = Path(engine_dir)
@@ -75,6 +82,7 @@ class AdapterCache:
         self.resident: OrderedDict[int, ResidentAdapter] = OrderedDict()
         self.holds: Counter[int] = Counter()
         self.packed_plan = None  # a Bf16GemmPlan: pack resident adapters for its kernel
+        self.progress = progress or Progress()
         self.stats = {"lora_num_loads": 0, "lora_num_evictions": 0,
                       "lora_num_host_loads": 0, "lora_num_host_evictions": 0,
                       "lora_load_seconds": 0.0}
@@ -116,8 +124,10 @@ class AdapterCache:
             raise ValueError(f"lora_task_id {task_id} names the built-in adapter "
                              f"{self.builtin[task_id].name!r}; send new weights under another id")
         weights, config = np.asarray(weights), np.asarray(config)
+        self.progress.tick()
         digest = hashlib.sha256(weights.astype(np.float32).tobytes()
                                 + config.astype(np.int64).tobytes()).hexdigest()
+        self.progress.tick()
         cached = self.host.get(task_id)
         if cached is not None and cached.fingerprint == digest:
             self.host.move_to_end(task_id)
@@ -128,7 +138,9 @@ class AdapterCache:
         started = time.perf_counter()
         contributions = contributions_from_nvidia(weights, config, self.shape,
                                                   self.limits.max_rank, task_id)
+        self.progress.tick()
         state = fuse(contributions, self.shape, self.storage_dtype)
+        self.progress.tick()
         self.stats["lora_load_seconds"] += time.perf_counter() - started
         self._drop(task_id)
         return self._insert_host(HostAdapter(task_id, f"task-{task_id}", state, digest, False))
@@ -138,6 +150,7 @@ class AdapterCache:
 
         started = time.perf_counter()
         state = load_file(str(self.engine_dir / info.file))
+        self.progress.tick()
         check_runtime_state(f"lora.adapters.{info.name}", state, self.shape)
         self.stats["lora_load_seconds"] += time.perf_counter() - started
         return HostAdapter(info.task_id, info.name, state, info.sha256, True)
@@ -183,6 +196,7 @@ class AdapterCache:
         state = self.host[task_id].state
         pairs, packed, stored = {}, {}, {}
         for key in state:
+            self.progress.tick()
             if key.endswith(".lora_a"):
                 a, b = state[key], state[f"{key[:-len('.lora_a')]}.lora_b"]
                 pairs[parse_key(key)] = (a.float().t().contiguous(), b.float().t().contiguous())

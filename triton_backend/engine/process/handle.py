@@ -127,6 +127,11 @@ class EngineHandle:
         except subprocess.TimeoutExpired:
             return None
 
+    def kill(self) -> None:
+        """SIGKILL: ends the process even when it is stopped (SIGSTOP) or ignores SIGTERM."""
+        if self.process.poll() is None:
+            self.process.kill()
+
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.poll() is None:
             self.process.terminate()

@@ -8,12 +8,16 @@ nothing else; two small threads move messages (they never run torch ops):
 
 - the reader turns messages from the client into executor verbs (enqueue, cancel, shutdown) and
   shuts the executor down when the client goes away (end of file: the client process died);
-- the sender forwards every response as soon as the loop publishes it, with the counters.
+- the sender forwards every response as soon as the loop publishes it, with the counters and
+  the loop's progress count (`engine/progress.py`); with nothing new to send it still sends a
+  heartbeat every `HEARTBEAT_SECONDS`. The client's watchdog reads the count: a stopped process
+  sends nothing, a deadlocked or endlessly looping main thread a count that stands still.
 
 Messages are pickled tuples, `(kind, ...)`:
 client -> engine: ("enqueue", request_id, Request), ("cancel", request_id), ("shutdown",)
 engine -> client: ("ready", info), ("error", message) at start-up, ("responses", [Response],
-stats), and ("closed",) once every final response has been sent.
+stats, progress) (progress: the count, None for an executor without one: the naive baseline),
+and ("closed",) once every final response has been sent.
 
     python -m triton_backend.engine.process.main --engine-dir DIR --fd N [--num-threads N] \
         [--options JSON]
@@ -25,6 +29,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -34,6 +39,7 @@ from triton_backend.engine.request import FinishReason, Response
 
 log = logging.getLogger("llm_forge.engine_process")
 SEND_POLL_SECONDS = 0.05  # how often idle counters are refreshed for the client's metrics
+HEARTBEAT_SECONDS = 0.25  # the longest the client goes without a message from a live engine
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -86,7 +92,8 @@ def _read_requests(channel: _Channel, executor) -> None:
                     executor.enqueue_request(request, request_id=request_id)
                 except (ValueError, RuntimeError) as exc:  # checked by the client; still final
                     channel.send(("responses", [Response(request_id, [], True, FinishReason.ERROR,
-                                                         error=str(exc))], executor.get_stats()))
+                                                         error=str(exc))], executor.get_stats(),
+                                  _progress_of(executor)))
             elif kind == "cancel":
                 executor.cancel_request(message[1])
             elif kind == "shutdown":
@@ -96,15 +103,21 @@ def _read_requests(channel: _Channel, executor) -> None:
     executor.shutdown(timeout=0)
 
 
+def _progress_of(executor) -> int | None:
+    progress = getattr(executor, "progress", None)
+    return None if progress is None else progress.count
+
+
 def _send_responses(channel: _Channel, executor) -> None:
-    last_stats = None
+    last_stats, last_sent = None, 0.0
     while True:
         responses = executor.await_responses(timeout=SEND_POLL_SECONDS)
         stats = executor.get_stats()
-        if responses or stats != last_stats:
-            if not channel.send(("responses", responses, stats)):
+        now = time.monotonic()
+        if responses or stats != last_stats or now - last_sent >= HEARTBEAT_SECONDS:
+            if not channel.send(("responses", responses, stats, _progress_of(executor))):
                 return
-            last_stats = stats
+            last_stats, last_sent = stats, now
         if not responses and not executor.is_alive():
             return  # the loop has ended and its last responses are out
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.progress import Progress
 from triton_backend.engine.request import Request
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from triton_backend.engine.sequence import Sequence
@@ -41,7 +42,8 @@ def load_draft_config(engine_dir: Path, config: EngineConfig) -> tuple[Path, Eng
 
 
 class DraftModelProposer:
-    def __init__(self, engine_dir: Path, config: EngineConfig, device: str = "cpu") -> None:
+    def __init__(self, engine_dir: Path, config: EngineConfig, device: str = "cpu",
+                 progress: Progress | None = None) -> None:
         import torch
 
         from triton_backend.engine.llm_engine import resolve_num_blocks
@@ -51,7 +53,7 @@ class DraftModelProposer:
         draft_dir, draft = load_draft_config(engine_dir, config)
         # As many tokens as the target's own pool could hold (its limits), in the draft's blocks.
         num_blocks = resolve_num_blocks(draft, runtime_dtype(draft, torch.device(device)))
-        self.runner = ModelRunner(draft_dir, draft, num_blocks, device)
+        self.runner = ModelRunner(draft_dir, draft, num_blocks, device, progress=progress)
         self.block_manager = BlockManager(num_blocks, draft.kv_cache.tokens_per_block)
         self.mirrors: dict[int, Sequence] = {}
 
