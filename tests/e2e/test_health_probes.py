@@ -250,17 +250,26 @@ def _engine_pid(metrics_port: int) -> int | None:
 
 
 @pytest.mark.slow
-def test_an_engine_down_for_good_with_no_reloads_left_fails_readiness_and_liveness(forge_serve):
+def test_a_frozen_engine_restarts_in_place_and_fails_liveness_only_when_it_cannot(forge_serve):
+    """SIGSTOP is a frozen engine: the watchdog kills it within its freeze limit and starts a new
+    one in place; meanwhile the pod is not ready but alive. The engine's crash-loop limit (the
+    4th death within 300 s is the last) with no reloads left is recovery failing: liveness 503."""
     serve = forge_serve("--max-reloads", "0")
     serve.wait_serving()
-    # The engine's crash-loop limit: the 4th death of a ready engine within 300 s is the last.
     killed: list[int] = []
-    for _ in range(4):
+    for death in range(4):
         assert poll(lambda: _engine_pid(serve.ports["metrics"]) not in (None, *killed), 120), \
+            serve.text()
+        assert poll(lambda: probe(serve.health, READINESS_PATH) == (200, "ready"), 60), \
             serve.text()
         killed.append(_engine_pid(serve.ports["metrics"]))
         assert probe(serve.health, LIVENESS_PATH) == (200, "live")
-        os.kill(killed[-1], signal.SIGKILL)
+        frozen = death in (0, 3)
+        os.kill(killed[-1], signal.SIGSTOP if frozen else signal.SIGKILL)
+        if death == 0:  # restarting in place: not ready, alive, then ready again
+            assert poll(lambda: probe(serve.health, READINESS_PATH) == (503, "restarting"), 30), \
+                serve.text()
+            assert probe(serve.health, LIVENESS_PATH) == (200, "live")
     assert poll(lambda: probe(serve.health, LIVENESS_PATH)[0] == 503, 60), serve.text()
     assert probe(serve.health, LIVENESS_PATH) == (503, "gave_up")
     assert probe(serve.health, READINESS_PATH) == (503, "gave_up")
@@ -268,4 +277,5 @@ def test_an_engine_down_for_good_with_no_reloads_left_fails_readiness_and_livene
     # the health state turns first; the report follows the stand-in model's load
     assert poll(lambda: "forge serve stopped reloading tensorrt_llm" in serve.text(), 60), \
         serve.text()
+    assert "made no progress for" in serve.text()
     assert "tensorrt_llm: the engine is down" in serve.text()

@@ -23,7 +23,8 @@ from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.faults import FAULT_FILE_ENV, inject
 from triton_backend.engine.kernels import ENV_SWITCH
 from triton_backend.engine.process.executor import ProcessExecutor
-from triton_backend.engine.process.watchdog import (MIN_FREEZE_SECONDS, ProgressWatch,
+from triton_backend.engine.process.watchdog import (MIN_FREEZE_SECONDS, ProgressWatch, Watchdog,
+                                                    run_queue_seconds,
                                                     check_freeze_seconds)
 from triton_backend.engine.supervision import EngineHealth, RestartPolicy, health_of
 
@@ -254,6 +255,31 @@ def test_progress_watch_and_its_limit():
     for bad in (0, 0.5, -1, float("nan"), "5", True):
         with pytest.raises(ValueError, match="engine_freeze_seconds must be a number >= 1"):
             check_freeze_seconds(bad)
+
+
+def test_time_spent_waiting_for_a_cpu_is_no_freeze():
+    """The watchdog on a real clock: a stall whose engine waits for a CPU as long as it stalls
+    (an overloaded machine) never fires; the same stall with no run-queue time (stopped,
+    deadlocked) fires after the limit."""
+    def fires(starved) -> float | None:
+        watch, fired = ProgressWatch(), []
+        watch.arm()
+        dog = Watchdog(watch, 1.0, fired.append, starved=starved)
+        start = time.monotonic()
+        dog.start()
+        try:
+            while not fired and time.monotonic() - start < 3.0:
+                time.sleep(0.05)
+        finally:
+            dog.stop()
+        return fired[0] if fired else None
+
+    assert fires(time.monotonic) is None  # starved for every second of the stall
+    stalled = fires(lambda: 0.0)
+    assert stalled is not None and 1.0 <= stalled < 2.0
+    assert fires(lambda: None) is not None  # unknown run-queue time: every second counts
+    assert run_queue_seconds(os.getpid()) >= 0.0  # this Linux reports it
+    assert run_queue_seconds(2 ** 22 + 1) is None  # no such process
 
 
 def test_executors_without_a_health_verb_are_running_or_down():

@@ -27,7 +27,8 @@ from triton_backend.engine.cpu_budget import available_cores
 from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.handle import EngineHandle, EngineLaunch, EngineProcessError
 from triton_backend.engine.process.watchdog import (DEFAULT_FREEZE_SECONDS, ProgressWatch,
-                                                    Watchdog, check_freeze_seconds, freeze_cause)
+                                                    Watchdog, check_freeze_seconds, freeze_cause,
+                                                    run_queue_seconds)
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.response_queue import ResponseQueue
 from triton_backend.engine.supervision import CrashLoop, EngineHealth, RestartPolicy
@@ -73,7 +74,8 @@ class ProcessExecutor:
         self._tokens_per_block = self.info["tokens_per_block"]
         self._stats = dict(self.info["stats"])
         self._watchdog = (None if self._freeze_seconds is None else
-                          Watchdog(self._watch, self._freeze_seconds, self._on_freeze))
+                          Watchdog(self._watch, self._freeze_seconds, self._on_freeze,
+                                   starved=lambda: run_queue_seconds(self._handle.pid)))
         self._reader = threading.Thread(target=self._supervise, name="engine-client",
                                         daemon=True)
         self._reader.start()

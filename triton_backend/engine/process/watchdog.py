@@ -8,8 +8,12 @@ without a count (the naive baseline) sends None: there any message counts as pro
 silent process is caught.
 
 `Watchdog` is the thread that asks, every `CHECK_SECONDS`, whether the watched engine has made
-no progress for `freeze_seconds`, and then calls `on_freeze(seconds)`: `ProcessExecutor` disarms
-the watch and kills the engine there, and its restart path ends the requests in flight and
+no progress for `freeze_seconds`, not counting the time it waited for a CPU, and then calls
+`on_freeze(seconds)`. A machine loaded past its cores (a noisy neighbour, a CFS quota spent)
+delays a step by the time its threads sit in the run queue, which Linux counts per thread
+(`/proc/<pid>/task/<tid>/schedstat`): that time is no freeze. A stopped process, a deadlocked
+thread or one looping in a kernel waits for no CPU, so its stall counts in full.
+`ProcessExecutor` disarms the watch and kills the engine there, and its restart path ends the requests in flight and
 starts a new one, re-arming the watch once that one is ready (starting an engine is no step: its
 own start-up timeout bounds it). So one freeze is acted on once.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from triton_backend.engine.numbers import is_number
@@ -28,6 +33,25 @@ DEFAULT_FREEZE_SECONDS = 5.0
 # Several heartbeats: a message delayed on a loaded machine is no freeze.
 MIN_FREEZE_SECONDS = 1.0
 CHECK_SECONDS = 0.1
+# A stall is measured against the run-queue time from this long into it (shorter ones are steps).
+STARVATION_FROM_SECONDS = 0.5
+
+
+def run_queue_seconds(pid: int) -> float | None:
+    """The most time any thread of process `pid` has spent waiting for a CPU, in all (the
+    second field of each thread's schedstat, in ns); None where Linux does not say."""
+    longest = None
+    try:
+        tasks = list((Path("/proc") / str(pid) / "task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            waited = int((task / "schedstat").read_text().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+        longest = waited if longest is None else max(longest, waited)
+    return longest
 
 
 def check_freeze_seconds(value: float | None) -> float | None:
@@ -85,9 +109,14 @@ class ProgressWatch:
 
 
 class Watchdog:
+    """`starved()`: the watched engine's run-queue seconds so far (`run_queue_seconds`), None when
+    unknown (then every second of a stall counts)."""
+
     def __init__(self, watch: ProgressWatch, freeze_seconds: float,
-                 on_freeze: Callable[[float], None]) -> None:
+                 on_freeze: Callable[[float], None],
+                 starved: Callable[[], float | None] = lambda: None) -> None:
         self.watch, self.freeze_seconds, self.on_freeze = watch, freeze_seconds, on_freeze
+        self.starved = starved
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
 
@@ -98,7 +127,16 @@ class Watchdog:
         self._stop.set()
 
     def _run(self) -> None:
+        baseline = None  # run-queue seconds early in the current stall
         while not self._stop.wait(CHECK_SECONDS):
             stalled = self.watch.stalled_seconds()
-            if stalled is not None and stalled >= self.freeze_seconds:
+            if stalled is None or stalled < STARVATION_FROM_SECONDS:
+                baseline = None
+                continue
+            starved = self.starved()
+            if baseline is None:
+                baseline = starved
+            waited = starved - baseline if starved is not None and baseline is not None else 0.0
+            if stalled - waited >= self.freeze_seconds:
                 self.on_freeze(stalled)  # which disarms the watch, or finds it re-armed
+                baseline = None
