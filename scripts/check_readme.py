@@ -176,9 +176,18 @@ class Result:
         return self.status in ("ok", "skipped")
 
 
+class Results(list):
+    """The results so far, each printed as it comes (a long run shows where it is)."""
+
+    def append(self, result: Result) -> None:
+        code = "-" if result.exit_code is None else result.exit_code
+        print(f"[check]   -> exit {code}, {result.seconds:.1f} s: {result.status[:200]}", flush=True)
+        super().append(result)
+
+
 def run_blocks(blocks: list[Block], cwd: Path, env: dict[str, str], python: str,
                with_: set[str]) -> list[Result]:
-    results: list[Result] = []
+    results = Results()
     server: Server | None = None
     try:
         for block in blocks:
