@@ -112,10 +112,8 @@ def train(out_dir: Path, steps: int, seed: int) -> None:
                                             layers_to_transform=list(range(first, num_layers)),
                                             task_type="CAUSAL_LM"))
     examples = [_example(tokenizer, q, styled(a)) for q, a in PAIRS]
-    with torch.no_grad():  # adapter weights start at zero: these are the base model's states
-        states = [base(input_ids=torch.tensor([ids]), output_hidden_states=True)
-                  .hidden_states[first][0] for ids, _ in examples]
     decoder = base.model
+    states = _inputs_of_layer(decoder, first, [ids for ids, _ in examples])
     all_layers = decoder.layers
     decoder.layers = torch.nn.ModuleList(list(all_layers)[first:])  # the same (adapted) modules
     params = [p for p in model.parameters() if p.requires_grad]
@@ -136,7 +134,32 @@ def train(out_dir: Path, steps: int, seed: int) -> None:
         decoder.layers = all_layers
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
-    log(f"adapter written to {out_dir.relative_to(ROOT)}")
+    log(f"adapter written to {out_dir}")
+
+
+class _Captured(Exception):
+    pass
+
+
+def _inputs_of_layer(decoder, layer: int, prompts: list[list[int]]) -> list:
+    """Each sequence's hidden states entering `layer` (the base model's: peft starts B at zero),
+    from one right-padded batch that stops there (causal attention: padding changes nothing)."""
+    import torch
+
+    def stop(module, args, kwargs):
+        raise _Captured(args[0] if args else kwargs["hidden_states"])
+
+    width = max(len(ids) for ids in prompts)
+    batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in prompts])
+    handle = decoder.layers[layer].register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            decoder(input_ids=batch)
+    except _Captured as captured:
+        hidden = captured.args[0]
+    finally:
+        handle.remove()
+    return [hidden[i, :len(ids)] for i, ids in enumerate(prompts)]
 
 
 def _loss(base, states: list, examples: list[tuple[list[int], list[int]]]):

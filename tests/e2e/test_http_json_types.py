@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory):
     engine_dir = build_tiny_engine(tmp_path_factory.mktemp("http-types"))
     repo = emit_repository(engine_dir, engine_dir.parent.parent / "repo", RepositoryOptions())
-    with running_tritonserver(repo) as running:
+    with running_tritonserver(repo, ready_timeout=600) as running:  # a busy host loads slowly
         yield running
 
 
