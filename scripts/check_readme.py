@@ -228,12 +228,23 @@ def _run(command: str, block: Block, cwd: Path, env: dict[str, str], stdin: str 
                       time.monotonic() - start)
     seconds = time.monotonic() - start
     output = done.stdout + done.stderr
+    _keep_log(block.line, output)
     if done.returncode != 0:
         tail = " | ".join(output.strip().splitlines()[-3:])
         return Result(block.line, shown, f"FAILED: {tail}", done.returncode, seconds)
     missing = missing_output(expected or [], output)
     status = "ok" if not missing else f"output differs: no {missing[0]!r} in {output.strip()[:300]!r}"
     return Result(block.line, shown, status, 0, seconds)
+
+
+LOGS: list[Path] = []  # the directory the full outputs go to, set by main
+
+
+def _keep_log(line: int, output: str) -> None:
+    """A command's whole output, beside the report's last lines of it."""
+    if LOGS:
+        path = LOGS[0] / f"line-{line:04d}-{len(list(LOGS[0].iterdir())):02d}.log"
+        path.write_text(output)
 
 
 def _start_server(block: Block, cwd: Path, env: dict[str, str]) -> tuple[Server, Result]:
@@ -257,6 +268,8 @@ def _start_server(block: Block, cwd: Path, env: dict[str, str]) -> tuple[Server,
 def _stopped(server: Server, line: int) -> Result:
     start = time.monotonic()
     code = server.stop()
+    server.wait_for("\0", 5.0)  # collects what it printed while stopping
+    _keep_log(line, "".join(server.output))
     # forge serve exits 0 after Ctrl-C and its drain; make reports an interrupted recipe as 2.
     status = "ok" if code in (0, 2, -signal.SIGINT) else f"FAILED: exit {code} on Ctrl-C"
     return Result(line, "Ctrl-C to the server", status, code, time.monotonic() - start)
@@ -293,6 +306,8 @@ def main() -> int:
             print(block.line, block.kind, block.options,
                   [c.text for c in block.commands] or block.body.splitlines()[:1])
         return 0
+    LOGS.append(Path(tempfile.mkdtemp(prefix="readme-check-logs-")))
+    print(f"[check] every command's output: {LOGS[0]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="readme-check-") as tmp:
         cwd = ROOT if args.here else fresh_clone(Path(tmp))
         env = dict(os.environ, PYTHONPATH=str(cwd))
