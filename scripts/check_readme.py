@@ -196,6 +196,8 @@ def run_blocks(blocks: list[Block], cwd: Path, env: dict[str, str], python: str,
                     results.append(_stopped(server, block.line))
                 server, result = _start_server(block, cwd, env)
                 results.append(result)
+                if server.process.poll() is not None:  # it never came up: nothing to stop
+                    server = None
             elif block.kind == "python":
                 results.append(_run(f"{python} -", block, cwd, env, stdin=block.body))
             elif block.kind == "run":
