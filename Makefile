@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_OUT ?= bench/latest
 BENCH_ARGS ?=
 
-.PHONY: setup engine serve demo test bench bench-vllm lint
+.PHONY: setup engine serve demo test bench bench-vllm lint lora-demo
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +28,12 @@ serve: setup $(REPO)/ensemble/config.pbtxt
 demo: setup $(REPO)/ensemble/config.pbtxt
 	$(FORGE) serve --repository $(REPO) --http-port 0 --grpc-port 0 --metrics-port 0 --health-port 0 \
 		--demo-prompt "$(PROMPT)" --demo-max-tokens 64
+
+# A LoRA adapter trained here (PEFT, a few dozen examples) and served beside the base model:
+# prints both answers to one question. Offline; writes adapters/pirate, engines/ and
+# model_repository/smollm2-135m-lora.
+lora-demo: setup
+	$(PY) scripts/lora_demo.py $(LORA_DEMO_ARGS)
 
 # After the suite, the tests whose results go through the kernels run again as an AVX2-only
 # CPU would run them: the kernels built for x86-64-v3 (no AVX-512) and the widening GEMM forced.

@@ -15,7 +15,7 @@ import numpy as np
 
 from builder.grpc_stream import GrpcStream, StreamError, infer_inputs
 
-# The ensemble / BLS inputs and their numpy dtypes (the contract table in README.md).
+# The ensemble / BLS inputs and their numpy dtypes (the contract table in docs/triton-contract.md).
 INPUT_DTYPES = {
     "text_input": np.object_, "max_tokens": np.int32, "bad_words": np.object_,
     "stop_words": np.object_, "exclude_input_in_output": np.bool_, "end_id": np.int32,

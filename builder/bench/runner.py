@@ -1,7 +1,8 @@
 """A whole benchmark: every concurrency level against one server, or two servers alternating.
 
 With two targets each level runs on A then B (the order flips every level, so neither server
-always enjoys a freshly idle machine), on the same requests. Results are plain dicts, ready for
+always enjoys a freshly idle machine), on the same requests; each level and the warm-up send
+prompts of their own (`Workload.items_for`). Results are plain dicts, ready for
 `results.json`.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from builder.bench.loadgen import LevelPlan, LevelRun, run_level
 from builder.bench.records import RequestRecord
 from builder.bench.server_stats import level_delta, scrape
 from builder.bench.stats import summarize
-from builder.bench.workloads import Workload
+from builder.bench.workloads import WorkItem, Workload
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class BenchSettings:
 
 
 STATS_SETTLE_S = 0.5  # > the repository's stats_period_ms (100 ms by default)
+WARMUP_ROUND = "warmup"
 ProgressFactory = Callable[[str, int | None], Callable[[RequestRecord], None]]
 
 
@@ -83,13 +85,14 @@ def _warmup(target: Target, inputs: ModelInputs, workload: Workload, settings: B
     client = make_client(target.protocol, target.url, target.model, inputs,
                          settings.fixed_output, settings.timeout_s)
     try:
+        items = workload.items_for(WARMUP_ROUND)
         for i in range(settings.warmup):
-            client.send(workload.items[i % len(workload.items)], -1 - i, time.perf_counter())
+            client.send(items[i % len(items)], -1 - i, time.perf_counter())
     finally:
         client.close()
 
 
-def _run_one(target: Target, inputs: ModelInputs, workload: Workload, plan: LevelPlan,
+def _run_one(target: Target, inputs: ModelInputs, items: list[WorkItem], plan: LevelPlan,
              settings: BenchSettings, tokenizer: Any | None, progress: ProgressFactory | None
              ) -> dict[str, Any]:
     clients = [make_client(target.protocol, target.url, target.model, inputs,
@@ -98,7 +101,7 @@ def _run_one(target: Target, inputs: ModelInputs, workload: Workload, plan: Leve
     on_done = progress(f"{target.label} c={plan.concurrency}", plan.num_requests) if progress else None
     before = scrape(target.metrics_url) if target.metrics_url else None
     try:
-        run: LevelRun = run_level(clients, workload.items, plan, on_done)
+        run: LevelRun = run_level(clients, items, plan, on_done)
     finally:
         for client in clients:
             client.close()
@@ -132,8 +135,9 @@ def run_bench(targets: list[Target], workload: Workload, settings: BenchSettings
     levels = {t["label"]: t["levels"] for t in result["targets"]}
     for n, concurrency in enumerate(settings.concurrencies):
         order = targets if n % 2 == 0 else list(reversed(targets))
+        items = workload.items_for(None if n == 0 else f"level{n}")  # the same on both targets
         for target in order:
-            levels[target.label].append(_run_one(target, inputs[target.label], workload,
+            levels[target.label].append(_run_one(target, inputs[target.label], items,
                                                  settings.plan(concurrency), settings,
                                                  tokenizer, progress))
             if len(targets) == 2:

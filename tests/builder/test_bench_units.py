@@ -286,3 +286,49 @@ nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm
     assert server_counters({}) == "- / - / -"
     assert metrics_url("localhost:8002") == "http://localhost:8002/metrics"
     assert metrics_url("http://h:1/metrics") == "http://h:1/metrics"
+
+
+# -- prompts per level -----------------------------------------------------------------------
+def test_each_level_and_the_warmup_draw_prompts_of_their_own(tokenizer, tmp_path):
+    wl = build_workload("chat", 6, seed=1, scale=0.1, tokenizer=tokenizer)
+    first, later, warmup = wl.items_for(None), wl.items_for("level1"), wl.items_for("warmup")
+    assert first == wl.items
+    assert later == wl.items_for("level1")  # seeded: the same on both servers and on reruns
+    prompts = [{i.prompt for i in items} for items in (first, later, warmup)]
+    assert not prompts[0] & prompts[1] and not prompts[0] & prompts[2]
+    assert not prompts[1] & prompts[2]
+    assert wl.describe()["prompts_per_level"] == "distinct"
+    # voicebot's shared system prompt is what it measures: it stays shared across levels.
+    vb = build_workload("voicebot", 2, scale=0.05, tokenizer=tokenizer)
+    systems = {i.prompt.split("\nCaller:")[0] for r in (None, "level1") for i in vb.items_for(r)}
+    assert len(systems) == 1
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    own = build_workload(str(path), 1)
+    assert own.items_for("level1") == own.items
+    assert own.describe()["prompts_per_level"] == "the same at every level"
+
+
+def test_run_bench_sends_each_level_its_own_prompts(monkeypatch, tokenizer):
+    from builder.bench import runner
+
+    sent: list[tuple[int, str]] = []
+
+    class Inputs:
+        def accepts(self, name):
+            return True
+
+    class Recorder(FakeClient):
+        def send(self, item, index, level_start):
+            sent.append((index, item.prompt))
+            return super().send(item, index, level_start)
+
+    monkeypatch.setattr(runner, "fetch_model_inputs", lambda *a: Inputs())
+    monkeypatch.setattr(runner, "make_client", lambda *a: Recorder())
+    wl = build_workload("chat", 4, scale=0.1, tokenizer=tokenizer)
+    settings = BenchSettings((1, 2), requests="4", warmup=1)
+    runner.run_bench([runner.Target("a", "h:1"), runner.Target("b", "h:2")], wl, settings)
+    warmup = {p for i, p in sent if i < 0}
+    levels = [{p for i, p in sent[n:n + 8] if i >= 0} for n in (2, 10)]  # after both warm-ups
+    assert len(warmup) == 1 and all(len(level) == 4 for level in levels)  # both targets alike
+    assert not levels[0] & levels[1] and not warmup & (levels[0] | levels[1])

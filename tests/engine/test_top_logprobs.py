@@ -92,3 +92,20 @@ def test_top_log_probs_out_of_range_is_refused(tiny_engines, value):
     with pytest.raises(ValueError, match=rf"top_log_probs must be an integer in \[0, 20\], "
                                          rf"got {value}"):
         engine.validate(Request([3, 4], 4, top_log_probs=value))
+
+
+def test_cumulative_log_prob_follows_return_log_probs(tiny_engines):
+    # NVIDIA's outputs: with return_log_probs both log-prob outputs are real, without it both
+    # are zero (a cumulative figure beside per-token zeros would contradict itself).
+    engine = LLMEngine(tiny_engines("llama_gqa"))
+    asked = engine.add_request(Request([5, 9, 14], 6, return_log_probs=True))
+    silent = engine.add_request(Request([5, 9, 14], 6, streaming=True))
+    finals, per_token = {}, {asked: [], silent: []}
+    while engine.has_work():
+        for response in engine.step():
+            per_token[response.request_id].extend(response.log_probs)
+            if response.is_final:
+                finals[response.request_id] = response.cum_log_prob
+    assert len(per_token[asked]) == 6 and finals[asked] < 0
+    assert finals[asked] == pytest.approx(sum(per_token[asked]))
+    assert per_token[silent] == [] and finals[silent] == 0.0

@@ -296,7 +296,10 @@ class LLMEngine:
             finish_reason=seq.finish_reason if final else None,
             log_probs=seq.log_probs[start:] if seq.request.return_log_probs else [],
             top_ids=seq.top_ids[start:], top_log_probs=seq.top_log_probs[start:],
-            cum_log_prob=sum(seq.log_probs), num_input_tokens=seq.num_prompt_tokens,
+            # Both log-prob outputs follow return_log_probs, as TensorRT-LLM's do: a cumulative
+            # figure beside per-token zeros read as if the tokens were certain.
+            cum_log_prob=sum(seq.log_probs) if seq.request.return_log_probs else 0.0,
+            num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(generated), num_reused_blocks=seq.num_reused_blocks,
             num_new_blocks=seq.num_new_blocks, num_draft_tokens=seq.num_draft_tokens,
             num_accepted_draft_tokens=seq.num_accepted_tokens,

@@ -174,7 +174,8 @@ class NaiveExecutor(LoopMailbox):
                 self._publish(Response(
                     request_id, [token], False,
                     log_probs=[log_prob] if request.return_log_probs else [],
-                    cum_log_prob=sum(log_probs), num_input_tokens=prompt_len,
+                    cum_log_prob=sum(log_probs) if request.return_log_probs else 0.0,
+                    num_input_tokens=prompt_len,
                     num_output_tokens=len(log_probs)))
 
         recorder = gen.LogProbRecorder()
@@ -203,5 +204,6 @@ class NaiveExecutor(LoopMailbox):
             self._push(Response(
                 request_id, [] if request.streaming else tokens, True, reason,
                 log_probs=[] if request.streaming or not request.return_log_probs else log_probs,
-                cum_log_prob=sum(log_probs), num_input_tokens=prompt_len,
+                cum_log_prob=sum(log_probs) if request.return_log_probs else 0.0,
+                num_input_tokens=prompt_len,
                 num_output_tokens=len(tokens)))
