@@ -228,8 +228,9 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
         report.mode = "quick"
         report.scope = {"windows": f"{len(windows)} of {full.windows}",
                         "greedy_prompts": f"{min(thresholds.prompts, len(windows))} of "
-                                          f"{full.prompts}",
-                        "task_items": f"{len(task_items)} of {len(TASK_ITEMS)}"}
+                                          f"{full.prompts}"}
+        if task:  # no chat template, no task check
+            report.scope["task_items"] = f"{len(task_items)} of {len(TASK_ITEMS)}"
     report.failures = _check(report, thresholds)
     return report
 

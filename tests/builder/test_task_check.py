@@ -165,3 +165,14 @@ def test_a_quick_gate_says_so_in_its_table_verdict_and_report(tmp_path, monkeypa
     with pytest.raises(QualityGateError, match=r"0\.9 \(QUICK: a fraction of the gate"):
         quality.run_quality_gate(tmp_path, tmp_path, QualityThresholds(quick=True),
                                  echo=said.append)
+
+
+def test_quick_gate_flag_sets_the_spec_key_and_is_refused_where_no_gate_runs():
+    from builder.cli_engine import quick_gate_spec
+    from builder.spec import SpecError
+
+    data = {"quantization": {"weights": "int4_rtn", "quality": {"min_task_retention": 0.8}}}
+    quick_gate_spec(data)
+    assert data["quantization"]["quality"] == {"min_task_retention": 0.8, "quick": True}
+    with pytest.raises(SpecError, match="--quick-gate: this build has no quality gate"):
+        quick_gate_spec({"quantization": {"weights": "none"}})
