@@ -288,7 +288,8 @@ def changed_answers_lines(report: QualityReport) -> list[str]:
              f"(of {asked} questions)"]
     for item in changed:
         tag = item["change"] + (", must keep" if item["must_keep"] else "")
-        lines += [f"  [{tag}] {item['question']}",
+        # No square brackets: the build's console (rich) would read them as markup.
+        lines += [f"  {tag}: {item['question']}",
                   f"      reference: {_short(item['reference_reply'], 70)}",
                   f"      engine:    {_short(item['engine_reply'], 70)}"]
     return lines

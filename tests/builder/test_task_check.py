@@ -114,10 +114,10 @@ def test_the_report_prints_the_changed_answers_lost_ones_first():
     table = format_table(_gated(task), QualityThresholds())
     lines = table.splitlines()
     start = lines.index("answers changed vs the reference: 1 lost, 1 gained (of 46 questions)")
-    assert lines[start + 1] == "  [lost, must keep] What is the capital of France?"
+    assert lines[start + 1] == "  lost, must keep: What is the capital of France?"
     assert lines[start + 2].split() == ["reference:", "Paris"]
     assert lines[start + 3].split() == ["engine:", "nonsense"]
-    assert lines[start + 4] == f"  [gained] {TASK_ITEMS[3].question}"
+    assert lines[start + 4] == f"  gained: {TASK_ITEMS[3].question}"
     unchanged = format_table(_gated(_task({0, 1}, {0, 1})), QualityThresholds())
     assert "answers changed vs the reference: none of 46 questions" in unchanged
 
