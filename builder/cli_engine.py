@@ -38,11 +38,14 @@ EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
 @click.option("--no-repository", is_flag=True, help="Build the engine only.")
 @click.option("--dry-run", is_flag=True, help="Print the trtllm-build command; build nothing.")
 @click.option("--force", is_flag=True, help="Rebuild even when the engine is up to date.")
+@click.option("--quick-gate", is_flag=True,
+              help="Run a quick quality gate (a fraction of its text and questions, reported as "
+                   "such; sets quantization.quality.quick, so a build without it rebuilds).")
 @click.option("--check", "check_only", is_flag=True,
               help="Exit 0 if the engine is up to date, 4 (with the reason) if it needs a rebuild.")
 def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware, tp, pp,
                    quantization, kv_cache_quantization, group_size, lm_head, repository_dir,
-                   no_repository, dry_run, force, check_only) -> None:
+                   no_repository, dry_run, force, quick_gate, check_only) -> None:
     """Build an engine from a spec; command-line flags override the spec.
 
     An engine whose build key (spec, checkpoint files, quantization data, toolchain, llm-forge
@@ -59,6 +62,8 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
                 "parallelism": {"tp": tp, "pp": pp}}
     with cli_errors():
         data, source = spec_data(spec_path, overrides, sections)
+        if quick_gate:
+            quick_gate_spec(data)
         engine_dir = Path(data["output"]) if data.get("output") else Path("engines") / str(data["name"])
         if dry_run:
             from builder.engine_builder import trtllm_command
@@ -96,6 +101,20 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
         engine_dir = build_engine(spec, emit_repository=not no_repository,
                                   repository_dir=repository, build_key=key)
         click.echo(f"engine: {engine_dir}")
+
+
+def quick_gate_spec(data: dict) -> None:
+    """`--quick-gate`: quantization.quality.quick = true, refused where no gate runs (an
+    unquantized build checks its logits instead)."""
+    from builder.spec import SpecError
+
+    quantization = dict(data.get("quantization") or {})
+    if (quantization.get("weights", "none") == "none" and quantization.get("kv_cache", "none")
+            == "none" and quantization.get("lm_head", "none") == "none"):
+        raise SpecError("--quick-gate: this build has no quality gate (quantization.weights, "
+                        "kv_cache and lm_head are none)")
+    quantization["quality"] = {**(quantization.get("quality") or {}), "quick": True}
+    data["quantization"] = quantization
 
 
 def spec_data(spec_path, overrides: dict, sections: dict) -> tuple[dict, Path | None]:

@@ -26,11 +26,14 @@ def reference_checkpoint(engine_dir: Path, reference: str | None) -> Path:
 
 
 def previous_thresholds(engine_dir: Path) -> dict:
-    """The thresholds the build gated with (from its quality.json), so a re-check is like for like."""
+    """The thresholds the build gated with (from its quality.json), so a re-check is like for
+    like; except a quick build gate's `quick`: a re-check runs the full gate unless told not to."""
     from builder.quality import QUALITY_FILE
 
     path = engine_dir / QUALITY_FILE
-    return dict(json.loads(path.read_text()).get("thresholds", {})) if path.is_file() else {}
+    section = dict(json.loads(path.read_text()).get("thresholds", {})) if path.is_file() else {}
+    section.pop("quick", None)
+    return section
 
 
 @click.command("check")
@@ -42,7 +45,10 @@ def previous_thresholds(engine_dir: Path) -> dict:
 @click.option("--reference", help="Unquantized source checkpoint (default: the one it was built from).")
 @click.option("--threshold", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a quality threshold, e.g. min_top1_agreement=0.9 (repeatable).")
-def check_command(engine_dir, data, reference, overrides) -> None:
+@click.option("--quick", is_flag=True,
+              help="A quick gate: a fraction of the windows, prompts and questions, reported as "
+                   "such (for trying things; not the full gate).")
+def check_command(engine_dir, data, reference, overrides, quick) -> None:
     """Evaluate an engine against its unquantized source; exit 3 when a threshold is crossed."""
     from builder.quality import QualityThresholds, run_quality_gate
     from triton_backend.engine.config import EngineConfig
@@ -58,10 +64,11 @@ def check_command(engine_dir, data, reference, overrides) -> None:
             section[key] = None if value.lower() == "none" else yaml.safe_load(value)
         if data:
             section["dataset"] = data
+        if quick:
+            section["quick"] = True
         thresholds = QualityThresholds.from_spec(section)
         hf_dir = reference_checkpoint(engine, reference)
         click.echo(f"checking {engine} against {hf_dir}", err=True)
         run_quality_gate(engine, hf_dir, thresholds,
                          progress=lambda message: click.echo(f"  {message}", err=True),
                          echo=click.echo)
-        click.echo("quality gate: passed")

@@ -9,8 +9,14 @@ Metrics (reference = transformers in float32 on the source checkpoint; candidate
   cache), averaged over the prompts.
 
 The held-out text is never the calibration text (builder/data keeps the two files disjoint).
+The task check (task_check.py) adds chat questions: retention, every answer that changed, and
+the must-keep items whose loss fails the gate alone.
 `run_quality_gate` writes `quality.json` into the engine and raises `QualityGateError` naming the
 metric and its threshold when one is crossed (`forge` exits with code 3).
+
+`quick: true` (`forge engine --quick-gate`) measures a fraction of it for trying things out; its
+report, verdict line and `quality.json` (`"mode": "quick"`) say so, and the spec (hence the build
+key) differs, so a later build without it rebuilds and runs the full gate.
 """
 from __future__ import annotations
 
@@ -25,13 +31,16 @@ import torch
 import torch.nn.functional as F
 
 from builder.errors import QualityGateError
-from builder.task_check import TASK_ITEMS, chat_prompt_ids, run_task_check
+from builder.progress import Eta
+from builder.task_check import QUICK_TASK_ITEMS, TASK_ITEMS, chat_prompt_ids, run_task_check
 from builder.quantize import calibration
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
 from triton_backend.engine.numbers import is_int, is_number
 
 QUALITY_FILE = "quality.json"
 Progress = Callable[[str], None]
+# The quick gate's share of the held-out windows and greedy prompts (the task items: task_check).
+QUICK_WINDOWS, QUICK_PROMPTS = 2, 2
 
 
 @dataclass
@@ -51,6 +60,10 @@ class QualityThresholds:
     # The task check (task_check.py): of the chat questions the reference answers right, the
     # share the engine answers right too; null reports it without gating.
     min_task_retention: float | None = 0.9
+    # A must-keep item (task_check.TaskItem.must_keep: the README's demo question) that the
+    # reference answers right and the engine does not fails the gate; false reports it only.
+    must_keep: bool = True
+    quick: bool = False       # a fraction of the evaluation, reported as such (not the full gate)
     task_tokens: int = 24            # greedy tokens of each answer
     task_agreement_tokens: int = 8   # first tokens compared for the greedy agreement
     dataset: str = "builtin:heldout"
@@ -62,6 +75,10 @@ class QualityThresholds:
     enabled: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("must_keep", "quick", "enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"quantization.quality.{name}: true or false, "
+                                 f"got {getattr(self, name)!r}")
         for name in ("max_perplexity_increase_pct", "min_top1_agreement", "min_logit_cosine",
                      "min_greedy_agreement", "min_task_retention"):
             value = getattr(self, name)
@@ -101,6 +118,10 @@ class QualityReport:
     task_retention: float | None = None
     task_first_tokens_agreement: float | None = None
     task_items: list[dict] = field(default_factory=list)
+    # Items whose verdict changed vs the reference (task_check.changed_answers).
+    task_changed_answers: list[dict] = field(default_factory=list)
+    mode: str = "full"  # "quick": a fraction of the gate (`scope` says which)
+    scope: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -121,7 +142,17 @@ def _check(report: QualityReport, thresholds: QualityThresholds) -> list[str]:
         ok = value <= limit if op == "<=" else value >= limit
         if not ok or math.isnan(value):
             failures.append(f"{metric} = {value:.4g} violates threshold {op} {limit:g}")
+    if thresholds.must_keep:
+        for item in report.task_changed_answers:
+            if item["must_keep"] and item["change"] == "lost":
+                failures.append(f"must_keep: {item['question']!r} is answered right by the "
+                                f"reference, not by the engine ({_short(item['engine_reply'])!r})")
     return failures
+
+
+def _short(text: str, limit: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def evaluation_windows(tokenizer, thresholds: QualityThresholds, max_len: int) -> torch.Tensor:
@@ -137,7 +168,8 @@ def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresho
     """The four metrics of `engine` against `reference` (both with .logits(ids) and .greedy)."""
     nll_ref = nll_eng = 0.0
     agree = cosine = count = 0.0
-    for i, window in enumerate(windows.tolist()):
+    eta = Eta("evaluation window", len(windows), progress)
+    for window in windows.tolist():
         ref, eng = reference.logits(window), engine.logits(window)
         targets = torch.tensor(window[1:])
         nll_ref += F.cross_entropy(ref[:-1], targets, reduction="sum").item()
@@ -145,16 +177,18 @@ def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresho
         agree += (ref.argmax(-1) == eng.argmax(-1)).sum().item()
         cosine += F.cosine_similarity(ref, eng, dim=-1).sum().item()
         count += len(window)
-        progress(f"evaluation window {i + 1}/{len(windows)}")
+        eta.tick()
     predicted = count - len(windows)
     greedy = []
-    for i, window in enumerate(windows.tolist()[:thresholds.prompts]):
+    prompts = windows.tolist()[:thresholds.prompts]
+    eta = Eta("greedy prompt", len(prompts), progress)
+    for window in prompts:
         prompt = window[:thresholds.prompt_len]
         ours = engine.greedy(prompt, thresholds.greedy_tokens)
         theirs = reference.greedy(prompt, thresholds.greedy_tokens)
         same = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs))
         greedy.append(same / len(theirs))
-        progress(f"greedy prompt {i + 1}/{min(thresholds.prompts, len(windows))}")
+        eta.tick()
     ppl_ref, ppl_eng = math.exp(nll_ref / predicted), math.exp(nll_eng / predicted)
     return {"reference_perplexity": ppl_ref, "engine_perplexity": ppl_eng,
             "perplexity_increase_pct": 100.0 * (ppl_eng / ppl_ref - 1.0),
@@ -173,17 +207,30 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     progress = progress or (lambda message: None)
     config = EngineConfig.load(engine_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(engine_dir) / TOKENIZER_DIR))
+    full = thresholds
+    task_items = QUICK_TASK_ITEMS if thresholds.quick else TASK_ITEMS
+    if thresholds.quick:
+        thresholds = dataclasses.replace(thresholds, windows=min(thresholds.windows, QUICK_WINDOWS),
+                                         prompts=min(thresholds.prompts, QUICK_PROMPTS))
     windows = evaluation_windows(tokenizer, thresholds, config.limits.max_input_len)
-    longest_question = max((len(chat_prompt_ids(tokenizer, item.question)) for item in TASK_ITEMS),
+    longest_question = max((len(chat_prompt_ids(tokenizer, item.question)) for item in task_items),
                            default=0) if getattr(tokenizer, "chat_template", None) else 0
     engine = EngineModel(engine_dir, max(windows.shape[1] + thresholds.greedy_tokens,
                                          longest_question + thresholds.task_tokens))
     reference = reference or ReferenceModel(reference_hf_dir)
     metrics = compare(reference, engine, windows, thresholds, progress)
     task = run_task_check(reference, engine, tokenizer, frozenset(config.tokenizer.eos_token_ids),
-                          thresholds.task_tokens, thresholds.task_agreement_tokens, progress)
+                          thresholds.task_tokens, thresholds.task_agreement_tokens, progress,
+                          task_items)
     report = QualityReport(dataset=thresholds.dataset, reference=str(reference_hf_dir), **metrics,
                            **(task or {}))
+    if full.quick:
+        report.mode = "quick"
+        report.scope = {"windows": f"{len(windows)} of {full.windows}",
+                        "greedy_prompts": f"{min(thresholds.prompts, len(windows))} of "
+                                          f"{full.prompts}"}
+        if task:  # no chat template, no task check
+            report.scope["task_items"] = f"{len(task_items)} of {len(TASK_ITEMS)}"
     report.failures = _check(report, thresholds)
     return report
 
@@ -216,7 +263,36 @@ def format_table(report: QualityReport, thresholds: QualityThresholds) -> str:
              f"{'-' * width}  {'-' * 10}  {'-' * 10}  ------"]
     lines += [f"{a:<{width}}  {b:>10}  {c:>10}  {d}" for a, b, c, d in rows]
     lines.append(f"({report.num_tokens} held-out tokens of {report.dataset!r})")
+    if report.task_engine_score is not None:
+        lines += changed_answers_lines(report)
+    if report.mode == "quick":
+        lines.insert(0, quick_banner(report))
     return "\n".join(lines)
+
+
+def quick_banner(report: QualityReport) -> str:
+    scope = ", ".join(f"{value} {name.replace('_', ' ')}" for name, value in report.scope.items())
+    return (f"QUICK GATE ({scope}): not the full gate; `forge check --engine DIR` or a build "
+            f"without --quick-gate runs it")
+
+
+def changed_answers_lines(report: QualityReport) -> list[str]:
+    """The questions whose verdict changed vs the reference, lost ones first."""
+    changed = sorted(report.task_changed_answers, key=lambda x: (x["change"] != "lost",
+                                                                  not x["must_keep"]))
+    lost = sum(x["change"] == "lost" for x in changed)
+    asked = len(report.task_items)
+    if not changed:
+        return [f"answers changed vs the reference: none of {asked} questions"]
+    lines = [f"answers changed vs the reference: {lost} lost, {len(changed) - lost} gained "
+             f"(of {asked} questions)"]
+    for item in changed:
+        tag = item["change"] + (", must keep" if item["must_keep"] else "")
+        # No square brackets: the build's console (rich) would read them as markup.
+        lines += [f"  {tag}: {item['question']}",
+                  f"      reference: {_short(item['reference_reply'], 70)}",
+                  f"      engine:    {_short(item['engine_reply'], 70)}"]
+    return lines
 
 
 def run_quality_gate(engine_dir: str | Path, reference_hf_dir: str | Path,
@@ -228,6 +304,8 @@ def run_quality_gate(engine_dir: str | Path, reference_hf_dir: str | Path,
     payload = {"passed": report.passed, "thresholds": dataclasses.asdict(thresholds),
                **dataclasses.asdict(report)}
     (Path(engine_dir) / QUALITY_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    quick = " (QUICK: a fraction of the gate, not the full one)" if report.mode == "quick" else ""
     if not report.passed:
-        raise QualityGateError("; ".join(report.failures))
+        raise QualityGateError("; ".join(report.failures) + quick)
+    echo(f"quality gate: passed{quick}")
     return report

@@ -7,6 +7,11 @@ chat questions with known answers (facts, arithmetic, following a format), score
 reply by whether an accepted answer appears in it, and compares the engine's score with the
 reference's on the same items: retention = items both get right / items the reference gets right.
 Greedy agreement of the first tokens is reported beside it.
+
+Retention averages: an engine may keep 29 of 31 answers and still lose the one a user asks first.
+Items marked `must_keep` (the README's own demo question) fail the gate on their own when the
+reference answers them right and the engine does not. Every item whose verdict changed (lost or
+gained) is listed by `changed_answers`, so the build's report names the questions, not a ratio.
 """
 from __future__ import annotations
 
@@ -14,20 +19,25 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from builder.progress import Eta
+
 
 @dataclass(frozen=True)
 class TaskItem:
     question: str
     answers: tuple[str, ...]  # any of them, as a whole word or number
     exact_case: bool = False  # else case-insensitive
+    must_keep: bool = False   # lost (right at the reference, wrong here): the gate fails
 
 
 def _items(rows: Sequence[tuple[str, str]]) -> tuple[TaskItem, ...]:
     return tuple(TaskItem(q, tuple(a.split("|"))) for q, a in rows)
 
 
-FACTS = _items((
-    ("What is the capital of France?", "Paris"),
+# The question the README asks first (`forge generate`, curl, the OpenAI client): an engine that
+# gets it wrong is not one to show a user.
+DEMO_QUESTION = TaskItem("What is the capital of France?", ("Paris",), must_keep=True)
+FACTS = (DEMO_QUESTION,) + _items((
     ("What is the capital of Japan?", "Tokyo"),
     ("What is the capital of Italy?", "Rome"),
     ("What is the capital of Germany?", "Berlin"),
@@ -79,6 +89,10 @@ FORMAT = _items((
 ))
 FORMAT += (TaskItem("Write the word cat in capital letters.", ("CAT",), exact_case=True),)
 TASK_ITEMS: tuple[TaskItem, ...] = FACTS + ARITHMETIC + FORMAT
+# The quick gate's items: every fourth item (facts, arithmetic and format alike) and every
+# must-keep one.
+QUICK_TASK_ITEMS: tuple[TaskItem, ...] = tuple(
+    item for i, item in enumerate(TASK_ITEMS) if i % 4 == 0 or item.must_keep)
 
 
 def answered(reply: str, item: TaskItem) -> bool:
@@ -101,15 +115,26 @@ def _reply(tokenizer, token_ids: list[int], eos_ids: frozenset[int]) -> str:
     return tokenizer.decode(token_ids[:end], skip_special_tokens=True)
 
 
+def changed_answers(items: list[dict]) -> list[dict]:
+    """The scored items (as `run_task_check` records them) whose verdict differs between the
+    reference and the engine: `change` is "lost" (right at the reference only) or "gained"."""
+    return [{"question": x["question"], "change": "lost" if x["reference_correct"] else "gained",
+             "must_keep": x["must_keep"], "reference_reply": x["reference_reply"],
+             "engine_reply": x["engine_reply"]}
+            for x in items if x["reference_correct"] != x["engine_correct"]]
+
+
 def run_task_check(reference, engine, tokenizer, eos_ids: frozenset[int], num_tokens: int,
-                   agreement_tokens: int, progress: Callable[[str], None]) -> dict:
+                   agreement_tokens: int, progress: Callable[[str], None],
+                   task_items: Sequence[TaskItem] = TASK_ITEMS) -> dict | None:
     """Both sides' greedy replies (`.greedy(ids, n)`) to every item, scored. Retention is None
     when the reference answers none of them (nothing to retain: the check says so instead of
     gating). Needs a chat template; returns None without one."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     items, agree = [], 0
-    for i, item in enumerate(TASK_ITEMS):
+    eta = Eta("task item", len(task_items), progress)
+    for item in task_items:
         prompt = chat_prompt_ids(tokenizer, item.question)
         ours = engine.greedy(prompt, num_tokens)
         theirs = reference.greedy(prompt, num_tokens)
@@ -119,11 +144,13 @@ def run_task_check(reference, engine, tokenizer, eos_ids: frozenset[int], num_to
         items.append({"question": item.question, "answers": list(item.answers),
                       "engine_reply": engine_reply, "reference_reply": reference_reply,
                       "engine_correct": answered(engine_reply, item),
-                      "reference_correct": answered(reference_reply, item)})
-        progress(f"task item {i + 1}/{len(TASK_ITEMS)}")
+                      "reference_correct": answered(reference_reply, item),
+                      "must_keep": item.must_keep})
+        eta.tick()
     reference_right = [x for x in items if x["reference_correct"]]
     retained = sum(x["engine_correct"] for x in reference_right)
     return {"task_engine_score": sum(x["engine_correct"] for x in items) / len(items),
             "task_reference_score": len(reference_right) / len(items),
             "task_retention": retained / len(reference_right) if reference_right else None,
-            "task_first_tokens_agreement": agree / len(items), "task_items": items}
+            "task_first_tokens_agreement": agree / len(items), "task_items": items,
+            "task_changed_answers": changed_answers(items)}

@@ -18,11 +18,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from builder.progress import Eta
 from builder.quantize.options import QuantizeOptions
 from triton_backend.engine import models
 from triton_backend.engine.quant import int4
 
 Progress = Callable[[str], None]
+AWQ_SEARCH_COST = 12.0  # awq_lite's search batch in statistics batches: 11 alphas + the pass
 
 def require_modelopt():
     """Import ModelOpt or explain how to get it (the `quant` extra)."""
@@ -123,16 +125,18 @@ def calibrate(model: nn.Module, options: QuantizeOptions, batches: torch.Tensor,
     check_group_size(model, options)
     config = modelopt_config(model, options)
     batch_size = options.calibration.batch_size
-    passes = 2 if options.weights == "int4_awq" else 1  # awq_lite: statistics, then the search
-    total = -(-len(batches) // batch_size) * passes
-    done = [0]
+    per_pass = -(-len(batches) // batch_size)
+    # awq_lite runs the loop twice: statistics, then the search, dearer by about its grid of
+    # alphas (each one more pass of every linear); the estimate measures it once it starts.
+    costs = [1.0] * per_pass + ([AWQ_SEARCH_COST] * per_pass if options.weights == "int4_awq"
+                                else [])
+    eta = Eta("calibration batch", len(costs), progress, costs)
 
     def forward_loop(m: nn.Module) -> None:
         with torch.no_grad():
             for start in range(0, len(batches), batch_size):
                 m(batches[start:start + batch_size])
-                done[0] += 1
-                progress(f"calibration batch {done[0]}/{total}")
+                eta.tick()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ModelOpt warns about CUDA extensions absent on a CPU

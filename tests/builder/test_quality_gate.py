@@ -70,6 +70,20 @@ def test_damaged_quantization_fails_with_exit_code_3_naming_the_metric(engines):
     assert any(f.startswith("logit_cosine") for f in quality["failures"])
 
 
+def test_a_quick_check_measures_a_fraction_says_so_and_a_plain_check_is_full_again(engines):
+    good, _, hf_dir = engines
+    quick = CliRunner().invoke(main, ["check", "--engine", str(good), "--reference", str(hf_dir),
+                                      "--quick", *[a for t in THRESHOLDS for a in ("--threshold", t)]])
+    assert quick.exit_code == 0, quick.output
+    assert "QUICK GATE (2 of 4 windows, 2 of 2 greedy prompts): not the full gate" in quick.output
+    assert "quality gate: passed (QUICK: a fraction of the gate, not the full one)" in quick.output
+    report = json.loads((good / "quality.json").read_text())
+    assert report["mode"] == "quick" and report["thresholds"]["quick"] is True
+    full = _check(good, hf_dir)  # the thresholds of the quick check, but not its quickness
+    assert full.exit_code == 0 and "QUICK" not in full.output, full.output
+    assert json.loads((good / "quality.json").read_text())["mode"] == "full"
+
+
 def test_check_uses_the_users_data(engines, tmp_path):
     good, _, hf_dir = engines
     data = tmp_path / "mine.jsonl"

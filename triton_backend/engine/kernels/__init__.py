@@ -4,8 +4,16 @@
 on the machine that runs it) into the operator library `torch.ops.llm_forge`, under
 `<cache>/kernels/<key>/`, where the key hashes the sources, the flags, the torch version and
 install (two virtual environments write different include paths into the build files, so sharing
-a build directory would make them rebuild in turn) and, for `-march=native`, the CPU. The first call on a machine compiles (tens of seconds, logged with its time); later calls,
-in any process, load the cached library in well under a second.
+a build directory would make them rebuild in turn), for `-march=native` the CPU, and the ninja that builds it. The first call on a machine compiles (tens of seconds, logged with its time); later calls,
+in any process, load the cached library in well under a second. Processes that start at once
+(a server's model instances, a build beside a `forge generate`) compile once: the build runs
+under a file lock, and a process that finds it held says so, waits, then loads what the first
+one built.
+
+The ninja is the one beside the running interpreter (its environment's `ninja` wheel) before
+any on PATH: ninja 1.11 and 1.13 hash commands differently in their build logs, so each took the
+other's objects for stale, and a cache loaded by processes with and without the environment's
+`bin/` on PATH was recompiled by each in turn.
 
 A named instruction-set level (`LLM_FORGE_KERNEL_MARCH=x86-64-v3`) makes one library for every CPU
 that has the level, so an image can carry it compiled at build time: its key leaves the CPU out,
@@ -24,6 +32,8 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -79,6 +89,24 @@ def march() -> str:
     return chosen
 
 
+def ninja_path() -> str | None:
+    """The ninja the kernels are built with: the running environment's own, else PATH's."""
+    local = Path(sys.executable).parent / "ninja"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which("ninja")
+
+
+def _ninja_version(ninja: str | None) -> str:
+    if ninja is None:
+        return "no ninja"
+    try:
+        return subprocess.run([ninja, "--version"], capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "no ninja"
+
+
 def cflags() -> tuple[str, ...]:
     return (*CFLAGS, f"-march={march()}")
 
@@ -96,8 +124,9 @@ def _cpu_flags() -> set[str]:
 
 
 def build_key() -> str:
-    """Names one build of the kernels: sources, flags, torch (version and install) and, for
-    native builds only, the CPU (a named level's library is the same on every CPU)."""
+    """Names one build of the kernels: sources, flags, torch (version and install), the ninja
+    version (two ninjas in one build directory rebuild each other's objects) and, for native
+    builds only, the CPU (a named level's library is the same on every CPU)."""
     if "key" in _state:
         return str(_state["key"])
     digest = hashlib.sha256()
@@ -108,6 +137,7 @@ def build_key() -> str:
     digest.update(os.path.dirname(torch.__file__).encode())
     if march() == "native":
         digest.update(_cpu_signature().encode())
+    digest.update(_ninja_version(ninja_path()).encode())
     _state["key"] = digest.hexdigest()[:16]
     return str(_state["key"])
 
@@ -149,16 +179,18 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
             return False
     key = build_key()
     build_dir = cache_root() / "kernels" / key
+    built = build_dir / f"llm_forge_cpu_{key}.so"
+    if built.is_file() and not _writable(build_dir):
+        return _load_read_only(built, say)
     build_dir.mkdir(parents=True, exist_ok=True)
-    cached = any(build_dir.glob("*.so"))
     start = time.perf_counter()
+    waited = 0.0
     try:
-        from torch.utils.cpp_extension import load
-
-        with _build_lock(build_dir):
-            load(name=f"llm_forge_cpu_{key}", sources=_stage_sources(build_dir),
-                 extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
-                 build_directory=str(build_dir), is_python_module=False, verbose=False)
+        with _build_lock(build_dir, say) as wait_seconds:
+            waited = wait_seconds
+            # Looked at under the lock: a library another process just built is a cached one.
+            cached = any(build_dir.glob("*.so"))
+            _compile(build_dir, key)
     except Exception as exc:  # no compiler, no ninja, a toolchain too old: keep serving
         _state["ok"] = False
         say(f"CPU kernels: unavailable ({type(exc).__name__}: {str(exc)[:300]}); "
@@ -166,25 +198,80 @@ def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
         return False
     elapsed = time.perf_counter() - start
     _state["ok"] = True
+    after_wait = f", after {waited:.1f}s waiting for another process's build" if waited else ""
     if cached:
-        say(f"CPU kernels: loaded from the cache ({elapsed:.1f}s)")
+        say(f"CPU kernels: loaded from the cache ({elapsed - waited:.1f}s{after_wait})")
     else:
         target = "this CPU" if march() == "native" else march()
-        say(f"CPU kernels: compiled for {target} in {elapsed:.1f}s, cached in {build_dir}")
+        say(f"CPU kernels: compiled for {target} in {elapsed - waited:.1f}s, cached in "
+            f"{build_dir}{after_wait}")
     return True
 
 
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def _load_read_only(library: Path, say: Callable[[str], None]) -> bool:
+    """A cache nobody may write (an image's, under a read-only root filesystem): its library
+    was built for this key, and neither the lock nor ninja (which opens its logs for writing
+    even with nothing to do) can run there, so the library is loaded as it is."""
+    start = time.perf_counter()
+    try:
+        torch.ops.load_library(str(library))
+    except Exception as exc:
+        _state["ok"] = False
+        say(f"CPU kernels: unavailable ({type(exc).__name__}: {str(exc)[:300]}); "
+            f"using the pure-torch paths")
+        return False
+    _state["ok"] = True
+    say(f"CPU kernels: loaded from a read-only cache ({time.perf_counter() - start:.1f}s)")
+    return True
+
+
+def _compile(build_dir: Path, key: str) -> None:
+    """Compile (or, when ninja finds nothing changed, only load) the library of `build_dir`.
+    Called under the build lock; tests replace it with a cheap fake build."""
+    from torch.utils.cpp_extension import load
+
+    with _ninja_first_on_path():
+        load(name=f"llm_forge_cpu_{key}", sources=_stage_sources(build_dir),
+             extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
+
+
 @contextlib.contextmanager
-def _build_lock(build_dir: Path):
+def _ninja_first_on_path():
+    """torch runs the `ninja` it finds on PATH: make that the one the build key names."""
+    ninja, previous = ninja_path(), os.environ.get("PATH", "")
+    if ninja is not None:
+        os.environ["PATH"] = os.pathsep.join((str(Path(ninja).parent), previous))
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, say: Callable[[str], None]):
     """One build per cache directory at a time, under a lock the OS releases when its holder
-    dies. torch's own build lock is a file that a process killed mid-build (Ctrl-C, kill -9)
-    leaves behind, and every later load would wait on it forever: holding ours, any such file
-    is stale and removed."""
+    dies; yields the seconds spent waiting for another holder (0.0 when it was free), after
+    saying that it waits, so a second process does not look hung. torch's own build lock is a
+    file that a process killed mid-build (Ctrl-C, kill -9) leaves behind, and every later load
+    would wait on it forever: holding ours, any such file is stale and removed."""
     with open(build_dir / ".llm-forge-build.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        waited = 0.0
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("CPU kernels: another process is building them for this CPU and source; "
+                "waiting for it (a first build takes tens of seconds)")
+            start = time.perf_counter()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            waited = time.perf_counter() - start
         try:
             (build_dir / "lock").unlink(missing_ok=True)
-            yield
+            yield waited
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
