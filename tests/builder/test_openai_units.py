@@ -49,6 +49,8 @@ def refused(body: dict, kind=CompletionRequest) -> OpenAIError:
     ({"n": 17}, "n", "n must be in [1, 16], got 17"),
     ({"seed": -3}, "seed", "seed: Input should be greater than or equal to 0, got -3"),
     ({"stop": ["", "x"]}, "stop", "stop: stop strings must not be empty"),
+    ({"stop": ["x", "\ud800"]}, "stop", "stop[1]: contains a lone UTF-16 surrogate ('\\ud800')"),
+    ({"prompt": "a\udc00"}, "prompt", "prompt: contains a lone UTF-16 surrogate ('\\udc00')"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "stream_options: only allowed when stream is true"),
     ({"prompt": ["a", "b"]}, "prompt", "prompt: one prompt per request is supported, got 2"),

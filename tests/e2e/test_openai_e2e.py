@@ -427,6 +427,32 @@ def test_api_key_guards_the_v1_routes(served):
         assert none.value.code == 401
         assert json.loads(none.value.read())["error"]["message"].startswith(
             "You didn't provide an API key")
-        assert http_status(server.base_url.removesuffix("/v1") + "/health") == 200
+        root = server.base_url.removesuffix("/v1")
+        assert http_status(root + "/health") == 200
+        # The API description is off with a key (it would answer anyone); on without one.
+        assert [http_status(root + path) for path in ("/docs", "/openapi.json")] == [404, 404]
+    assert http_status(served.openai_url.removesuffix("/v1") + "/openapi.json") == 200
     with pytest.raises(ValueError, match="api_key must not be empty"):
         OpenAIServerConfig.from_repository(served.repository, served.grpc_url, api_key=" ")
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/completions", {"prompt": "\ud800x"}, "prompt"),
+    ("/completions", {"prompt": "hi", "stop": ["ok", "\udfff"]}, "stop[1]"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+     "messages[0].content"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(served, route, body, field):
+    """JSON can escape a lone UTF-16 surrogate, which no tokenizer encodes: a 400, not a 500."""
+    raw = json.dumps({"model": NAME, "max_tokens": 4, **body}).encode()  # ensure_ascii: \ud800
+    request = urllib.request.Request(served.openai_url + route, method="POST", data=raw,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(info.value.read())["error"]
+    assert info.value.code == 400
+    assert error["message"].startswith(f"{field}: contains a lone UTF-16 surrogate")
+    assert error["param"] == field.split(".")[0].split("[")[0]
+    # and the server keeps serving
+    client = openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0)
+    assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2).choices[0].text

@@ -202,3 +202,26 @@ def test_the_soak_load_generator_counts_each_outcome_as_what_it_was(server):
     assert idle == 1  # cancelled and disconnected streams were dropped, not pooled
     assert wait_for(lambda: value(scrape(server), "nv_trt_llm_kv_cache_block_metrics",
                                   kv_cache_block_type="used") == 0)
+
+
+@pytest.mark.parametrize("model", ["tensorrt_llm", "ensemble", "tensorrt_llm_bls"])
+def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(server, model):
+    """Its client gives up before it ever runs: it must not keep its place (and its admission
+    count) until the batch drains. The hog keeps running throughout, so only the cancellation
+    can take the waiting request out."""
+    from builder.grpc_stream import GrpcStream, infer_inputs
+
+    hog = start_hog(server)
+    inputs = (ids_request(3, 2) if model == "tensorrt_llm"
+              else text_inputs(text_input="fox", max_tokens=2, stream=True))
+    stream = GrpcStream(server.grpc_url)
+    try:
+        stream.send(model, infer_inputs(inputs), request_id="given-up")
+        wait_until_waiting(server, 1)
+        stream.close(cancel=True)
+        assert wait_for(lambda: waiting(server) == 0, timeout=10), waiting(server)
+        assert value(scrape(server), "nv_trt_llm_request_metrics", request_type="active") == 1
+    finally:
+        hog.close()
+    assert wait_for(lambda: value(scrape(server), "nv_trt_llm_request_metrics",
+                                  request_type="active") == 0, timeout=60)

@@ -3,11 +3,13 @@
 Tokenization and detokenization run in-process; generation goes through the `tensorrt_llm`
 model with a BLS call, so both entry points share one executor (and its KV cache and batch).
 `execute` hands each request to a worker thread and returns None; a worker streams its inner
-request, sends the text chunks (FINAL on the last) and, when its client cancels, sends the inner
-model a `stop` request with the inner request's id (NVIDIA's cancellation convention).
+request and sends the text chunks (FINAL on the last). One watcher thread looks for cancelled
+clients (`CancelWatch`) and sends the inner model a `stop` request with the inner request's id
+(NVIDIA's cancellation convention).
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +39,46 @@ PASSED_OUTPUTS = ("cum_log_probs", "batch_index", "sequence_index", "num_input_t
 # its message there, a response that reaches this model's stream even after text has streamed
 # (an error response would not).
 INNER_OUTPUTS = ("output_ids", "output_log_probs", ERROR_OUTPUT, *PASSED_OUTPUTS)
+CHECK_SECONDS = 0.1  # how often the clients of requests in flight are asked if they cancelled
+
+
+class CancelWatch:
+    """Stops the inner request of every request whose client cancelled, checked on a timer and
+    not on the inner request's chunks: a request still waiting for a batch slot (or a
+    non-streamed one) has no chunk to check on, and would keep its place until it ran."""
+
+    def __init__(self, inner_model: str) -> None:
+        self.inner_model = inner_model
+        self._lock = threading.Lock()
+        self._watched: dict[str, object] = {}  # inner request id -> the client's sender
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bls-cancel-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, inner_id: str, sender) -> None:
+        with self._lock:
+            self._watched[inner_id] = sender
+
+    def forget(self, inner_id: str) -> None:
+        with self._lock:
+            self._watched.pop(inner_id, None)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._closing.wait(CHECK_SECONDS):
+            with self._lock:
+                watched = list(self._watched.items())
+            for inner_id, sender in watched:
+                try:
+                    cancelled = sender.is_cancelled()
+                except Exception:  # a sender whose request already ended
+                    cancelled = False
+                if cancelled:
+                    self.forget(inner_id)  # once: the inner model ends it with a final
+                    stop_request(self.inner_model, inner_id)
 
 
 @dataclass(frozen=True)
@@ -95,6 +137,7 @@ class BlsModel:
         self.inner_model = params.text("tensorrt_llm_model_name", "tensorrt_llm")
         self.workers = ThreadPoolExecutor(params.integer("max_concurrent_requests", 64),
                                           thread_name_prefix="bls")
+        self.cancels = CancelWatch(self.inner_model)
         self.closing = False
 
     def execute(self, requests):
@@ -108,6 +151,7 @@ class BlsModel:
         # those still queued are answered with an error at once.
         self.closing = True
         self.workers.shutdown(wait=True)
+        self.cancels.close()
 
     # -- one request, in a worker thread ------------------------------------------------------
     def _serve(self, request, sender) -> None:
@@ -153,7 +197,14 @@ class BlsModel:
         return inner, detokenizer
 
     def _relay(self, inner, detokenizer, sender, stream: bool) -> None:
-        stop_sent, reply = False, Reply()
+        self.cancels.watch(inner.request_id(), sender)
+        try:
+            self._relay_chunks(inner, detokenizer, sender, stream)
+        finally:
+            self.cancels.forget(inner.request_id())
+
+    def _relay_chunks(self, inner, detokenizer, sender, stream: bool) -> None:
+        reply = Reply()
         responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
         for response in responses:
             if response.has_error():
@@ -166,9 +217,6 @@ class BlsModel:
             if chunk is None:
                 continue  # an empty closing response
             text = detokenizer.add(chunk.ids, chunk.finish_reason)
-            if not stop_sent and sender.is_cancelled():
-                self._stop_inner(inner.request_id())
-                stop_sent = True
             final = bool(chunk.finish_reason)
             if stream:
                 self._send(sender, Reply([text], chunk.log_probs, chunk.ids), chunk.passed, final)
@@ -186,7 +234,4 @@ class BlsModel:
         try:
             sender.send(make_response({**passed, **reply.tensors()}), flags=FINAL if final else 0)
         except Exception:
-            pass  # the client went away; the inner request is stopped on the next chunk
-
-    def _stop_inner(self, inner_id: str) -> None:
-        stop_request(self.inner_model, inner_id)
+            pass  # the client went away; the cancel watch stops the inner request

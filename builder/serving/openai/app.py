@@ -131,7 +131,12 @@ def create_app(config: OpenAIServerConfig) -> FastAPI:
         finally:
             await service.backend.close()
 
-    app = FastAPI(title="llm-forge OpenAI-compatible API", lifespan=lifespan)
+    # With a key, the API description is off: /docs and /openapi.json would answer anyone.
+    described = config.api_key is None
+    app = FastAPI(title="llm-forge OpenAI-compatible API", lifespan=lifespan,
+                  docs_url="/docs" if described else None,
+                  redoc_url="/redoc" if described else None,
+                  openapi_url="/openapi.json" if described else None)
     app.state.service = service
     _install_error_handlers(app)
     if config.api_key is not None:

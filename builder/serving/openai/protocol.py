@@ -88,7 +88,37 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
+def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:
+    """The first string in `value` holding a lone UTF-16 surrogate, as (its path, the char)."""
+    if isinstance(value, str):
+        found = next((c for c in value if "\ud800" <= c <= "\udfff"), None)
+        return (path, found) if found is not None else None
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for item_path, item in items:
+        hit = _lone_surrogate(item, item_path)
+        if hit is not None:
+            return hit
+    return None
+
+
+def check_text(request: SamplingRequest) -> None:
+    """JSON may escape a lone surrogate (`"\\ud800"`), which is no Unicode text: no tokenizer can
+    encode it. Refused by the field that holds it, before anything reads the text."""
+    hit = _lone_surrogate(request.model_dump(exclude_none=True), "")
+    if hit is not None:
+        path, char = hit
+        raise bad_request(path.split(".")[0].split("[")[0],
+                          f"{path}: contains a lone UTF-16 surrogate ({char!a}), which is not "
+                          f"valid Unicode text")
+
+
 def _check_shared(request: SamplingRequest) -> None:
+    check_text(request)
     if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
         raise bad_request("n", f"n must be in [1, {MAX_CHOICES}], got {request.n}")
     if request.stream_options is not None and not request.stream:

@@ -113,8 +113,8 @@ class OpenAIService:
         return ResponseBuilder(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
 
     def completion(self, request: CompletionRequest) -> Generation:
+        prompt = check_completion(request)  # first: a field's text may not even be text
         task_id = self._check_model(request)
-        prompt = check_completion(request)
         max_tokens = request.max_tokens or mapping.COMPLETIONS_DEFAULT_MAX_TOKENS
         log_probs = request.logprobs is not None
         guide = request_guide(request)
@@ -124,8 +124,8 @@ class OpenAIService:
                           self._builder("completion", request.model), guide, request.logprobs or 0)
 
     def chat(self, request: ChatCompletionRequest) -> Generation:
-        task_id = self._check_model(request)
         tools = check_chat(request)
+        task_id = self._check_model(request)
         guide = tools.guide if tools else request_guide(request)
         prompt = self.renderer.render(request.messages, tools.tools if tools else None)
         max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
