@@ -204,11 +204,12 @@ def test_the_soak_load_generator_counts_each_outcome_as_what_it_was(server):
                                   kv_cache_block_type="used") == 0)
 
 
-@pytest.mark.parametrize("model", ["tensorrt_llm", "ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_bls"])
 def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(server, model):
     """Its client gives up before it ever runs: it must not keep its place (and its admission
     count) until the batch drains. The hog keeps running throughout, so only the cancellation
-    can take the waiting request out."""
+    can take the waiting request out. Not the ensemble: Triton 2.51 does not pass an ensemble's
+    cancellation to its running tensorrt_llm step (docs/triton-contract.md)."""
     from builder.grpc_stream import GrpcStream, infer_inputs
 
     hog = start_hog(server)
