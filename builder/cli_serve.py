@@ -17,7 +17,8 @@ from builder.serving.serve import ALLOCATOR_PACKAGES, MALLOC_CHOICES
 
 
 @click.command("serve")
-@click.option("--repository", "repository_dir", required=True, type=click.Path(file_okay=False))
+@click.option("--repository", "repository_dir", required=True,
+              type=click.Path(exists=True, file_okay=False))  # a missing one is bad input: exit 2
 @click.option("--http-port", type=int, default=8000, show_default=True)
 @click.option("--grpc-port", type=int, default=8001, show_default=True)
 @click.option("--metrics-port", type=int, default=8002, show_default=True)

@@ -284,3 +284,13 @@ def test_forge_serve_refuses_an_address_that_is_not_an_ip_address(tmp_path):
                                                 "pod.local", "--health-port", "0"])
     assert result.exit_code == 2
     assert "error: --triton-host 'pod.local': expected an IP address" in result.output
+
+
+def test_forge_serve_refuses_a_missing_repository_as_bad_input(tmp_path):
+    from builder.cli_serve import serve_command
+
+    result = CliRunner().invoke(serve_command, ["--repository", str(tmp_path / "missing"),
+                                                "--health-port", "0"])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '--repository': Directory '{tmp_path / 'missing'}' does not " \
+           f"exist" in result.output
