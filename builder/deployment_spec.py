@@ -54,7 +54,8 @@ def check_dns_label(key: str, value: Any) -> None:
                          f"got {value!r}")
 
 
-def _check_keys(key: str, klass: type, raw: Any) -> dict:
+def check_keys(key: str, klass: type, raw: Any) -> dict:
+    """`raw` when it is a mapping of `klass`'s fields only; ValueError naming the key."""
     if not isinstance(raw, dict):
         raise ValueError(f"{key}: must be a mapping, got {type(raw).__name__}")
     known = {f.name for f in dataclasses.fields(klass)}
@@ -162,10 +163,10 @@ class DeploymentSpec:
     def __post_init__(self) -> None:
         if isinstance(self.resources, dict):
             self.resources = ResourcesSpec(
-                **_check_keys("deployment.resources", ResourcesSpec, self.resources))
+                **check_keys("deployment.resources", ResourcesSpec, self.resources))
         if isinstance(self.autoscaling, dict):
             self.autoscaling = AutoscalingSpec(
-                **_check_keys("deployment.autoscaling", AutoscalingSpec, self.autoscaling))
+                **check_keys("deployment.autoscaling", AutoscalingSpec, self.autoscaling))
         if self.name is not None:
             check_dns_label("deployment.name", self.name)
         for key in ("namespace", "gateway_namespace", "monitoring_namespace"):

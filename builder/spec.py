@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from builder.deployment_spec import DeploymentSpec
+from builder.deployment_spec import DeploymentSpec, check_keys
 from builder.hardware import FP8_PROFILES, GPU_PROFILES, PROFILES
 from builder.lora import LoraSpec
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
@@ -209,13 +209,10 @@ _SECTIONS = {"limits": Limits, "kv_cache": KVCacheConfig, "quantization": Quanti
 
 
 def _build_section(key: str, klass: type, raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        raise SpecError(f"{key}: must be a mapping, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(klass)}
-    for sub in raw:
-        if sub not in known:
-            raise SpecError(f"{key}.{sub}: unknown key (known: {sorted(known)})")
-    raw = dict(raw)
+    try:
+        raw = dict(check_keys(key, klass, raw))
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     if key == "kv_cache" and raw.get("memory_bytes") is not None:
         raw["memory_bytes"] = parse_bytes("kv_cache.memory_bytes", raw["memory_bytes"])
     try:

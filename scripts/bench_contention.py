@@ -41,7 +41,8 @@ import torch  # noqa: E402
 from triton_backend.engine import Request  # noqa: E402
 from triton_backend.engine.llm_engine import LLMEngine  # noqa: E402
 
-WARMUP_STEPS = 3
+from scripts.bench_decode_steps import step_times  # noqa: E402
+
 KV_BYTES = 256 << 20
 BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
 
@@ -77,25 +78,7 @@ class BusyNeighbour:
 
 def decode_rate(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
     """Rows / median decode step time with every prompt's sequence decoding."""
-    throttle = engine.scheduler.max_decode_slowdown
-    engine.scheduler.max_decode_slowdown = 0.0  # every sequence enters decode together
-    try:
-        for prompt in prompts:
-            engine.add_request(Request(prompt, WARMUP_STEPS + steps + 2, ignore_eos=True))
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
-            engine.step()
-        for _ in range(WARMUP_STEPS):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        while engine.has_work():
-            engine.step()
-    finally:
-        engine.scheduler.max_decode_slowdown = throttle
-    return len(prompts) / statistics.median(times)
+    return len(prompts) / statistics.median(step_times(engine, prompts, steps))
 
 
 def copy_rate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
