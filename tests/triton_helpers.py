@@ -15,7 +15,7 @@ from typing import Iterator
 
 from builder.serving.serve import TritonServer, free_port, start_tritonserver
 
-__all__ = ["TritonServer", "free_port", "running_tritonserver", "start_tritonserver"]
+__all__ = ["TritonServer", "engine_pid", "free_port", "running_tritonserver", "start_tritonserver"]
 
 
 @contextlib.contextmanager
@@ -34,6 +34,21 @@ def running_tritonserver(repository_dir: str | Path, ready_timeout: float = 240.
         raise
     finally:
         server.stop()
+
+
+def engine_pid(metrics_url: str) -> int | None:
+    """The engine process the tensorrt_llm model talks to now, from its `engine_pid` stat on
+    `/metrics` (published once it is ready); None while nothing answers."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    match = re.search(r'llm_forge_executor_stats\{[^}]*stat="engine_pid"[^}]*\} ([0-9.e+]+)', text)
+    return int(float(match.group(1))) if match else None
 
 
 # A tiny engine + repository for end-to-end tests: random weights, a real byte-level BPE tokenizer

@@ -25,7 +25,7 @@ from builder.client import stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from builder.serving.health import DRAIN_PATH, LIVENESS_PATH, READINESS_PATH, STARTUP_PATH
 from builder.serving.serve import free_port
-from tests.triton_helpers import build_tiny_engine
+from tests.triton_helpers import build_tiny_engine, engine_pid
 
 
 def probe(port: int, path: str) -> tuple[int | None, str]:
@@ -237,16 +237,7 @@ def test_forge_drain_waits_for_the_stream_in_flight_and_triton_stays_on_loopback
 
 
 def _engine_pid(metrics_port: int) -> int | None:
-    import re
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                    timeout=10) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return None
-    match = re.search(r'llm_forge_executor_stats\{[^}]*stat="engine_pid"[^}]*\} ([0-9.e+]+)', text)
-    return int(float(match.group(1))) if match else None
+    return engine_pid(f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 @pytest.mark.slow

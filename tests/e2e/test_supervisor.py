@@ -35,7 +35,7 @@ from builder.serving.serve import free_port, http_ok
 from builder.serving.drain import active_requests
 from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, control_request,
                                         probe_model, stop_supervisors, supervised_models)
-from tests.triton_helpers import build_tiny_engine, running_tritonserver
+from tests.triton_helpers import build_tiny_engine, engine_pid, running_tritonserver
 from triton_backend.models.serving_control import (CONTROL_TOKEN_ENV, DRAIN_REFUSED,
                                                    DRAIN_REQUEST_ID, PROBE_REQUEST_ID,
                                                    drain_request_id, is_drain_request)
@@ -379,17 +379,7 @@ def test_a_killed_preprocessing_stub_is_reloaded_and_the_ensemble_serves_again(s
 
 
 def _engine_pid(server) -> int | None:
-    """The engine process the tensorrt_llm model talks to now (set once it is ready)."""
-    import re
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return None
-    match = re.search(r'llm_forge_executor_stats\{[^}]*stat="engine_pid"[^}]*\} ([0-9.e+]+)', text)
-    return int(float(match.group(1))) if match else None
+    return engine_pid(server.metrics_url)
 
 
 @pytest.mark.slow
