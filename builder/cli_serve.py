@@ -13,7 +13,7 @@ from builder.errors import EXIT_INTERNAL, fail
 from builder.serving.addresses import LOOPBACK, bind_address, check_port_free
 from builder.serving.health import (DEFAULT_HEALTH_PORT, LIVENESS_PATH, READINESS_PATH,
                                     STARTUP_PATH, HealthState)
-from builder.serving.serve import ALLOCATOR_PACKAGES, MALLOC_CHOICES
+from builder.serving.allocator import ALLOCATOR_PACKAGES, MALLOC_CHOICES
 
 
 @click.command("serve")

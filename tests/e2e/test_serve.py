@@ -66,7 +66,7 @@ def test_server_runs_python_models_with_this_interpreter_and_stops(echo_reposito
 
 
 def test_the_allocator_is_jemalloc_then_tcmalloc_then_glibcs(tmp_path):
-    from builder.serving.serve import find_allocator, with_allocator
+    from builder.serving.allocator import find_allocator, with_allocator
 
     jemalloc_dir, tcmalloc_dir, empty = (tmp_path / "a", tmp_path / "b", tmp_path / "c")
     for directory, name in ((jemalloc_dir, "libjemalloc.so.2"),
