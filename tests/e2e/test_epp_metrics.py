@@ -156,8 +156,9 @@ def test_waiting_scheduled_and_fraction_follow_the_load(server):
     def loaded():
         scrape = Scrape(server)
         seen.append(scrape)
-        return (scrape.value("runningRequestsSpec") == MAX_BATCH_SIZE
+        full = (scrape.value("runningRequestsSpec") == MAX_BATCH_SIZE
                 and scrape.value("queuedRequestsSpec") > 0 and scrape.whole())
+        return scrape if full else None
 
     def adapter_running():
         running = Scrape(server).lora_info()["running_lora_adapters"].split(",")
