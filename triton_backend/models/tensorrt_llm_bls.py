@@ -42,10 +42,21 @@ INNER_OUTPUTS = ("output_ids", "output_log_probs", ERROR_OUTPUT, *PASSED_OUTPUTS
 CHECK_SECONDS = 0.1  # how often the clients of requests in flight are asked if they cancelled
 
 
+def _is_cancelled(sender) -> bool:
+    try:
+        return bool(sender.is_cancelled())
+    except Exception:  # the stub could not ask: the request's end says what happened
+        return False
+
+
 class CancelWatch:
     """Stops the inner request of every request whose client cancelled, checked on a timer and
     not on the inner request's chunks: a request still waiting for a batch slot (or a
-    non-streamed one) has no chunk to check on, and would keep its place until it ran."""
+    non-streamed one) has no chunk to check on, and would keep its place until it ran.
+
+    A sender is asked only while it is watched, under the lock `forget` takes: a worker forgets
+    its request before it sends the final response, after which Triton frees the response
+    factory the sender would ask (asking then crashes tritonserver)."""
 
     def __init__(self, inner_model: str) -> None:
         self.inner_model = inner_model
@@ -60,6 +71,7 @@ class CancelWatch:
             self._watched[inner_id] = sender
 
     def forget(self, inner_id: str) -> None:
+        """From its return on, `inner_id`'s sender is never asked again."""
         with self._lock:
             self._watched.pop(inner_id, None)
 
@@ -70,15 +82,12 @@ class CancelWatch:
     def _run(self) -> None:
         while not self._closing.wait(CHECK_SECONDS):
             with self._lock:
-                watched = list(self._watched.items())
-            for inner_id, sender in watched:
-                try:
-                    cancelled = sender.is_cancelled()
-                except Exception:  # a sender whose request already ended
-                    cancelled = False
-                if cancelled:
-                    self.forget(inner_id)  # once: the inner model ends it with a final
-                    stop_request(self.inner_model, inner_id)
+                cancelled = [inner_id for inner_id, sender in self._watched.items()
+                             if _is_cancelled(sender)]
+                for inner_id in cancelled:  # once: the inner model ends it with a final
+                    del self._watched[inner_id]
+            for inner_id in cancelled:
+                stop_request(self.inner_model, inner_id)
 
 
 @dataclass(frozen=True)
@@ -197,27 +206,34 @@ class BlsModel:
         return inner, detokenizer
 
     def _relay(self, inner, detokenizer, sender, stream: bool) -> None:
-        self.cancels.watch(inner.request_id(), sender)
+        inner_id = inner.request_id()
+        self.cancels.watch(inner_id, sender)
         try:
-            self._relay_chunks(inner, detokenizer, sender, stream)
+            self._relay_chunks(inner, detokenizer, sender, stream,
+                               lambda: self.cancels.forget(inner_id))
         finally:
-            self.cancels.forget(inner.request_id())
+            self.cancels.forget(inner_id)
 
-    def _relay_chunks(self, inner, detokenizer, sender, stream: bool) -> None:
+    def _relay_chunks(self, inner, detokenizer, sender, stream: bool, ending) -> None:
+        """Relay the inner request's chunks; `ending()` is called before the final response."""
         reply = Reply()
         responses = inner.exec(decoupled=True) if self.decoupled else [inner.exec()]
         for response in responses:
             if response.has_error():
+                ending()
                 send_error(sender, response.error().message())
                 return
             chunk = InnerChunk.read({t.name(): t.as_numpy() for t in response.output_tensors()})
             if isinstance(chunk, str):
+                ending()
                 send_error(sender, chunk)
                 return
             if chunk is None:
                 continue  # an empty closing response
             text = detokenizer.add(chunk.ids, chunk.finish_reason)
             final = bool(chunk.finish_reason)
+            if final:
+                ending()
             if stream:
                 self._send(sender, Reply([text], chunk.log_probs, chunk.ids), chunk.passed, final)
             else:
@@ -227,6 +243,7 @@ class BlsModel:
             if final:
                 return
         # Never a stream without its end, even if the inner one stopped short of a final answer.
+        ending()
         send_error(sender, "tensorrt_llm_bls: the tensorrt_llm stream ended without a final "
                            "response")
 
