@@ -17,6 +17,7 @@ from triton_backend.models.serving_control import drain_request_id
 RELAY_SECONDS = 1.0  # for a final response to pass from tensorrt_llm through the ensemble
 CONTROL_SECONDS = 10.0  # for each of the drain's two calls (the drain request, readiness off)
 SLOW_SECONDS = 2.0  # a drain phase that takes longer is reported with its time
+GAUGE_LAG_SECONDS = 0.3  # the model's counters are published every stats_period_ms (100 ms)
 
 
 def active_requests(metrics_url: str, model: str = "tensorrt_llm") -> int | None:
@@ -44,7 +45,10 @@ def drain(server, timeout: float, report: Callable[[str], None] = print,
         report(f"drain: {model} did not take the drain request ({result.message})")
     _slow(report, "the drain request", started)
     # Counted before readiness is turned off: that can take longer than the drain timeout on a
-    # busy machine, and the requests cancelled at the timeout were in flight all the same.
+    # busy machine, and the requests cancelled at the timeout were in flight all the same. Not at
+    # once: the gauge lags by the model's publish period, and a request that ended just before
+    # the drain would still count.
+    time.sleep(GAUGE_LAG_SECONDS)
     at_start = active_requests(server.metrics_url, model)
     marked = time.monotonic()
     error = mark_not_ready(server.http_url, "the server is shutting down (draining)",
