@@ -163,19 +163,21 @@ def test_the_gemm_plan_can_be_forced_without_measuring(monkeypatch, tmp_path, va
         bf16_gemm_plan("any-key")
 
 
-def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path):
-    """The plan is cached per kernel build key, and the key names the CPU: another CPU never
-    reads this one's plan."""
+@pytest.mark.parametrize("level", ["native", "x86-64-v3"])
+def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
+    """The plan is cached per plan key, and the key names the CPU whether the library was built
+    for this CPU or for a named level: another CPU never reads this one's plan."""
     from triton_backend.engine import kernels
 
     monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    monkeypatch.setenv(kernels.MARCH_ENV, level)
     monkeypatch.delenv(PLAN_ENV, raising=False)
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(kernels, "_cpu_signature", lambda: "model name: cpu A\nflags: avx2")
-    key_a = kernels.build_key()
+    key_a = kernels.plan_key()
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(kernels, "_cpu_signature", lambda: "model name: cpu B\nflags: avx2 amx")
-    assert kernels.build_key() != key_a
+    assert kernels.plan_key() != key_a
     cached = tmp_path / "kernels" / key_a / "bf16_gemm_plan.json"
     cached.parent.mkdir(parents=True)
     cached.write_text('{"plan": {"packed": true, "upcast_min_rows": 512, "layout": "tiles"}}')
@@ -185,7 +187,7 @@ def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path):
                         lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}))
     monkeypatch.setattr("triton_backend.engine.kernels.linear.available_layouts",
                         lambda: ("tiles",))
-    assert bf16_gemm_plan(kernels.build_key()) == Bf16GemmPlan(True, None, "tiles")
+    assert bf16_gemm_plan(kernels.plan_key()) == Bf16GemmPlan(True, None, "tiles")
     assert measured == ["tiles"]  # B measured anew
 
 
