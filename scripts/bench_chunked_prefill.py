@@ -7,13 +7,14 @@ the engine process does); every step hands each running stream one token, so a s
 inter-token latency is the duration of the step that produced the token. Reported per budget:
 the streams' ITL p50 before the long prompt arrives (steady) and their ITL p99 while it is being
 prefilled, the ratio, and the long prompt's time to first token, for each
-`limits.max_decode_slowdown` given (0: the prefill takes the whole budget; else the scheduler
-cuts prefill chunks to what a step can carry beside the decodes, learnt from the step times).
+`limits.target_itl_ms` given (0: the prefill takes the whole budget; "auto" or a number of ms:
+the scheduler cuts prefill chunks to what a step can carry beside the decodes within that
+target, learnt from the step times).
 Runs are interleaved across settings and repeated; the table shows medians over repeats.
 Measure on a quiet machine.
 
     python scripts/bench_chunked_prefill.py --engine engines/smollm2-135m \
-        [--max-num-tokens 16,32,64] [--max-decode-slowdown 0,1.5] [--streams 8] [--repeats 5] \
+        [--max-num-tokens 16,32,64] [--target-itl-ms 0,auto,100] [--streams 8] [--repeats 5] \
         [--out bench/chunked-prefill]
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--engine", required=True)
     parser.add_argument("--max-num-tokens", default=None,
                         help="Comma-separated per-step budgets (default: the engine's own).")
-    parser.add_argument("--max-decode-slowdown", default=None,
+    parser.add_argument("--target-itl-ms", default=None,
                         help="Comma-separated settings (default: 0 and the engine's own).")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--long-factor", type=int, default=4, help="Long prompt = budget x this.")
@@ -44,13 +45,13 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def one_run(engine, budget: int, slowdown: float, streams: int, long_factor: int,
+def one_run(engine, budget: int, target: float | str, streams: int, long_factor: int,
             steady_steps: int, rng: random.Random) -> dict:
     """Returns the streams' ITLs (s) before and during the long prefill, and its TTFT (s)."""
     from triton_backend.engine import Request
 
     engine.scheduler.max_num_tokens = budget
-    engine.scheduler.max_decode_slowdown = slowdown
+    engine.scheduler.target_itl_ms = target
     vocab = engine.config.model.vocab_size
     long_len = budget * long_factor
     horizon = steady_steps + 4 * long_factor + 64  # tokens each stream may need
@@ -115,23 +116,22 @@ def main() -> None:
         if budget * args.long_factor > limit:
             raise SystemExit(f"--max-num-tokens {budget}: a {budget * args.long_factor}-token "
                              f"prompt exceeds the engine's max_input_len {limit}")
-    slowdowns = ([float(v) for v in args.max_decode_slowdown.split(",")]
-                  if args.max_decode_slowdown
-                  else sorted({0.0, float(engine.config.limits.max_decode_slowdown)}))
-    settings = [(b, s) for b in budgets for s in slowdowns]
+    targets = ([v if v == "auto" else float(v) for v in args.target_itl_ms.split(",")]
+               if args.target_itl_ms else [0, engine.config.limits.target_itl_ms])
+    settings = [(b, t) for b in budgets for t in dict.fromkeys(targets)]
     rng = random.Random(0)
-    for budget, slowdown in settings:  # warm-up (and a first step-time fit)
-        one_run(engine, budget, slowdown, args.streams, args.long_factor, 4, rng)
-    runs: dict[str, list[dict]] = {f"{b}/{s:g}": [] for b, s in settings}
+    for budget, target in settings:  # warm-up (and a first step-time fit)
+        one_run(engine, budget, target, args.streams, args.long_factor, 4, rng)
+    runs: dict[str, list[dict]] = {f"{b}/{t}": [] for b, t in settings}
     for _ in range(args.repeats):
-        for budget, slowdown in settings:
-            runs[f"{budget}/{slowdown:g}"].append(one_run(
-                engine, budget, slowdown, args.streams, args.long_factor, args.steady_steps, rng))
+        for budget, target in settings:
+            runs[f"{budget}/{target}"].append(one_run(
+                engine, budget, target, args.streams, args.long_factor, args.steady_steps, rng))
     table = {key: summarize(r) for key, r in runs.items()}
     print(f"{args.streams} streams decoding while a prompt of max_num_tokens x {args.long_factor} "
           f"is prefilled; medians of {args.repeats} interleaved runs, torch threads "
           f"{torch.get_num_threads()}")
-    print("| max_num_tokens / max_decode_slowdown | long prompt | prefill steps | steady ITL p50 "
+    print("| max_num_tokens / target_itl_ms | long prompt | prefill steps | steady ITL p50 "
           "ms | ITL p99 during prefill ms | ratio | long prompt TTFT ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for key, row in table.items():

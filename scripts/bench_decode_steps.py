@@ -33,8 +33,8 @@ WARMUP_STEPS = 3
 
 def step_times(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[float]:
     """Seconds of each of `steps` decode steps with every prompt's sequence decoding."""
-    throttle = engine.scheduler.max_decode_slowdown
-    engine.scheduler.max_decode_slowdown = 0.0
+    target = engine.scheduler.target_itl_ms
+    engine.scheduler.target_itl_ms = 0
     try:
         for prompt in prompts:
             engine.add_request(Request(prompt, WARMUP_STEPS + steps + 2, ignore_eos=True))
@@ -50,7 +50,7 @@ def step_times(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[
         while engine.has_work():
             engine.step()
     finally:
-        engine.scheduler.max_decode_slowdown = throttle
+        engine.scheduler.target_itl_ms = target
     return times
 
 

@@ -77,7 +77,7 @@ def test_fifty_mixed_requests_give_the_same_tokens_with_the_cache_on_and_off(
                            enable_prefix_caching=caching)
         engine.scheduler.max_num_tokens = max_num_tokens
         # the same schedule in every run: no prefill room sized by measured step times
-        engine.scheduler.max_decode_slowdown = 0
+        engine.scheduler.target_itl_ms = 0
         results[caching] = _drive(engine, requests, arrivals, cancel_after)
         assert_no_leaks(engine)
         stats = engine.get_stats()

@@ -71,52 +71,63 @@ def test_abort_frees_blocks_wherever_the_sequence_is():
     assert running.finish_reason == FinishReason.CANCELLED and running.is_finished
 
 
-# Room for prefill rows beside decodes (max_decode_slowdown, long_prefill_tokens)
+# Room for prefill rows beside decodes (target_itl_ms)
+
+def measured(sched: Scheduler, fixed: float, per_row: float) -> Scheduler:
+    """Teach the scheduler's step-cost line `fixed` + `per_row` x rows (seconds)."""
+    for _ in range(5):
+        for rows in (4, 40):
+            sched.step_cost.observe(rows, fixed + per_row * rows)
+    return sched
+
 
 def test_prefill_beside_decodes_is_cut_to_the_room_and_finishes():
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
-    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5,
-                      long_prefill_tokens=0)  # every prefill counts as long
+    sched = measured(Scheduler(bm, max_num_tokens=64, max_batch_size=8, target_itl_ms="auto"),
+                     0.004, 0.001)
     for i in range(4):
         sched.add(seq(i, 3, max_tokens=40))
     assert run(sched, 2)[1] == [(i, 1) for i in range(4)]  # prefilled, now decoding
     sched.add(seq(9, 30, max_tokens=2))
-    log = run(sched, 16)
-    # nothing measured: all cost is per row, so 4 decode rows leave room for 2 prefill rows
-    assert log[0] == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 2)]
-    prefill = [n for step in log for s, n in step if s == 9]
-    assert prefill[:15] == [2] * 15 and sum(prefill) == 30 + 1  # 30 prompt tokens, 1 decode
+    log = run(sched, 3)
+    # 4 decode rows take 8 ms; AUTO_ITL_STEPS (3.5) of those steps leave room for 20 more rows
+    assert log[0] == [(0, 1), (1, 1), (2, 1), (3, 1), (9, 20)]
+    assert [n for step in log for s, n in step if s == 9] == [20, 10, 1]  # then its one decode
 
 
-def test_a_long_prompt_is_cut_until_its_rest_is_short_then_goes_whole():
+def test_before_any_measurement_the_prior_split_sizes_the_room():
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
-    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5)
-    assert sched.long_prefill_threshold == 8  # max_num_tokens // 8 when not given
+    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, target_itl_ms="auto")
     for i in range(4):
         sched.add(seq(i, 3, max_tokens=40))
     run(sched, 2)
-    sched.add(seq(9, 30, max_tokens=2))
-    prefill = [n for step in run(sched, 16) for s, n in step if s == 9]
-    # 2 rows a step beside 4 decodes while more than 8 tokens are left, then the 8 at once
-    assert prefill[:12] == [2] * 11 + [8] and sum(prefill[:12]) == 30
+    sched.add(seq(9, 60, max_tokens=2))
+    # (AUTO_ITL_STEPS - 1) x (PRIOR_FIXED_ROWS + 4 decode rows) = 2.5 x 12
+    assert run(sched, 1)[0][-1] == (9, 30)
 
 
-def test_short_prompts_are_prefilled_whole_beside_decodes_even_past_the_room():
+def test_every_prompt_shares_the_room_the_started_one_first():
+    """Finish what was started before admitting more: the prefill already running takes the room
+    first, arrivals get what it leaves, most urgent first, short prompts included."""
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
-    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=1.5,
-                      long_prefill_tokens=12)
-    sched.add(seq(0, 3, max_tokens=40))
-    run(sched, 1)  # one sequence decodes: the room beside it is 1 row
-    for i in (1, 2, 3):
-        sched.add(seq(i, 12, max_tokens=4))
-    sched.add(seq(4, 13, max_tokens=4))  # long: waits for room, and keeps its place in line
-    sched.add(seq(5, 4, max_tokens=4))
-    assert run(sched, 1)[0] == [(0, 1), (1, 12), (2, 12), (3, 12)]
+    sched = measured(Scheduler(bm, max_num_tokens=64, max_batch_size=8, target_itl_ms="auto"),
+                     0.002, 0.001)
+    for i in range(2):
+        sched.add(seq(i, 3, max_tokens=40))
+    run(sched, 1)  # two decoding rows (4 ms a step): room for 3.5 x 4 - 4 = 10
+    sched.add(seq(5, 24, max_tokens=4))
+    assert run(sched, 1)[0] == [(0, 1), (1, 1), (5, 10)]
+    sched.add(seq(6, 8, max_tokens=4))
+    sched.add(seq(7, 4, max_tokens=4))
+    steps = run(sched, 3)
+    assert steps[0] == [(0, 1), (1, 1), (5, 10)]           # the started prompt takes it all
+    assert steps[1] == [(0, 1), (1, 1), (5, 4), (6, 6)]    # its rest, then the next arrival
+    assert steps[2] == [(0, 1), (1, 1), (5, 1), (6, 2), (7, 4)]  # 3 decoding rows: room 12
 
 
-def test_measured_fixed_cost_widens_the_room():
+def test_a_target_in_ms_sizes_the_room_from_the_measured_step_cost():
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
-    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, max_decode_slowdown=2.0)
+    sched = Scheduler(bm, max_num_tokens=64, max_batch_size=8, target_itl_ms=88)
     for _ in range(10):  # a memory-bound step: 40 ms whatever the rows, plus 1 ms per row
         sched.step_cost.observe(4, 0.044)
         sched.step_cost.observe(8, 0.048)
@@ -124,42 +135,28 @@ def test_measured_fixed_cost_widens_the_room():
         sched.add(seq(i, 3, max_tokens=40))
     run(sched, 1)
     sched.add(seq(9, 60, max_tokens=2))
-    assert run(sched, 1)[0][-1] == (9, 44)  # 2x of 44 ms leaves 44 rows
+    assert run(sched, 1)[0][-1] == (9, 44)  # 88 ms - the 44 ms decode step leaves 44 rows
+    auto = Scheduler(BlockManager(num_blocks=64, tokens_per_block=4), max_num_tokens=64,
+                     max_batch_size=8, target_itl_ms="auto")
+    auto.step_cost = sched.step_cost
+    for i in range(4):
+        auto.add(seq(i, 3, max_tokens=40))
+    run(auto, 1)
+    auto.add(seq(9, 200, max_tokens=2))
+    assert run(auto, 1)[0][-1] == (9, 60)  # 3.5 x 44 ms leaves 110 rows: the budget's 60 left
 
 
-def test_no_cap_without_decodes_or_when_off():
+def test_no_cap_without_decodes_or_without_a_target():
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
-    sched = Scheduler(bm, max_num_tokens=16, max_batch_size=8, max_decode_slowdown=1.5)
+    sched = Scheduler(bm, max_num_tokens=16, max_batch_size=8, target_itl_ms="auto")
     sched.add(seq(1, 40, max_tokens=2))
     assert run(sched, 1) == [[(1, 16)]]  # nothing decodes: the whole budget
     off = Scheduler(BlockManager(num_blocks=64, tokens_per_block=4), max_num_tokens=16,
-                    max_batch_size=8, max_decode_slowdown=0)
+                    max_batch_size=8, target_itl_ms=0)
     off.add(seq(1, 3, max_tokens=40))
     run(off, 1)
     off.add(seq(2, 40, max_tokens=2))
     assert run(off, 1) == [[(1, 1), (2, 15)]]
-
-
-def test_with_only_short_prompts_the_default_schedules_as_the_throttle_off():
-    """The vLLM workload's shape: waves of 128-token prompts arriving one by one among decodes.
-    Every prompt is short (<= max_num_tokens / 8), so the default's schedule is the one with the
-    throttle off, step for step (whatever the step-cost line has learned)."""
-    def schedules(slowdown: float) -> list:
-        sched = Scheduler(BlockManager(num_blocks=2048, tokens_per_block=16), max_num_tokens=2048,
-                          max_batch_size=32, max_decode_slowdown=slowdown)
-        for _ in range(20):
-            sched.step_cost.observe(16, 0.040)  # a compute-bound CPU: all cost per row
-        log, next_id = [], 0
-        for index in range(400):
-            if index % 9 == 0 and next_id < 48:  # arrivals trickle in between steps
-                for _ in range(min(1 + index % 4, 48 - next_id)):
-                    sched.add(seq(next_id, 128, max_tokens=64))
-                    next_id += 1
-            log += run(sched, 1)
-        assert next_id == 48 and not sched.has_work()
-        return log
-
-    assert schedules(1.5) == schedules(0)
 
 
 # Priorities

@@ -3,7 +3,7 @@ prefill rows beside decodes; the scheduler's use of them is in test_scheduler.py
 import pytest
 
 from triton_backend.engine.config import Limits
-from triton_backend.engine.step_cost import StepCostModel
+from triton_backend.engine.step_cost import PRIOR_FIXED_ROWS, StepCostModel
 
 
 def test_fit_recovers_fixed_and_per_row_cost_from_two_row_counts():
@@ -13,36 +13,63 @@ def test_fit_recovers_fixed_and_per_row_cost_from_two_row_counts():
         model.observe(12, 0.010 + 12 * 0.001)
     fixed, per_row = model.fit()
     assert fixed == pytest.approx(0.010) and per_row == pytest.approx(0.001)
-    # 8 decode rows take 18 ms; at 1.5x (27 ms) the step may carry 9 more rows
-    assert model.extra_rows(8, 1.5) == 9
+    # 8 decode rows take 18 ms: a 27 ms target leaves 9 more rows, 3 decode steps (54 ms) 36
+    assert model.predict(8) == pytest.approx(0.018)
+    assert model.extra_rows(8, 0.027, 3.0) == 9
+    assert model.extra_rows(8, None, 3.0) == 36
+    assert model.extra_rows(8, 0.010, 3.0) == 1  # a target under the decode step: 1 row still
 
 
-def test_one_row_count_or_too_few_steps_read_as_all_per_row_cost():
+def test_before_a_line_the_prior_split_reads_the_steps():
     model = StepCostModel(min_steps=8)
-    assert model.fit() is None and model.extra_rows(8, 1.5) == 4  # nothing measured yet
+    # nothing measured: (steps - 1) x (PRIOR_FIXED_ROWS + rows), whatever the target in ms
+    assert model.fit() is None and model.predict(8) is None
+    assert PRIOR_FIXED_ROWS == 8
+    assert model.extra_rows(8, None, 1.5) == 8 and model.extra_rows(8, 0.5, 3.0) == 32
     for _ in range(8):
-        model.observe(8, 0.016)
-    assert model.fit() == (0.0, pytest.approx(0.002))
-    assert model.extra_rows(8, 1.5) == 4
-    assert model.extra_rows(1, 1.2) == 1  # a prefill always moves on
+        model.observe(8, 0.016)  # one row count: the split is unknown, the prior reads it
+    assert model.fit() == (pytest.approx(0.008), pytest.approx(0.001))
+    assert model.extra_rows(8, None, 3.0) == 32
+    assert model.extra_rows(8, 0.0215, 3.0) == 5
+    assert model.extra_rows(1, 0.001, 1.2) == 1  # a prefill always moves on
+
+
+def test_a_good_line_stands_while_the_steps_all_have_one_size():
+    """A batch that settles into one step size teaches nothing new: the line it learnt stands
+    (reading the split as unknown again shrank the chunks and kept the steps one size)."""
+    model = StepCostModel(decay=0.5, min_steps=2)
+    for rows in (4, 40, 4, 40):
+        model.observe(rows, 0.020 + rows * 0.002)
+    assert model.fit() == (pytest.approx(0.020), pytest.approx(0.002))
+    for _ in range(40):
+        model.observe(12, 0.050)  # one size, slower: no new line
+    assert model.fit() == (pytest.approx(0.020), pytest.approx(0.002))
 
 
 def test_a_falling_line_is_not_believed():
     model = StepCostModel(decay=1.0, min_steps=2)
     model.observe(4, 0.020)
-    model.observe(8, 0.010)  # noise: more rows, less time
-    assert model.fit() == (0.0, pytest.approx(0.030 / 12))
+    model.observe(8, 0.010)  # noise: more rows, less time: the prior split of the mean step
+    assert model.fit() == (pytest.approx(8 * 0.015 / 14), pytest.approx(0.015 / 14))
 
 
-def test_long_prefill_tokens_is_validated_naming_the_field():
-    with pytest.raises(ValueError, match=r"limits.long_prefill_tokens must be an integer in "
-                                         r"\[0, limits.max_num_tokens \(64\)\] or absent, got 65"):
-        Limits(max_num_tokens=64, long_prefill_tokens=65)
-    assert Limits(max_num_tokens=64, long_prefill_tokens=0).long_prefill_tokens == 0
+@pytest.mark.parametrize("value", [-1, True, "fast", 60_001, None])
+def test_target_itl_ms_is_validated_naming_the_field(value):
+    with pytest.raises(ValueError, match=r'limits.target_itl_ms must be "auto", 0 \(no target\) '
+                                         r"or a number of ms in \(0, 60000\], got "):
+        Limits(target_itl_ms=value)
+    assert Limits(target_itl_ms=80).target_itl_ms == 80 and Limits().target_itl_ms == "auto"
 
 
-@pytest.mark.parametrize("value", [1.0, 0.5, -1, True, "fast", 101])
-def test_max_decode_slowdown_is_validated_naming_the_field(value):
-    with pytest.raises(ValueError, match="limits.max_decode_slowdown must be 0 .off. or a "
-                                         "number in .1, 100."):
-        Limits(max_decode_slowdown=value)
+def test_an_older_engines_scheduler_ratio_is_dropped_for_the_auto_target():
+    from triton_backend.engine.config import RETIRED_LIMITS, EngineConfig, ModelShape
+
+    limits = dict(max_batch_size=4, max_num_tokens=64, max_input_len=32, max_seq_len=64)
+    config = EngineConfig(name="x", target="torch", dtype="float32",
+                          model=ModelShape("llama", 128, 64, 128, 2, 4, 2, 16),
+                          limits=Limits(**limits))
+    data = config.to_dict()
+    data["limits"] = dict(data["limits"], max_decode_slowdown=1.5, long_prefill_tokens=8)
+    data["limits"].pop("target_itl_ms")
+    assert EngineConfig.from_dict(data).limits == Limits(**limits)
+    assert set(RETIRED_LIMITS) == {"max_decode_slowdown", "long_prefill_tokens"}

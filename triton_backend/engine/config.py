@@ -75,6 +75,12 @@ class ModelShape:
         return self.num_key_value_heads * self.head_dim
 
 
+# What older engines' config.json may still carry: the scheduler's ratio, which target_itl_ms
+# replaced (an older engine runs with the "auto" target).
+RETIRED_LIMITS = ("max_decode_slowdown", "long_prefill_tokens")
+AUTO_ITL_STEPS = 3.5
+
+
 @dataclass
 class Limits:
     """Per-engine request limits, named as trtllm-build names them."""
@@ -83,29 +89,21 @@ class Limits:
     max_num_tokens: int = 1024
     max_input_len: int = 1024
     max_seq_len: int = 2048
-    # While sequences decode, prefill chunks are sized so that a step is predicted to take at
-    # most this many times a decode-only step (step_cost.py); 0 lets prefills take the whole
-    # max_num_tokens budget. Not a trtllm-build setting: our scheduler's.
-    max_decode_slowdown: float = 1.5
-    # A prompt with more than this many tokens left to prefill is long: only long prompts are
-    # cut to the room `max_decode_slowdown` leaves beside decodes; a short one is prefilled whole
-    # within max_num_tokens, as vLLM's long_prefill_token_threshold does (chunking a short prompt
-    # costs its time to first token and, on a CPU, GEMM efficiency, for little ITL gained).
-    # None: max_num_tokens // 8.
-    long_prefill_tokens: int | None = None
+    # The inter-token latency running streams are promised while prompts are prefilled beside
+    # them: a step that decodes carries only the prefill rows the step-cost line (step_cost.py)
+    # predicts fit within this many ms. "auto": AUTO_ITL_STEPS decode-only steps of the batch
+    # at hand (so the promise follows the machine, the model and the load); 0: no promise, a
+    # prefill takes the whole max_num_tokens budget (vLLM's schedule). Not a trtllm-build
+    # setting: our scheduler's.
+    target_itl_ms: float | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len"):
             _positive(f"limits.{name}", getattr(self, name))
-        slowdown = self.max_decode_slowdown
-        _require(is_number(slowdown) and (slowdown == 0 or 1 < slowdown <= 100),
-                 f"limits.max_decode_slowdown must be 0 (off) or a number in (1, 100], "
-                 f"got {slowdown!r}")
-        _require(self.long_prefill_tokens is None or (
-                     is_int(self.long_prefill_tokens)
-                     and 0 <= self.long_prefill_tokens <= self.max_num_tokens),
-                 f"limits.long_prefill_tokens must be an integer in [0, limits.max_num_tokens "
-                 f"({self.max_num_tokens})] or absent, got {self.long_prefill_tokens!r}")
+        target = self.target_itl_ms
+        _require(target == "auto" or (is_number(target) and 0 <= target <= 60_000),
+                 f"limits.target_itl_ms must be \"auto\", 0 (no target) or a number of ms in "
+                 f"(0, 60000], got {target!r}")
         _require(self.max_input_len < self.max_seq_len,
                  f"limits.max_input_len ({self.max_input_len}) must be < limits.max_seq_len "
                  f"({self.max_seq_len})")
@@ -303,6 +301,9 @@ class EngineConfig:
         kwargs = dict(data)
         if kwargs.get("lora") is not None:
             kwargs["lora"] = LoraConfig(**kwargs["lora"])
+        if "limits" in kwargs:  # engines built before target_itl_ms replaced the ratio
+            kwargs["limits"] = {k: v for k, v in kwargs["limits"].items()
+                                if k not in RETIRED_LIMITS}
         for key, klass in sections.items():
             if key in kwargs:
                 kwargs[key] = klass(**kwargs[key])

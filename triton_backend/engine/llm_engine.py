@@ -118,8 +118,7 @@ class LLMEngine:
         limits = self.config.limits
         return Scheduler(self.block_manager, limits.max_num_tokens, limits.max_batch_size,
                          self.priority_aging_rate, self.clock,
-                         max_decode_slowdown=limits.max_decode_slowdown,
-                         long_prefill_tokens=limits.long_prefill_tokens,
+                         target_itl_ms=limits.target_itl_ms,
                          max_loras=self.config.lora.max_loras if self.config.lora else None)
 
     def validate(self, request: Request) -> None:
@@ -225,9 +224,9 @@ class LLMEngine:
         return responses
 
     def _observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
-        """Steps with a decoding row teach the scheduler what rows cost beside decodes."""
-        if any(len(c.new_token_ids) - c.num_draft_tokens == 1 for c in output.chunks):
-            self.scheduler.step_cost.observe(output.num_tokens, seconds)
+        """Every step teaches the scheduler what rows cost: decode steps the fixed part, prefill
+        steps (hundreds of rows) the per-row part."""
+        self.scheduler.step_cost.observe(output.num_tokens, seconds)
 
     def _release(self, seq: Sequence) -> None:
         self.runner.sampler.release(seq.seq_id)

@@ -16,11 +16,14 @@ the previous step; they are scheduled behind its last token when the budget and 
 allow (speculation never preempts anyone), verified in the same forward pass, and `update` appends
 the accepted ones.
 
-While sequences decode, a long prompt (more than `long_prefill_tokens` left to prefill) is cut
-to the room that keeps the step within `max_decode_slowdown` of a decode-only one; a short prompt
-is prefilled whole within the token budget, as in vLLM. On a CPU a step is compute-bound: cutting
-a short prompt into slivers beside the decodes starved arrivals (seconds of waiting for room) and
-ran the prefill at decode-sized GEMM efficiency, for an ITL bound the short prompt barely dents.
+While sequences decode, every prefill shares the room the target inter-token latency leaves
+(`limits.target_itl_ms`): the step-cost line predicts how many rows a step may carry and stay
+within it; the prefills already started take the room first (finish what was started before
+admitting more), then arrivals, most urgent first. With "auto" the target is AUTO_ITL_STEPS
+decode-only steps of the batch at hand: on a compute-bound CPU a bigger step amortizes what every
+step pays whatever its rows (reading the weights, the step's Python), so the prefill goes in
+chunks of tens of rows rather than slivers, and the streams beside it keep an even pace (no step
+of a whole long prompt). With nothing decoding, a prompt takes the whole `max_num_tokens` budget.
 
 Pure Python (no torch).
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from triton_backend.engine.block_manager import BlockManager
+from triton_backend.engine.config import AUTO_ITL_STEPS
 from triton_backend.engine.request import FinishReason, Request
 from triton_backend.engine.sequence import Sequence, SequenceStatus
 from triton_backend.engine.step_cost import StepCostModel
@@ -78,8 +82,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_tokens: int, max_batch_size: int,
                  priority_aging_rate: float = DEFAULT_AGING_RATE,
                  clock: Callable[[], int] = time.time_ns,
-                 max_decode_slowdown: float = 0.0,
-                 long_prefill_tokens: int | None = None,
+                 target_itl_ms: float | str = 0,
                  max_loras: int | None = None) -> None:
         """`max_loras`: the most distinct LoRA adapters one step may run (None: no adapters)."""
         self.block_manager = block_manager
@@ -87,10 +90,9 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.clock = clock
-        # Prefill rows a step may carry while others decode (None: the budget alone), from the
+        # Prefill rows a step may carry while others decode (0: the budget alone), from the
         # step times the engine reports to `step_cost`.
-        self.max_decode_slowdown = max_decode_slowdown
-        self.long_prefill_tokens = long_prefill_tokens  # None: max_num_tokens // 8
+        self.target_itl_ms = target_itl_ms
         self.step_cost = StepCostModel()
         self._prefill_room: int | None = None
         self.waiting = WaitingQueue(priority_aging_rate)
@@ -165,31 +167,24 @@ class Scheduler:
         return seq.lora_task_id in running or len(running) < self.max_loras
 
     def _room_beside_decodes(self) -> int | None:
-        """Prefill rows this step may carry, or None (no cap: nothing decodes, or it is off)."""
-        if not self.max_decode_slowdown:
+        """Prefill rows this step may carry, or None (no cap: nothing decodes, or no target)."""
+        if not self.target_itl_ms:
             return None
         decode_rows = sum(1 + len(seq.draft_token_ids) for seq in self.running
                           if seq.num_tokens - seq.num_computed_tokens == 1)
         if decode_rows == 0:
             return None
-        return self.step_cost.extra_rows(decode_rows, self.max_decode_slowdown)
-
-    @property
-    def long_prefill_threshold(self) -> int:
-        if self.long_prefill_tokens is not None:
-            return self.long_prefill_tokens
-        return self.max_num_tokens // 8
+        seconds = None if self.target_itl_ms == "auto" else float(self.target_itl_ms) / 1000
+        return self.step_cost.extra_rows(decode_rows, seconds, AUTO_ITL_STEPS)
 
     def _take_prefill_room(self, num_left: int, budget: int) -> int:
         """Tokens of a sequence with `num_left` to compute this step may take: within `budget`,
-        and for a long prefill within the room left beside the decodes, which it uses up. A
-        short prefill goes whole (its rows still count against the room)."""
+        and for a prefill within the room left beside the decodes, which it uses up."""
         num_new = min(num_left, budget)
         if num_left <= 1 or self._prefill_room is None:
             return num_new
-        if num_left > self.long_prefill_threshold:
-            num_new = min(num_new, self._prefill_room)
-        self._prefill_room = max(0, self._prefill_room - num_new)
+        num_new = min(num_new, self._prefill_room)
+        self._prefill_room -= num_new
         return num_new
 
     def _allocate_from_cached_prefix(self, seq: Sequence, budget: int) -> int | None:
