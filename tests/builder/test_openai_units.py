@@ -145,6 +145,9 @@ def test_parameters_map_to_the_ensemble_inputs():
     assert values["temperature"] == 0.5 and values["presence_penalty"] == 0.1
     assert values["exclude_input_in_output"] is True and values["return_log_probs"] is None
     assert values["top_p"] is None  # left out: the repository's default applies
+    assert values["end_id"] is None  # every EOS id of the checkpoint
+    ignoring = CompletionRequest.model_validate({"model": "m", "prompt": "p", "ignore_eos": True})
+    assert ensemble_values(ignoring, "p", 12, log_probs=False)["end_id"] == -1
     assert [finish_reason(r) for r in ("end_id", "stop_words", "length")] == \
         ["stop", "stop", "length"]
     with pytest.raises(OpenAIError, match="finish reason 'cancelled'"):

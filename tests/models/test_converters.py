@@ -56,6 +56,17 @@ def test_parse_request_builds_the_executor_request():
     assert parsed.exclude_input_in_output is True  # our default: count only generated tokens
 
 
+def test_end_id_minus_one_ignores_every_end_id():
+    """TensorRT-LLM's convention (its benchmarks' fixed output lengths): end_id -1 is no end id."""
+    request = parse_request(trt_inputs(end_id=-1), LIMITS, vocab_size=100).request
+    assert request.ignore_eos and request.end_ids is None
+    assert not parse_request(trt_inputs(end_id=9), LIMITS, vocab_size=100).request.ignore_eos
+    with pytest.raises(ValueError, match=r"end_id must be a token id in \[0, 100\), got -2"):
+        from triton_backend.engine.validation import validate_request
+
+        validate_request(parse_request(trt_inputs(end_id=-2), LIMITS, 100).request, LIMITS, 100)
+
+
 def test_defaults_apply_when_inputs_are_absent():
     parsed = parse_request(trt_inputs(), LIMITS, 100, RequestDefaults(temperature=0.5, top_p=0.9))
     assert parsed.request.sampling.temperature == 0.5 and parsed.request.sampling.top_p == 0.9

@@ -250,6 +250,9 @@ def _lora(inputs: Mapping[str, np.ndarray]) -> dict:
     return {"lora_task_id": task_id, "lora_weights": weights, "lora_config": config}
 
 
+NO_END_ID = -1
+
+
 def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: int,
                   defaults: RequestDefaults = RequestDefaults(), *,
                   arrival_time_ns: int | None = None,
@@ -281,7 +284,9 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
     request = Request(
         input_token_ids=ids, max_tokens=max_tokens, sampling=_sampling(inputs, defaults),
         streaming=_flag(inputs, "streaming", False),
-        end_ids=None if end_id is None else [int(end_id)],
+        # -1: no end id at all (TensorRT-LLM's benchmarks' way to ignore EOS)
+        end_ids=None if end_id is None or end_id == NO_END_ID else [int(end_id)],
+        ignore_eos=end_id == NO_END_ID,
         stop_token_sequences=words["stop_words_list"], bad_token_sequences=words["bad_words_list"],
         return_log_probs=_flag(inputs, "return_log_probs", False),
         priority=priority or 0, arrival_time_ns=arrival_time_ns, timeout_ms=timeout_ms,

@@ -8,6 +8,7 @@
 | `stop` (string or list) | `stop_words` (matched on tokens, trimmed from the text) |
 | `logprobs` | `return_log_probs` (+ `output_ids` for the tokens) |
 | `top_k`, `min_tokens`, `repetition_penalty` (vLLM extensions) | same names |
+| `ignore_eos` (vLLM extension) | `end_id` -1 (no end id, as TensorRT-LLM's benchmarks send) |
 | `response_format`, `guided_*`, `structured_outputs` | `guided_decoding_guide_type`, `guided_decoding_guide` (`structured.py`) |
 | `model` naming a LoRA adapter (as vLLM) | `lora_task_id` of that adapter |
 
@@ -34,6 +35,7 @@ def ensemble_values(request: SamplingRequest, prompt: str, max_tokens: int,
         "text_input": prompt, "max_tokens": max_tokens, "stream": request.stream,
         "stop_words": request.stop_strings() or None, "exclude_input_in_output": True,
         "return_log_probs": True if log_probs else None, "lora_task_id": lora_task_id,
+        "end_id": -1 if request.ignore_eos else None,
     }
     for name in SAMPLING_FIELDS:
         values[name] = getattr(request, name)

@@ -45,6 +45,7 @@ class SamplingRequest(BaseModel):
     # Extensions vLLM accepts too; `min_tokens` == `max_tokens` is how benchmarks fix lengths.
     top_k: int | None = Field(None, ge=0)
     min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False  # generate max_tokens whatever the end-of-sequence tokens say
     repetition_penalty: float | None = Field(None, gt=0.0, **FiniteFloat)
     # Structured output (`structured.py`); vLLM's guided_* / structured_outputs arrive as extras.
     response_format: dict[str, Any] | None = None
