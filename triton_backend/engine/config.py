@@ -101,7 +101,8 @@ class Limits:
         for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len"):
             _positive(f"limits.{name}", getattr(self, name))
         target = self.target_itl_ms
-        _require(target == "auto" or (is_number(target) and 0 <= target <= 60_000),
+        _require(target == "auto" or (is_number(target) and not isinstance(target, str)
+                                      and 0 <= target <= 60_000),
                  f"limits.target_itl_ms must be \"auto\", 0 (no target) or a number of ms in "
                  f"(0, 60000], got {target!r}")
         _require(self.max_input_len < self.max_seq_len,
