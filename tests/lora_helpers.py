@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import tiny
@@ -98,3 +99,19 @@ def copy_adapter(source: Path, target: Path, config_changes: dict | None = None,
         edit_weights(state)
         save_file(state, str(path), metadata={"format": "pt"})
     return target
+
+
+def ids_inputs(prompt: list[int], new_tokens: int, task_id: int | None = None,
+               weights: np.ndarray | None = None, config: np.ndarray | None = None) -> dict:
+    """`tensorrt_llm` inputs of one streamed request of exactly `new_tokens` tokens, on the
+    adapter `task_id` (None: the base), optionally carrying the adapter's NVIDIA tensors."""
+    inputs = {"input_ids": np.array([prompt], np.int32),
+              "input_lengths": np.array([[len(prompt)]], np.int32),
+              "request_output_len": np.array([[new_tokens]], np.int32),
+              "min_tokens": np.array([[new_tokens]], np.int32),
+              "streaming": np.array([[True]])}
+    if task_id is not None:
+        inputs["lora_task_id"] = np.array([[task_id]], np.uint64)
+    if weights is not None:
+        inputs["lora_weights"], inputs["lora_config"] = weights[None], config[None]
+    return inputs

@@ -10,12 +10,18 @@ pytest-friendly pieces (a context manager and a readiness probe used after error
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
 from builder.serving.serve import TritonServer, free_port, start_tritonserver
 
-__all__ = ["TritonServer", "engine_pid", "free_port", "running_tritonserver", "start_tritonserver"]
+__all__ = ["ForgeServe", "TritonServer", "children", "cmdline", "engine_pid", "free_port",
+           "running_tritonserver", "start_tritonserver"]
 
 
 @contextlib.contextmanager
@@ -49,6 +55,73 @@ def engine_pid(metrics_url: str) -> int | None:
         return None
     match = re.search(r'llm_forge_executor_stats\{[^}]*stat="engine_pid"[^}]*\} ([0-9.e+]+)', text)
     return int(float(match.group(1))) if match else None
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class ForgeServe:
+    """`forge serve` as a subprocess on free loopback ports (HTTP, gRPC, metrics, health), its
+    output in a file; `close()` kills it and the tritonserver it started."""
+
+    def __init__(self, repository: Path, *args: str):
+        self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "health")}
+        self.output = Path(os.environ.get("TMPDIR", "/tmp")) / (
+            f"forge-serve-{os.getpid()}-{self.ports['health']}.out")
+        self.sink = open(self.output, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "builder.cli", "serve", "--repository", str(repository),
+             *(f"--{name}-port={port}" for name, port in self.ports.items()), *args],
+            stdout=self.sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    http_port = property(lambda self: self.ports["http"])
+    grpc_port = property(lambda self: self.ports["grpc"])
+    metrics_port = property(lambda self: self.ports["metrics"])
+    health = property(lambda self: self.ports["health"])
+    http_url = property(lambda self: f"127.0.0.1:{self.ports['http']}")
+    grpc_url = property(lambda self: f"127.0.0.1:{self.ports['grpc']}")
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait_serving(self, timeout: float = 240) -> None:
+        """Until the supervisor probes the models (every model loaded), bounded by `timeout`."""
+        started = time.monotonic()
+        while "supervisor: probing" not in self.text():
+            assert self.process.poll() is None, self.text()
+            assert time.monotonic() - started < timeout, self.text()
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        servers = children(self.process.pid)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        for pid in servers:  # a forge serve killed here leaves its tritonserver behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.sink.close()
+        self.output.unlink(missing_ok=True)
 
 
 # A tiny engine + repository for end-to-end tests: random weights, a real byte-level BPE tokenizer

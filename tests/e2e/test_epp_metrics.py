@@ -10,12 +10,12 @@ import re
 import threading
 import urllib.request
 
-import numpy as np
 import pytest
 
 from builder.client import stream_grpc
 from builder.repository import RepositoryOptions, emit_repository
 from tests.e2e.test_observability import wait_for
+from lora_helpers import ids_inputs as lora_ids_inputs
 from tests.triton_helpers import running_tritonserver
 from triton_backend.models.metrics import EPP_METRIC_SPECS, LORA_INFO_METRIC
 
@@ -88,14 +88,7 @@ class Scrape:
 
 
 def ids_inputs(task_id):
-    inputs = {"input_ids": np.array([PROMPT], np.int32),
-              "input_lengths": np.array([[len(PROMPT)]], np.int32),
-              "request_output_len": np.array([[NEW_TOKENS]], np.int32),
-              "min_tokens": np.array([[NEW_TOKENS]], np.int32),
-              "streaming": np.array([[True]])}
-    if task_id is not None:
-        inputs["lora_task_id"] = np.array([[task_id]], np.uint64)
-    return inputs
+    return lora_ids_inputs(PROMPT, NEW_TOKENS, task_id)
 
 
 class Load:

@@ -24,8 +24,7 @@ import pytest
 from builder.client import stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from builder.serving.health import DRAIN_PATH, LIVENESS_PATH, READINESS_PATH, STARTUP_PATH
-from builder.serving.serve import free_port
-from tests.triton_helpers import build_tiny_engine, engine_pid
+from tests.triton_helpers import ForgeServe, build_tiny_engine, children, engine_pid
 
 
 def probe(port: int, path: str) -> tuple[int | None, str]:
@@ -48,20 +47,8 @@ def poll(predicate, timeout: float, interval: float = 0.1) -> bool:
     return False
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1]
-                                            .split()[1]) == pid:
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def _descendant_with(pid: int, text: str) -> int | None:
-    for child in _children(pid):
+    for child in children(pid):
         try:
             cmdline = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
@@ -72,43 +59,6 @@ def _descendant_with(pid: int, text: str) -> int | None:
         if found is not None:
             return found
     return None
-
-
-class ForgeServe:
-    def __init__(self, repository: Path, *args: str):
-        self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "health")}
-        self.output = Path(os.environ.get("TMPDIR", "/tmp")) / f"forge-probes-{os.getpid()}-" \
-                                                                f"{self.ports['health']}.out"
-        self.sink = open(self.output, "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "builder.cli", "serve", "--repository", str(repository),
-             *(f"--{name}-port={port}" for name, port in self.ports.items()), *args],
-            stdout=self.sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    @property
-    def health(self) -> int:
-        return self.ports["health"]
-
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    def wait_serving(self, timeout: float = 240) -> None:
-        assert poll(lambda: "supervisor: probing" in self.text() or self.process.poll()
-                    is not None, timeout, 0.2), self.text()
-        assert self.process.poll() is None, self.text()
-
-    def close(self) -> None:
-        servers = _children(self.process.pid)
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
-        for pid in servers:  # a forge serve killed here leaves its tritonserver behind
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.sink.close()
-        self.output.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

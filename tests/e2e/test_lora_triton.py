@@ -7,6 +7,7 @@ import pytest
 
 from builder.client import stream_grpc
 from builder.repository import RepositoryOptions, emit_repository
+from lora_helpers import ids_inputs
 from tests.triton_helpers import running_tritonserver
 from triton_backend.engine import Request
 from triton_backend.engine.llm_engine import LLMEngine
@@ -44,16 +45,7 @@ def nvidia_b(lora_build):
 
 
 def _ids_inputs(task_id=None, weights=None, config=None):
-    inputs = {"input_ids": np.array([PROMPT], np.int32),
-              "input_lengths": np.array([[len(PROMPT)]], np.int32),
-              "request_output_len": np.array([[NEW_TOKENS]], np.int32),
-              "min_tokens": np.array([[NEW_TOKENS]], np.int32),
-              "streaming": np.array([[True]])}
-    if task_id is not None:
-        inputs["lora_task_id"] = np.array([[task_id]], np.uint64)
-    if weights is not None:
-        inputs["lora_weights"], inputs["lora_config"] = weights[None], config[None]
-    return inputs
+    return ids_inputs(PROMPT, NEW_TOKENS, task_id, weights, config)
 
 
 def _served_ids(server, inputs):

@@ -19,7 +19,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -35,7 +34,8 @@ from builder.serving.serve import free_port, http_ok
 from builder.serving.drain import active_requests
 from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, control_request,
                                         probe_model, stop_supervisors, supervised_models)
-from tests.triton_helpers import build_tiny_engine, engine_pid, running_tritonserver
+from tests.triton_helpers import (ForgeServe, build_tiny_engine, children, cmdline, engine_pid,
+                                  running_tritonserver)
 from triton_backend.models.serving_control import (CONTROL_TOKEN_ENV, DRAIN_REFUSED,
                                                    DRAIN_REQUEST_ID, PROBE_REQUEST_ID,
                                                    drain_request_id, is_drain_request)
@@ -235,28 +235,8 @@ def test_active_requests_reads_the_models_counter(tmp_path):
 
 
 # -- a real tritonserver ------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def _child_with(pid: int, text: str) -> int | None:
-    matches = [child for child in _children(pid) if text in _cmdline(child)]
+    matches = [child for child in children(pid) if text in cmdline(child)]
     return matches[0] if matches else None
 
 
@@ -318,7 +298,7 @@ def supervised(repository, torch_kernels):
 
 def _stub(server) -> int:
     stub = _child_with(server.process.pid, "tensorrt_llm_0_0")
-    assert stub is not None, [_cmdline(c) for c in _children(server.process.pid)]
+    assert stub is not None, [cmdline(c) for c in children(server.process.pid)]
     return stub
 
 
@@ -415,43 +395,6 @@ def test_past_the_reload_limit_the_server_stays_not_ready_and_says_why(supervise
 
 
 # -- forge serve as a subprocess ----------------------------------------------------------------
-class ForgeServe:
-    def __init__(self, repository: Path, *args: str):
-        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.output = Path(os.environ.get("TMPDIR", "/tmp")) / f"forge-serve-{self.http_port}.out"
-        self.sink = open(self.output, "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "builder.cli", "serve", "--repository", str(repository),
-             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-             "--metrics-port", str(self.metrics_port), "--health-port", "0", *args],
-            stdout=self.sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    def wait_serving(self, timeout: float = 240) -> None:
-        started = time.monotonic()
-        while "supervisor: probing" not in self.text():
-            assert self.process.poll() is None, self.text()
-            assert time.monotonic() - started < timeout, self.text()
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
-        self.sink.close()
-        self.output.unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="module")
 def long_repository(tmp_path_factory):
     """Room for 4000 new tokens: a stream the test cancels cannot end on its own first."""
@@ -473,13 +416,7 @@ def forge_serve(repository, torch_kernels):
 
     yield start
     for serve in started:
-        tritonservers = _children(serve.process.pid)
         serve.close()
-        for pid in tritonservers:  # a forge serve killed above leaves its server behind
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def _stream(url: str, model: str, max_tokens: int, answered: threading.Event | None = None
