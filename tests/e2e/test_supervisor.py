@@ -562,6 +562,36 @@ def test_cancelled_ensemble_streams_stop_the_engine_and_the_server_stops_clean(f
           f"the clients left")
 
 
+@pytest.mark.slow
+def test_a_cut_non_streamed_ensemble_request_runs_to_its_end_then_frees_its_blocks(
+        forge_serve, long_repository):
+    """What docs/triton-contract.md and the README say: a non-streamed `generate_stream` on the
+    ensemble has no chunk for `postprocessing` to check, and Triton 2.51 tells no running step
+    that its client left, so it generates to max_tokens, ends `length` (counted completed, not
+    cancelled), and only then gives its blocks back; the server goes on serving. Should Triton
+    start passing the cancellation on, this fails and the documents change with it."""
+    serve = forge_serve(repository=long_repository)
+    before = _executor_stats(serve)
+    connection = http.client.HTTPConnection(serve.http_url, timeout=60)
+    body = json.dumps({"text_input": "The quick brown fox", "max_tokens": 600})
+    connection.request("POST", "/v2/models/ensemble/generate_stream", body=body,
+                       headers={"Content-Type": "application/json"})
+    assert _poll(lambda: _executor_stats(serve)["num_active_requests"] == 1, 30) is not None
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+    def ended():
+        stats = _executor_stats(serve)
+        return (stats["num_completed_requests"] - before["num_completed_requests"] == 1
+                and stats["num_active_requests"] == 0 and stats["num_used_blocks"] == 0)
+
+    assert _poll(ended, 120) is not None, _executor_stats(serve)
+    stats = _executor_stats(serve)
+    assert stats["num_cancelled_requests"] == before["num_cancelled_requests"], stats
+    assert stats["num_scheduled_tokens"] - before["num_scheduled_tokens"] >= 600, stats
+    assert streamed_ok(serve)
+
+
 def streamed_ok(serve: ForgeServe) -> bool:
     kind, tokens, reason = _stream(serve.grpc_url, "ensemble", 8)
     return (kind, tokens, reason) == ("done", 8, "length")
