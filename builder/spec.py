@@ -6,6 +6,7 @@ Unknown keys and bad values raise `SpecError` (a ValueError) naming the key, e.g
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,6 +259,11 @@ def spec_from_dict(data: dict, source: Path | None = None) -> BuildSpec:
         if backend == "tensorrtllm" and kwargs.get("target") != "trtllm":
             raise SpecError("repository.tensorrt_llm_backend: 'tensorrtllm' (NVIDIA's C++ backend) "
                             f"serves trtllm engines only; target is {kwargs.get('target', 'torch')!r}")
+    if kwargs.get("lora") is not None and source is not None:
+        # relative adapter paths are relative to the spec's directory, whatever the cwd
+        lora = kwargs["lora"]
+        lora.adapters = {name: os.path.normpath(path) for name, path
+                         in lora.adapter_dirs(Path(source).resolve().parent).items()}
     return BuildSpec(source=source, **kwargs)
 
 

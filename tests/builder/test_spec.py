@@ -76,6 +76,18 @@ def test_yaml_spec_with_overrides(tmp_path):
     assert parse_bytes("k", "1.5 GB") == 1_500_000_000
 
 
+def test_relative_adapter_paths_are_relative_to_the_spec_not_the_cwd(tmp_path, monkeypatch):
+    """examples/smollm2-135m-lora.yaml names ../adapters/pirate; `make lora-demo` builds it from
+    the checkout's root, where that path leads out of the checkout."""
+    (tmp_path / "examples").mkdir()
+    path = tmp_path / "examples" / "l.yaml"
+    path.write_text("name: a\ncheckpoint: x\nlora:\n  adapters: {p: ../adapters/p, q: /abs/q}\n")
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(path, {})
+    assert spec.lora.adapters == {"p": str(tmp_path / "adapters" / "p"), "q": "/abs/q"}
+    assert spec.lora.adapter_dirs() == {"p": tmp_path / "adapters" / "p", "q": Path("/abs/q")}
+
+
 def test_engine_refuses_unknown_format_version(tiny_engines, tmp_path):
     config = json.loads((tiny_engines("llama_gqa") / "config.json").read_text())
     config["format_version"] = 99
