@@ -203,9 +203,11 @@ def build_engine() -> None:
 
 
 def serve_and_ask(max_tokens: int, ready_timeout: float) -> dict[str, str]:
-    """Serve the repository (OpenAI API on a free port), ask both models, stop the server."""
+    """Serve the repository (every port a free one: `make serve` may hold the defaults), ask
+    both models, stop the server."""
     command = forge("serve", "--repository", str(REPOSITORY), "--http-port", "0",
-                    "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0")
+                    "--grpc-port", "0", "--metrics-port", "0", "--health-port", "0",
+                    "--openai-port", "0")
     log("starting forge serve (the base and the adapter, one engine)")
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
