@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -160,17 +159,19 @@ def _gemm_peak(engine: LLMEngine, rows: int) -> dict:
     return rates
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def closed_loop(args) -> None:
-    match = re.match(r"^(\d+)/(\d+)@(\d+)(?:x(\d+))?$", args.shape)
-    if not match:
-        raise SystemExit(f"--shape: {args.shape!r} is not IN/OUT@C[xN]")
-    size, out, concurrency = (int(v) for v in match.groups()[:3])
-    total = int(match.group(4) or max(6, 3 * concurrency))
+    from bench_vs_vllm import parse_shapes  # the matrix's own shape syntax (scripts/)
+
+    from builder.bench.stats import percentiles
+
+    try:
+        (shape,) = parse_shapes(args.shape)
+    except ValueError as error:
+        raise SystemExit(str(error).replace("--shapes", "--shape")) from None
+    if shape.range_ratio:
+        raise SystemExit(f"--shape: {args.shape!r}: mixed lengths (~R) are not run in-process")
+    size, out, concurrency, total = (shape.input_len, shape.output_len, shape.concurrency,
+                                     shape.prompts)
     engine = LLMEngine(args.engine, enable_prefix_caching=False, enable_speculative_decoding=False)
     if args.target_itl_ms is not None:
         target = args.target_itl_ms
@@ -205,8 +206,9 @@ def closed_loop(args) -> None:
     ttft = [tokens[r][0] - sent[r] for r in sent]
     gaps = [b - a for r in sent for a, b in zip(tokens[r], tokens[r][1:])]
     fit = engine.scheduler.step_cost.fit()
-    figures = {"output_tok_s": total * out / elapsed, "ttft_p50_ms": _percentile(ttft, .5) * 1e3,
-               "itl_p50_ms": _percentile(gaps, .5) * 1e3, "itl_p99_ms": _percentile(gaps, .99) * 1e3,
+    ttft_ms, itl_ms = (percentiles([v * 1e3 for v in values], (50, 99)) for values in (ttft, gaps))
+    figures = {"output_tok_s": total * out / elapsed, "ttft_p50_ms": ttft_ms["p50"],
+               "itl_p50_ms": itl_ms["p50"], "itl_p99_ms": itl_ms["p99"],
                "steps": steps, "step_fixed_ms": fit[0] * 1e3 if fit else None,
                "step_per_row_ms": fit[1] * 1e3 if fit else None}
     print(f"{engine.config.name}, in-process closed loop {size}/{out} c={concurrency}, {total} "
