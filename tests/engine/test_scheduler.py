@@ -106,6 +106,30 @@ def test_before_any_measurement_the_prior_split_sizes_the_room():
     assert run(sched, 1)[0][-1] == (9, 30)
 
 
+def test_auto_never_cuts_a_prefill_below_the_least_room_but_a_target_in_ms_does():
+    """With "auto", beside decodes a prefill goes in chunks of at least `min_prefill_rows` (a
+    prompt by slivers costs throughput and TTFT); a target in ms is a promise kept to the row."""
+    bm = BlockManager(num_blocks=64, tokens_per_block=4)
+    sched = measured(Scheduler(bm, max_num_tokens=64, max_batch_size=8, target_itl_ms="auto",
+                               min_prefill_rows=24), 0.004, 0.001)
+    for i in range(4):
+        sched.add(seq(i, 3, max_tokens=40))
+    run(sched, 2)
+    sched.add(seq(9, 30, max_tokens=2))
+    sched.add(seq(10, 30, max_tokens=2))
+    # 3.5 decode steps would leave 20 rows; the least room is 24, shared, the started one first
+    steps = [[(s, n) for s, n in step if s >= 9] for step in run(sched, 3)]
+    assert steps == [[(9, 24)], [(9, 6), (10, 18)], [(9, 1), (10, 12)]]
+    strict = measured(Scheduler(BlockManager(num_blocks=64, tokens_per_block=4),
+                                max_num_tokens=64, max_batch_size=8, target_itl_ms=12,
+                                min_prefill_rows=24), 0.004, 0.001)
+    for i in range(4):
+        strict.add(seq(i, 3, max_tokens=40))
+    run(strict, 2)
+    strict.add(seq(9, 30, max_tokens=2))
+    assert run(strict, 1)[0][-1] == (9, 4)  # 12 ms - the 8 ms decode step: 4 rows
+
+
 def test_every_prompt_shares_the_room_the_started_one_first():
     """Finish what was started before admitting more: the prefill already running takes the room
     first, arrivals get what it leaves, most urgent first, short prompts included."""

@@ -79,6 +79,14 @@ class ModelShape:
 # replaced (an older engine runs with the "auto" target).
 RETIRED_LIMITS = ("max_decode_slowdown", "long_prefill_tokens")
 AUTO_ITL_STEPS = 3.5
+# With "auto", a prefill chunk beside decodes is never cut below this many rows (or the prompt's
+# rest): per row, smaller chunks cost more. A 2,048-token prompt prefilled alone in chunks of 64,
+# 128, 256 and 2,048 rows took 7.10, 6.08, 5.78 and 5.59 s on a 2-vCPU AVX2 EPYC (medians of 4);
+# and in the closed loop every step spent on a sliver of prompt kept a request longer out of the
+# decoding batch, so 3.5 decode steps' worth of rows (tens) lost a quarter of the throughput and
+# doubled TTFT on 512-2,048-token prompts (docs/benchmarks-measured.md). An explicit
+# target_itl_ms is a promise and is kept to the row.
+AUTO_MIN_PREFILL_ROWS = 256
 
 
 @dataclass
@@ -92,7 +100,8 @@ class Limits:
     # The inter-token latency running streams are promised while prompts are prefilled beside
     # them: a step that decodes carries only the prefill rows the step-cost line (step_cost.py)
     # predicts fit within this many ms. "auto": AUTO_ITL_STEPS decode-only steps of the batch
-    # at hand (so the promise follows the machine, the model and the load); 0: no promise, a
+    # at hand (so the promise follows the machine, the model and the load), but never a chunk
+    # under AUTO_MIN_PREFILL_ROWS (goodput before evenness); 0: no promise, a
     # prefill takes the whole max_num_tokens budget (vLLM's schedule). Not a trtllm-build
     # setting: our scheduler's.
     target_itl_ms: float | str = "auto"

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from triton_backend.engine.block_manager import BlockManager
-from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.config import AUTO_MIN_PREFILL_ROWS, EngineConfig
 from triton_backend.engine.faults import FaultInjector
 from triton_backend.engine.guided.compiler import GrammarCompiler
 from triton_backend.engine.guided.state import GrammarState
@@ -119,7 +119,8 @@ class LLMEngine:
         return Scheduler(self.block_manager, limits.max_num_tokens, limits.max_batch_size,
                          self.priority_aging_rate, self.clock,
                          target_itl_ms=limits.target_itl_ms,
-                         max_loras=self.config.lora.max_loras if self.config.lora else None)
+                         max_loras=self.config.lora.max_loras if self.config.lora else None,
+                         min_prefill_rows=AUTO_MIN_PREFILL_ROWS)
 
     def validate(self, request: Request) -> None:
         """Raise ValueError naming the field and the limit when `request` cannot be served.

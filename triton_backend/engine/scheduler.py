@@ -20,10 +20,12 @@ While sequences decode, every prefill shares the room the target inter-token lat
 (`limits.target_itl_ms`): the step-cost line predicts how many rows a step may carry and stay
 within it; the prefills already started take the room first (finish what was started before
 admitting more), then arrivals, most urgent first. With "auto" the target is AUTO_ITL_STEPS
-decode-only steps of the batch at hand: on a compute-bound CPU a bigger step amortizes what every
-step pays whatever its rows (reading the weights, the step's Python), so the prefill goes in
-chunks of tens of rows rather than slivers, and the streams beside it keep an even pace (no step
-of a whole long prompt). With nothing decoding, a prompt takes the whole `max_num_tokens` budget.
+decode-only steps of the batch at hand, and the room is never below `min_prefill_rows`
+(AUTO_MIN_PREFILL_ROWS in the engine): on a compute-bound CPU every step pays its weights and its
+Python whatever its rows, and a request whose prompt goes in by slivers stays out of the decoding
+batch longer, so chunks of hundreds of rows keep the throughput and the TTFT of whole prompts
+while the streams beside them never wait for more than one chunk. An explicit target in ms is
+kept to the row. With nothing decoding, a prompt takes the whole `max_num_tokens` budget.
 
 Pure Python (no torch).
 """
@@ -83,8 +85,10 @@ class Scheduler:
                  priority_aging_rate: float = DEFAULT_AGING_RATE,
                  clock: Callable[[], int] = time.time_ns,
                  target_itl_ms: float | str = 0,
-                 max_loras: int | None = None) -> None:
-        """`max_loras`: the most distinct LoRA adapters one step may run (None: no adapters)."""
+                 max_loras: int | None = None, min_prefill_rows: int = 0) -> None:
+        """`max_loras`: the most distinct LoRA adapters one step may run (None: no adapters).
+        `min_prefill_rows`: with the "auto" target, the least room a step beside decodes leaves
+        for prefills."""
         self.block_manager = block_manager
         self.max_loras = max_loras
         self.max_num_tokens = max_num_tokens
@@ -93,6 +97,7 @@ class Scheduler:
         # Prefill rows a step may carry while others decode (0: the budget alone), from the
         # step times the engine reports to `step_cost`.
         self.target_itl_ms = target_itl_ms
+        self.min_prefill_rows = min_prefill_rows
         self.step_cost = StepCostModel()
         self._prefill_room: int | None = None
         self.waiting = WaitingQueue(priority_aging_rate)
@@ -174,8 +179,11 @@ class Scheduler:
                           if seq.num_tokens - seq.num_computed_tokens == 1)
         if decode_rows == 0:
             return None
-        seconds = None if self.target_itl_ms == "auto" else float(self.target_itl_ms) / 1000
-        return self.step_cost.extra_rows(decode_rows, seconds, AUTO_ITL_STEPS)
+        if self.target_itl_ms != "auto":
+            return self.step_cost.extra_rows(decode_rows, float(self.target_itl_ms) / 1000,
+                                             AUTO_ITL_STEPS)
+        return max(self.min_prefill_rows,
+                   self.step_cost.extra_rows(decode_rows, None, AUTO_ITL_STEPS))
 
     def _take_prefill_room(self, num_left: int, budget: int) -> int:
         """Tokens of a sequence with `num_left` to compute this step may take: within `budget`,
