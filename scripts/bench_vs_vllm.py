@@ -410,7 +410,7 @@ def build_table(args, cpu: dict, runs: list[dict], labels: list[str]) -> tuple[s
     for shape in args.shapes:
         for label in labels:
             summary[label][shape.label] = medians(runs, label, shape)
-        vllm = summary[base][shape.label]
+        baseline = summary[base][shape.label]
         for label in labels:
             figures = summary[label][shape.label]
             cells = (["failed"] * len(METRICS) if figures is None else
@@ -419,13 +419,13 @@ def build_table(args, cpu: dict, runs: list[dict], labels: list[str]) -> tuple[s
             lines.append(f"| {shape.label} | {label} | " + " | ".join(cells) + " | |")
         for label in labels[1:]:
             figures = summary[label][shape.label]
-            both = figures is not None and vllm is not None
-            ratios[label][shape.label] = ({key: ratio(figures[key], vllm[key])
+            both = figures is not None and baseline is not None
+            ratios[label][shape.label] = ({key: ratio(figures[key], baseline[key])
                                            for key, _ in METRICS} if both else None)
             cells = (["-"] * len(METRICS) if not both else
                      [f"{value:.2f}x" if value is not None else "-"
                       for value in ratios[label][shape.label].values()])
-            checks = ", ".join(verdicts(figures, vllm)) if both and base == "vllm" else ""
+            checks = ", ".join(verdicts(figures, baseline)) if both and base == "vllm" else ""
             lines.append(f"| {shape.label} | **{label} / {base}** | " + " | ".join(cells)
                          + f" | {checks} |")
     lines += ["", f"ratios to {base}: tok/s and goodput above 1 is better; TTFT / ITL / TPOT below "

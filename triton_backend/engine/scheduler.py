@@ -179,11 +179,10 @@ class Scheduler:
                           if seq.num_tokens - seq.num_computed_tokens == 1)
         if decode_rows == 0:
             return None
-        if self.target_itl_ms != "auto":
-            return self.step_cost.extra_rows(decode_rows, float(self.target_itl_ms) / 1000,
-                                             AUTO_ITL_STEPS)
-        return max(self.min_prefill_rows,
-                   self.step_cost.extra_rows(decode_rows, None, AUTO_ITL_STEPS))
+        auto = self.target_itl_ms == "auto"
+        seconds = None if auto else float(self.target_itl_ms) / 1000
+        room = self.step_cost.extra_rows(decode_rows, seconds, AUTO_ITL_STEPS)
+        return max(self.min_prefill_rows, room) if auto else room
 
     def _take_prefill_room(self, num_left: int, budget: int) -> int:
         """Tokens of a sequence with `num_left` to compute this step may take: within `budget`,
