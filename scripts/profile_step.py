@@ -17,7 +17,7 @@ JSON (--out). Shape (--shape IN/OUT@C[xN], as scripts/bench_vs_vllm.py writes th
 closed loop `vllm bench serve` drives through the front door (C requests of IN random ids in
 flight, OUT tokens each, a new one as one ends, N in all), run in this process on the engine's
 own scheduler: output tok/s, TTFT and ITL as a client would see them with no server between,
-the ceiling of the served figures, and the step-cost line the scheduler learnt. Run it on a
+the ceiling of the served figures, and the step cost the scheduler learnt. Run it on a
 quiet machine.
 """
 from __future__ import annotations
@@ -210,7 +210,8 @@ def closed_loop(args) -> None:
     figures = {"output_tok_s": total * out / elapsed, "ttft_p50_ms": ttft_ms["p50"],
                "itl_p50_ms": itl_ms["p50"], "itl_p99_ms": itl_ms["p99"],
                "steps": steps, "step_fixed_ms": fit[0] * 1e3 if fit else None,
-               "step_per_row_ms": fit[1] * 1e3 if fit else None}
+               "step_per_row_ms": fit[1] * 1e3 if fit else None,
+               "step_per_1k_keys_ms": fit[2] * 1e6 if fit else None}
     print(f"{engine.config.name}, in-process closed loop {size}/{out} c={concurrency}, {total} "
           f"requests, target_itl_ms {engine.scheduler.target_itl_ms}, torch threads "
           f"{torch.get_num_threads()}")

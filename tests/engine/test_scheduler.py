@@ -1,7 +1,7 @@
 """The scheduler on tiny pools with a fake model runner (no torch, no model, no sleeps): the token
 budget and chunked prefill, preemption, the room for prefill rows beside decodes, and priorities
 (admission order, preemption order, aging) on an injected clock. The block manager alone is in
-test_block_manager.py, the step-cost line in test_step_cost.py, prefix-cache hits in
+test_block_manager.py, the step-cost model in test_step_cost.py, prefix-cache hits in
 test_prefix_cache_blocks.py."""
 import pytest
 
@@ -9,6 +9,7 @@ from scheduling import Clock, run, seq, step
 from triton_backend.engine import FinishReason, Request
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.scheduler import Scheduler
+from triton_backend.engine.step_cost import keys_of
 from triton_backend.engine.sequence import Sequence
 from triton_backend.engine.waiting_queue import WaitingQueue
 
@@ -168,6 +169,38 @@ def test_a_target_in_ms_sizes_the_room_from_the_measured_step_cost():
     run(auto, 1)
     auto.add(seq(9, 200, max_tokens=2))
     assert run(auto, 1)[0][-1] == (9, 60)  # 3.5 x 44 ms leaves 110 rows: the budget's 60 left
+
+
+def test_a_target_in_ms_takes_fewer_rows_deep_in_a_long_prompt():
+    """Each row of a chunk deep in a prompt attends more keys: with a measured per-key cost the
+    chunks shrink as the prompt goes in, each the largest the target allows (a line alone cut
+    them all alike and overshot the target at the prompt's tail)."""
+    target = 0.040
+    sched = Scheduler(BlockManager(num_blocks=128, tokens_per_block=4), max_num_tokens=256,
+                      max_batch_size=8, target_itl_ms=target * 1000)
+    cost = (0.004, 0.001, 2e-6)  # fixed, per row, per key
+    for start in (0, 100, 200, 300) * 3:
+        for rows, keys in ((4, 40), (44, 40 + keys_of(start, 40))):
+            sched.step_cost.observe(rows, cost[0] + cost[1] * rows + cost[2] * keys, keys)
+    assert sched.step_cost.fit() == tuple(pytest.approx(c) for c in cost)
+    for i in range(4):
+        sched.add(seq(i, 3, max_tokens=80))
+    run(sched, 1)
+    sched.add(seq(9, 400, max_tokens=2))
+    chunks, decodes = [], []
+    while not chunks or sum(n for _, n in chunks) < 400:
+        out = step(sched)
+        decodes = [c for c in out.chunks if c.seq_id != 9]
+        (chunk,) = [c for c in out.chunks if c.seq_id == 9]
+        chunks.append((chunk.num_computed_tokens, len(chunk.new_token_ids)))
+        rows, keys = 4 + len(chunk.new_token_ids), out.num_keys
+        assert sched.step_cost.predict(rows, keys) <= target  # the promise is kept ...
+        if sum(n for _, n in chunks) < 400:  # ... by the largest chunk that keeps it
+            more = keys + chunk.num_computed_tokens + len(chunk.new_token_ids) + 1
+            assert sched.step_cost.predict(rows + 1, more) > target
+    sizes = [n for _, n in chunks]
+    assert sizes[:-1] == sorted(sizes[:-1], reverse=True) and sizes[0] > sizes[-2] + 2
+    assert len(decodes) == 4
 
 
 def test_no_cap_without_decodes_or_without_a_target():

@@ -98,7 +98,7 @@ class Limits:
     max_input_len: int = 1024
     max_seq_len: int = 2048
     # The inter-token latency running streams are promised while prompts are prefilled beside
-    # them: a step that decodes carries only the prefill rows the step-cost line (step_cost.py)
+    # them: a step that decodes carries only the prefill rows the step-cost model (step_cost.py)
     # predicts fit within this many ms. "auto": AUTO_ITL_STEPS decode-only steps of the batch
     # at hand (so the promise follows the machine, the model and the load), but never a chunk
     # under AUTO_MIN_PREFILL_ROWS (goodput before evenness); 0: no promise, a

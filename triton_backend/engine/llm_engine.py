@@ -225,9 +225,10 @@ class LLMEngine:
         return responses
 
     def _observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
-        """Every step teaches the scheduler what rows cost: decode steps the fixed part, prefill
-        steps (hundreds of rows) the per-row part."""
-        self.scheduler.step_cost.observe(output.num_tokens, seconds)
+        """Every step teaches the scheduler what rows and attention cost: decode steps the fixed
+        part, prefill steps (hundreds of rows) the per-row part, chunks deep in long prompts the
+        per-key part."""
+        self.scheduler.step_cost.observe(output.num_tokens, seconds, output.num_keys)
 
     def _release(self, seq: Sequence) -> None:
         self.runner.sampler.release(seq.seq_id)

@@ -17,8 +17,8 @@ allow (speculation never preempts anyone), verified in the same forward pass, an
 the accepted ones.
 
 While sequences decode, every prefill shares the room the target inter-token latency leaves
-(`limits.target_itl_ms`): the step-cost line predicts how many rows a step may carry and stay
-within it; the prefills already started take the room first (finish what was started before
+(`limits.target_itl_ms`): the step-cost model predicts how many rows a step may carry and stay
+within it (fewer deep in a long prompt, where each row attends more keys); the prefills already started take the room first (finish what was started before
 admitting more), then arrivals, most urgent first. With "auto" the target is AUTO_ITL_STEPS
 decode-only steps of the batch at hand, and the room is never below `min_prefill_rows`
 (AUTO_MIN_PREFILL_ROWS in the engine): on a compute-bound CPU every step pays its weights and its
@@ -40,7 +40,7 @@ from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import AUTO_ITL_STEPS
 from triton_backend.engine.request import FinishReason, Request
 from triton_backend.engine.sequence import Sequence, SequenceStatus
-from triton_backend.engine.step_cost import StepCostModel
+from triton_backend.engine.step_cost import StepCostModel, keys_of
 from triton_backend.engine.waiting_queue import WaitingQueue
 
 DEFAULT_AGING_RATE = 1.0  # priority levels a waiting request gains per second
@@ -71,6 +71,11 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.new_token_ids) for c in self.chunks)
+
+    @property
+    def num_keys(self) -> int:
+        """(row, key) pairs the step's attention reads (the step-cost plane's second term)."""
+        return sum(keys_of(c.num_computed_tokens, len(c.new_token_ids)) for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -172,16 +177,26 @@ class Scheduler:
         return seq.lora_task_id in running or len(running) < self.max_loras
 
     def _room_beside_decodes(self) -> int | None:
-        """Prefill rows this step may carry, or None (no cap: nothing decodes, or no target)."""
+        """Prefill rows this step may carry, or None (no cap: nothing decodes, or no target).
+        Sized for the first prefill in line (the started ones come first, then the most urgent
+        arrival): deep in a long prompt each row attends more keys, so fewer rows fit."""
         if not self.target_itl_ms:
             return None
-        decode_rows = sum(1 + len(seq.draft_token_ids) for seq in self.running
-                          if seq.num_tokens - seq.num_computed_tokens == 1)
+        decode_rows = decode_keys = 0
+        start = None
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                rows = 1 + len(seq.draft_token_ids)
+                decode_rows += rows
+                decode_keys += keys_of(seq.num_computed_tokens, rows)
+            elif start is None:
+                start = seq.num_computed_tokens
         if decode_rows == 0:
             return None
         auto = self.target_itl_ms == "auto"
         seconds = None if auto else float(self.target_itl_ms) / 1000
-        room = self.step_cost.extra_rows(decode_rows, seconds, AUTO_ITL_STEPS)
+        room = self.step_cost.extra_rows(decode_rows, seconds, AUTO_ITL_STEPS, decode_keys,
+                                         start or 0)
         return max(self.min_prefill_rows, room) if auto else room
 
     def _take_prefill_room(self, num_left: int, budget: int) -> int:
