@@ -18,8 +18,9 @@ the accepted ones.
 
 While sequences decode, every prefill shares the room the target inter-token latency leaves
 (`limits.target_itl_ms`): the step-cost model predicts how many rows a step may carry and stay
-within it (fewer deep in a long prompt, where each row attends more keys); the prefills already started take the room first (finish what was started before
-admitting more), then arrivals, most urgent first. With "auto" the target is AUTO_ITL_STEPS
+within it (fewer deep in a long prompt, where each row attends more keys); the prefills already
+started take the room first (finish what was started before admitting more), then arrivals,
+most urgent first. With "auto" the target is AUTO_ITL_STEPS
 decode-only steps of the batch at hand, and the room is never below `min_prefill_rows`
 (AUTO_MIN_PREFILL_ROWS in the engine): on a compute-bound CPU every step pays its weights and its
 Python whatever its rows, and a request whose prompt goes in by slivers stays out of the decoding

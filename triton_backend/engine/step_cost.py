@@ -34,6 +34,9 @@ class StepCost(NamedTuple):
     per_row: float         # seconds per row (weights, MLP, sampling)
     per_key: float = 0.0   # seconds per attended (row, key) pair
 
+    def seconds(self, rows: int, keys: int = 0) -> float:
+        return self.fixed + self.per_row * rows + self.per_key * keys
+
 
 def keys_of(start: int, rows: int) -> int:
     """(row, key) pairs a chunk of `rows` rows from position `start` attends (causal)."""
@@ -110,7 +113,7 @@ class StepCostModel:
         """Seconds a step of `rows` rows attending `keys` keys is predicted to take, or None
         before the fit."""
         fit = self.fit()
-        return None if fit is None else fit.fixed + fit.per_row * rows + fit.per_key * keys
+        return None if fit is None else fit.seconds(rows, keys)
 
     def extra_rows(self, rows: int, seconds: float | None, steps: float, keys: int = 0,
                    start: int = 0) -> int:
@@ -122,12 +125,12 @@ class StepCostModel:
         fit = self.fit()
         if fit is None:
             return max(1, int((steps - 1.0) * (PRIOR_FIXED_ROWS + rows)))
-        decode = fit.fixed + fit.per_row * rows + fit.per_key * keys
+        decode = fit.seconds(rows, keys)
         left = (steps * decode if seconds is None else seconds) - decode
+        if left <= 0:
+            return 1
         # r rows from `start` cost per_row * r + per_key * (r * start + r * (r + 1) / 2)
         a = fit.per_key / 2
         b = fit.per_row + fit.per_key * (start + 0.5)
-        if left <= 0:
-            return 1
         extra = left / b if a == 0 else 2 * left / (b + math.sqrt(b * b + 4 * a * left))
         return max(1, int(extra + 1e-6))  # float noise
