@@ -78,7 +78,7 @@ def resident_weight_bytes(engine_dir: Path) -> int:
 
 def kv_tokens_in_budget(engine_dir: Path, budget_bytes: int) -> int:
     """Tokens the KV pool holds in `budget_bytes`, as the engine sizes its pool."""
-    from triton_backend.engine.llm_engine import resolve_num_blocks
+    from triton_backend.engine.kv_pool import resolve_num_blocks
     from triton_backend.engine.weights import runtime_dtype
 
     config = EngineConfig.load(engine_dir)

@@ -9,7 +9,8 @@ from triton_backend.engine.engine_options import EngineOptions
 # One non-default value per field; a field missing here fails the test below.
 NON_DEFAULT = {"num_kv_blocks": 48, "kv_cache_memory_bytes": 1 << 20,
                "enable_prefix_caching": False, "enable_speculative_decoding": False,
-               "admission": AdmissionLimits(7, 900), "priority_aging_rate": 2.5}
+               "admission": AdmissionLimits(7, 900), "priority_aging_rate": 2.5,
+               "device": "cuda:1", "kv_cache_free_gpu_mem_fraction": 0.85}
 
 
 def _options_from_argv(argv: list[str]) -> EngineOptions:
@@ -56,8 +57,8 @@ def test_the_repository_parameters_become_every_option_once():
     params = _params({"kv_cache_num_blocks": "48", "kv_cache_memory_bytes": str(1 << 20),
                       "enable_kv_cache_reuse": "false", "enable_speculative_decoding": "false",
                       "max_waiting_requests": "7", "max_waiting_prompt_tokens": "900",
-                      "priority_aging_rate": "2.5"})
-    assert engine_options(params) == EngineOptions(**NON_DEFAULT)
+                      "priority_aging_rate": "2.5", "kv_cache_free_gpu_mem_fraction": "0.85"})
+    assert engine_options(params, device="cuda:1") == EngineOptions(**NON_DEFAULT)
     defaults = _params({"kv_cache_num_blocks": "", "enable_kv_cache_reuse": "true"})
     assert engine_options(defaults) == EngineOptions(admission=AdmissionLimits(0, 0))
 

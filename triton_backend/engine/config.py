@@ -130,6 +130,10 @@ class KVCacheConfig:
     # Reuse the KV of full blocks whose tokens an earlier request computed (TensorRT-LLM's
     # enable_block_reuse); the repository's enable_kv_cache_reuse turns it off at serving time.
     enable_prefix_caching: bool = True
+    # On a CUDA GPU: the share of the memory left free once the weights are loaded (and room for
+    # a step's activations kept) that the pool takes, TensorRT-LLM's
+    # kv_cache_free_gpu_mem_fraction. It sizes the pool where num_blocks / memory_bytes do not.
+    free_gpu_mem_fraction: float | None = None
 
     def __post_init__(self) -> None:
         _positive("kv_cache.tokens_per_block", self.tokens_per_block)
@@ -144,6 +148,9 @@ class KVCacheConfig:
             _positive("kv_cache.memory_bytes", self.memory_bytes)
         _require(self.dtype in ("auto", "fp8", "int8"),
                  f"kv_cache.dtype must be auto, fp8 or int8, got {self.dtype!r}")
+        fraction = self.free_gpu_mem_fraction
+        _require(fraction is None or (is_number(fraction) and 0 < fraction < 1),
+                 f"kv_cache.free_gpu_mem_fraction must be a number in (0, 1), got {fraction!r}")
 
 
 SPECULATIVE_MODES = ("none", "ngram", "draft_model")

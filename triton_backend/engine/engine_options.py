@@ -19,7 +19,10 @@ from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 class EngineOptions:
     """`enable_*`: None follows the engine's config.json, False turns the feature off.
     `admission` and `priority_aging_rate` apply to the torch runtime (the naive baseline serves
-    one request at a time in arrival order)."""
+    one request at a time in arrival order). `device`: None follows the engine's hardware (cpu,
+    or the current CUDA device for a GPU engine), else `cpu`, `cuda` or `cuda:N`.
+    `kv_cache_free_gpu_mem_fraction`: on a GPU, the share of the memory left free after loading
+    that the KV cache takes (None: the engine's config.json, else its block count)."""
 
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -27,6 +30,8 @@ class EngineOptions:
     enable_speculative_decoding: bool | None = None
     admission: AdmissionLimits = AdmissionLimits()
     priority_aging_rate: float = DEFAULT_AGING_RATE
+    device: str | None = None
+    kv_cache_free_gpu_mem_fraction: float | None = None
 
     def executor_kwargs(self) -> dict:
         """The options as `Executor` keyword arguments (one per field, nested values kept)."""

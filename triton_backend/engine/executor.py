@@ -44,17 +44,19 @@ log = logging.getLogger(__name__)
 
 class Executor(LoopMailbox):
     def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, device: str = "cpu",
+                 kv_cache_memory_bytes: int | None = None, device: str | None = None,
                  start_loop: bool = True, enable_prefix_caching: bool | None = None,
                  enable_speculative_decoding: bool | None = None,
                  restart_policy: RestartPolicy = RestartPolicy(),
                  admission: AdmissionLimits = AdmissionLimits(),
-                 priority_aging_rate: float = DEFAULT_AGING_RATE) -> None:
+                 priority_aging_rate: float = DEFAULT_AGING_RATE,
+                 kv_cache_free_gpu_mem_fraction: float | None = None) -> None:
         self.engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, device=device,
                                 enable_prefix_caching=enable_prefix_caching,
                                 enable_speculative_decoding=enable_speculative_decoding,
-                                priority_aging_rate=priority_aging_rate)
+                                priority_aging_rate=priority_aging_rate,
+                                kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction)
         self.admission = admission
         self._crashes = CrashLoop(restart_policy)
         self.config = self.engine.config

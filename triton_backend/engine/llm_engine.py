@@ -21,11 +21,13 @@ import torch
 
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import AUTO_MIN_PREFILL_ROWS, EngineConfig
+from triton_backend.engine.device import resolve_device
 from triton_backend.engine.faults import FaultInjector
 from triton_backend.engine.guided.compiler import GrammarCompiler
 from triton_backend.engine.guided.state import GrammarState
 from triton_backend.engine.lora.cache import AdapterCache
-from triton_backend.engine.model_runner import ModelRunner, kv_bytes_per_token
+from triton_backend.engine.kv_pool import resolve_num_blocks
+from triton_backend.engine.model_runner import ModelRunner
 from triton_backend.engine.progress import Progress
 from triton_backend.engine.request import FinishReason, Request, Response
 from triton_backend.engine.sampler import SamplingError
@@ -35,23 +37,6 @@ from triton_backend.engine.validation import check_kv_capacity, validate_request
 from triton_backend.engine.weights import runtime_dtype
 
 log = logging.getLogger(__name__)
-
-
-def resolve_num_blocks(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int | None = None,
-                       kv_cache_memory_bytes: int | None = None) -> int:
-    """Blocks in the KV pool: an explicit count, else a memory budget, else the engine's setting,
-    else enough for max_batch_size sequences of max_seq_len tokens."""
-    kv = config.kv_cache
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else kv.memory_bytes
-    if budget is None and kv.num_blocks is not None:
-        return kv.num_blocks
-    if budget is not None:
-        block_bytes = kv_bytes_per_token(config, dtype) * kv.tokens_per_block
-        return max(1, budget // block_bytes)
-    tokens = config.limits.max_batch_size * config.limits.max_seq_len
-    return -(-tokens // kv.tokens_per_block)
 
 
 def cache_salt(config: EngineConfig) -> str:
@@ -69,38 +54,46 @@ class LLMEngine:
     aging); `clock`: wall-clock ns, for arrivals and deadlines (injected by tests)."""
 
     def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, device: str = "cpu",
+                 kv_cache_memory_bytes: int | None = None, device: str | None = None,
                  enable_prefix_caching: bool | None = None,
                  enable_speculative_decoding: bool | None = None,
                  priority_aging_rate: float = DEFAULT_AGING_RATE,
+                 kv_cache_free_gpu_mem_fraction: float | None = None,
                  clock: Callable[[], int] = time.time_ns) -> None:
+        """`device`: None follows the engine's hardware (see device.py)."""
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(engine_dir)
         if self.config.target != "torch":
             raise ValueError(f"{engine_dir}: target {self.config.target!r} engines do not run on "
                              f"the torch runtime")
+        self.device = resolve_device(self.config.hardware, device)
         self.tokenizer_dir = self.engine_dir / self.config.tokenizer.dir
-        dtype = runtime_dtype(self.config, torch.device(device))
-        num_blocks = resolve_num_blocks(self.config, dtype, num_kv_blocks, kv_cache_memory_bytes)
-        kv = self.config.kv_cache
-        self.block_manager = BlockManager(
-            num_blocks, kv.tokens_per_block,
-            enable_prefix_caching=kv.enable_prefix_caching and enable_prefix_caching is not False,
-            cache_salt=cache_salt(self.config))
-        self.priority_aging_rate, self.clock = priority_aging_rate, clock
-        self.scheduler = self._new_scheduler()
+        dtype = runtime_dtype(self.config, self.device)
         # Advanced by whatever runs on the loop's thread (see progress.py): the watchdog's signal.
         self.progress = Progress()
         self.lora = (AdapterCache(engine_dir, self.config, dtype, self.progress)
                      if self.config.lora else None)
-        self.runner = ModelRunner(engine_dir, self.config, num_blocks, device, lora=self.lora,
-                                  progress=self.progress)
-        self.speculator = None
+        self.speculator = None  # before the runner: a draft model's memory is not the KV pool's
         if self.config.speculative.enabled and enable_speculative_decoding is not False:
             from triton_backend.engine.speculative import make_speculator
 
-            self.speculator = make_speculator(self.engine_dir, self.config, device,
+            self.speculator = make_speculator(self.engine_dir, self.config, self.device,
                                               self.progress)
+        fraction = (kv_cache_free_gpu_mem_fraction if kv_cache_free_gpu_mem_fraction is not None
+                    else self.config.kv_cache.free_gpu_mem_fraction)
+        sized_by_fraction = (self.device.type == "cuda" and fraction is not None
+                             and num_kv_blocks is None and kv_cache_memory_bytes is None)
+        num_blocks = None if sized_by_fraction else resolve_num_blocks(
+            self.config, dtype, num_kv_blocks, kv_cache_memory_bytes)
+        self.runner = ModelRunner(engine_dir, self.config, num_blocks, self.device, lora=self.lora,
+                                  progress=self.progress, kv_free_fraction=fraction)
+        kv = self.config.kv_cache
+        self.block_manager = BlockManager(
+            self.runner.kv_cache.num_blocks, kv.tokens_per_block,
+            enable_prefix_caching=kv.enable_prefix_caching and enable_prefix_caching is not False,
+            cache_salt=cache_salt(self.config))
+        self.priority_aging_rate, self.clock = priority_aging_rate, clock
+        self.scheduler = self._new_scheduler()
         self.eos_ids = frozenset(self.config.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.config.model.vocab_size,
                                         sorted(self.eos_ids))

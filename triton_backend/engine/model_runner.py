@@ -14,7 +14,7 @@ import torch
 from triton_backend.engine.attention import AttentionMetadata, PrefillChunk
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.guided.masks import apply_grammar_masks
-from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.kv_pool import free_memory_blocks, make_kv_cache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.ops import CppOps, select_ops
@@ -50,23 +50,6 @@ class RunnerOutput:
     top: dict[int, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
 
 
-def make_kv_cache(config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                  num_blocks: int) -> PagedKVCache:
-    if config.kv_cache.dtype != "auto":
-        from triton_backend.engine.quant import make_quantized_kv_cache  # optional runtime half
-
-        return make_quantized_kv_cache(config, num_blocks, device)
-    return PagedKVCache(config.model, num_blocks, config.kv_cache.tokens_per_block, dtype, device)
-
-
-def kv_bytes_per_token(config: EngineConfig, dtype: torch.dtype) -> int:
-    if config.kv_cache.dtype != "auto":
-        from triton_backend.engine.quant import quantized_kv_bytes_per_token
-
-        return quantized_kv_bytes_per_token(config)
-    return PagedKVCache.bytes_per_token(config.model, dtype)
-
-
 def raw_log_probs(logits: torch.Tensor, chunks: list[ScheduledChunk]
                   ) -> dict[int, tuple[int, torch.Tensor]]:
     """seq_id -> (top_log_probs, the log-softmax of its rows) for chunks that ask for
@@ -99,11 +82,13 @@ def top_alternatives(raw: dict[int, tuple[int, torch.Tensor]], sampled: dict, ac
 
 
 class ModelRunner:
-    def __init__(self, engine_dir: str | Path, config: EngineConfig, num_blocks: int,
+    def __init__(self, engine_dir: str | Path, config: EngineConfig, num_blocks: int | None,
                  device: str | torch.device = "cpu", lora: AdapterCache | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, kv_free_fraction: float | None = None) -> None:
         """`lora`: the engine's adapter cache (None: an engine without adapters); `progress`:
-        the engine's progress count, which the model advances per layer (a new one if None)."""
+        the engine's progress count, which the model advances per layer (a new one if None).
+        `num_blocks` None: on a CUDA device, the KV pool takes `kv_free_fraction` of the memory
+        free once the weights are loaded (kv_pool.free_memory_blocks)."""
         self.config = config
         self.lora = lora
         self.device = torch.device(device)
@@ -111,6 +96,11 @@ class ModelRunner:
         self.tokens_per_block = config.kv_cache.tokens_per_block
         self.model = load_model(engine_dir, config, self.device)
         self.progress = self.model.progress = progress or Progress()
+        if num_blocks is None:
+            if self.device.type != "cuda" or kv_free_fraction is None:
+                raise ValueError("the KV pool needs a block count, a memory budget, or a CUDA "
+                                 "device and kv_cache_free_gpu_mem_fraction")
+            num_blocks = free_memory_blocks(config, self.dtype, self.device, kv_free_fraction)
         self.kv_cache = make_kv_cache(config, self.dtype, self.device, num_blocks)
         self.sampler = Sampler()
         self.ops = select_ops(self.device)

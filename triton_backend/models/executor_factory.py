@@ -24,11 +24,12 @@ from triton_backend.engine.scheduler import DEFAULT_AGING_RATE
 from triton_backend.models.model_params import ModelParams
 
 
-def engine_options(params: ModelParams) -> EngineOptions:
+def engine_options(params: ModelParams, device: str | None = None) -> EngineOptions:
     """The `tensorrt_llm` model's parameters as the one options value its executor is built
     with: KV cache size, the repository's off switches (true: as the engine's config.json says),
     admission limits and priority aging (the build spec's `serving:` section; absent ones, in an
-    older repository, mean unbounded and the default)."""
+    older repository, mean unbounded and the default). `device`: where the model instance runs
+    the engine (None: the engine's own kind of device)."""
     def off_or_none(key: str) -> bool | None:
         return None if params.flag(key, True) else False
 
@@ -39,7 +40,9 @@ def engine_options(params: ModelParams) -> EngineOptions:
         enable_speculative_decoding=off_or_none("enable_speculative_decoding"),
         admission=AdmissionLimits(params.integer("max_waiting_requests", 0),
                                   params.integer("max_waiting_prompt_tokens", 0)),
-        priority_aging_rate=params.number("priority_aging_rate", DEFAULT_AGING_RATE))
+        priority_aging_rate=params.number("priority_aging_rate", DEFAULT_AGING_RATE),
+        device=device,
+        kv_cache_free_gpu_mem_fraction=params.number("kv_cache_free_gpu_mem_fraction", None))
 
 
 def create_executor(engine_dir: Path, options: EngineOptions = EngineOptions(), *,

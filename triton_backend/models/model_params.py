@@ -32,7 +32,7 @@ class ModelParams:
         value = self._values.get(key, "")
         return default if value == "" else int(value)
 
-    def number(self, key: str, default: float) -> float:
+    def number(self, key: str, default: float | None) -> float | None:
         value = self._values.get(key, "")
         return default if value == "" else float(value)
 

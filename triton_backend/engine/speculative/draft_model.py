@@ -46,7 +46,7 @@ class DraftModelProposer:
                  progress: Progress | None = None) -> None:
         import torch
 
-        from triton_backend.engine.llm_engine import resolve_num_blocks
+        from triton_backend.engine.kv_pool import resolve_num_blocks
         from triton_backend.engine.model_runner import ModelRunner
         from triton_backend.engine.weights import runtime_dtype
 
