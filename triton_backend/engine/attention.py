@@ -64,8 +64,8 @@ def prefill_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     else:
         ks, vs = cache.gather(layer, chunk.key_slots, q.dtype)
         q_len, k_len = chunk.q_end - chunk.q_start, chunk.key_slots.numel()
-        rows = torch.arange(q_len).unsqueeze(1) + chunk.num_cached
-        mask, causal = torch.arange(k_len).unsqueeze(0) <= rows, False
+        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + chunk.num_cached
+        mask, causal = torch.arange(k_len, device=q.device).unsqueeze(0) <= rows, False
     ks = ks.transpose(0, 1).unsqueeze(0)
     vs = vs.transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,

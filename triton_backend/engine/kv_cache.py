@@ -24,7 +24,7 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
         """KV bytes one token occupies across all layers (keys and values)."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * element
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -65,7 +65,7 @@ def step_activation_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
     shape, limits = config.model, config.limits
     per_row = (4 * shape.hidden_size + 3 * (shape.q_size + 2 * shape.kv_size)
                + 3 * shape.intermediate_size)
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     sampling_rows = limits.max_batch_size * (1 + config.speculative.num_draft_tokens)
     logits = 4 * sampling_rows * shape.vocab_size * 4
     return 2 * limits.max_num_tokens * per_row * element + logits

@@ -41,13 +41,14 @@ def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantCon
 
 
 def _rope_inv_freq(shape: ModelShape) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, exactly as transformers computes them."""
+    """Inverse frequencies and attention scaling, exactly as transformers computes them (on the
+    CPU, so every device starts from the same tables)."""
     params = dict(shape.rope_scaling or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         dim = shape.head_dim
-        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, 1.0
+        exponents = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim
+        return 1.0 / (shape.rope_theta ** exponents), 1.0
     if rope_type == "dynamic":
         raise ValueError("model.rope_scaling: rope_type 'dynamic' is not supported by the runtime")
     from transformers import LlamaConfig
@@ -58,20 +59,23 @@ def _rope_inv_freq(shape: ModelShape) -> tuple[torch.Tensor, float]:
                             head_dim=shape.head_dim,
                             max_position_embeddings=shape.max_position_embeddings,
                             rope_parameters=params)
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    with torch.device("cpu"):  # its helpers make tensors of their own without naming a device
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to `max_positions`, gathered per token by position."""
+    """cos/sin tables for every position up to `max_positions`, gathered per token by position;
+    computed in float32 on the CPU, then moved to `device`."""
 
-    def __init__(self, shape: ModelShape, max_positions: int) -> None:
+    def __init__(self, shape: ModelShape, max_positions: int,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         inv_freq, scaling = _rope_inv_freq(shape)
-        positions = torch.arange(max_positions, dtype=torch.float)
+        positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

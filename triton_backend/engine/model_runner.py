@@ -239,14 +239,14 @@ class ModelRunner:
     def _add_decodes(self, meta: AttentionMetadata, decodes: list[tuple[int, ScheduledChunk]]) -> None:
         """Padded key slots [n, max_k] and a mask of the real keys for all decodes at once."""
         tpb = self.tokens_per_block
-        key_lens = torch.tensor([c.num_computed_tokens + 1 for _, c in decodes])
+        key_lens = torch.tensor([c.num_computed_tokens + 1 for _, c in decodes], device="cpu")
         max_k = int(key_lens.max())
         max_blocks = -(-max_k // tpb)
-        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long, device="cpu")
         for i, (_, chunk) in enumerate(decodes):
             table = chunk.block_table[:max_blocks]
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
-        positions = torch.arange(max_k)
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long, device="cpu")
+        positions = torch.arange(max_k, device="cpu")
         slots = tables[:, positions // tpb] * tpb + positions % tpb
         mask = (positions.unsqueeze(0) < key_lens.unsqueeze(1))[:, None, None, :]
         meta.decode_token_index = torch.tensor([q for q, _ in decodes], device=self.device)

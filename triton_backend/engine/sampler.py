@@ -110,7 +110,7 @@ class Sampler:
         generator = self._generators.get(chunk.seq_id)
         if generator is None:
             seed = chunk.request.sampling.seed
-            generator = torch.Generator().manual_seed(seed if seed is not None
+            generator = torch.Generator(device="cpu").manual_seed(seed if seed is not None
                                                       else random.getrandbits(63))
             self._generators[chunk.seq_id] = generator
         return generator
@@ -158,14 +158,15 @@ def _apply_penalties(row: torch.Tensor, chunk: ScheduledChunk) -> torch.Tensor:
     params = chunk.request.sampling
     if params.repetition_penalty != 1.0:
         # As transformers: over prompt and output; divide positive logits, multiply negative ones.
-        seen = torch.tensor(sorted(set(chunk.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(chunk.token_ids)), dtype=torch.long, device=row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                 values * params.repetition_penalty)
     if params.presence_penalty or params.frequency_penalty:
         generated = chunk.token_ids[chunk.num_prompt_tokens:]
         if generated:
-            ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+            ids, counts = torch.tensor(generated, dtype=torch.long,
+                                       device=row.device).unique(return_counts=True)
             row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
     return row
 

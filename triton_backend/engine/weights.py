@@ -39,5 +39,5 @@ def load_model(engine_dir: str | Path, config: EngineConfig, device: torch.devic
         raise ValueError(f"{engine_dir}/{WEIGHTS_FILE} does not match the engine config: "
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     # Buffers (rotary tables) are not in the state dict: materialize them for real.
-    model.rotary = type(model.rotary)(config.model, config.limits.max_seq_len).to(device)
+    model.rotary = type(model.rotary)(config.model, config.limits.max_seq_len, device)
     return model.eval()

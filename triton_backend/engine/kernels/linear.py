@@ -45,7 +45,7 @@ def pack_weight(weight: torch.Tensor, layout: str = "tiles") -> torch.Tensor:
     consecutive pairs (the operand order of a bf16 dot-product instruction); K must be even."""
     n, k = weight.shape
     padded = -(-n // TILE) * TILE
-    tiles = torch.zeros(padded, k, dtype=torch.bfloat16)
+    tiles = torch.zeros(padded, k, dtype=torch.bfloat16, device="cpu")
     tiles[:n] = weight
     if layout == "pairs":
         if k % 2:
@@ -214,7 +214,7 @@ def _measure_layout(layout: str, weight: torch.Tensor, k: int) -> tuple[list[flo
     layer = PackedBf16Linear(weight, None, layout=layout)
     torch_over_packed, upcast_over_packed = [], {}
     for m in (1, 16, *UPCAST_ROWS):
-        x = torch.randn(m, k).to(torch.bfloat16)
+        x = torch.randn(m, k, device="cpu").to(torch.bfloat16)
         if m <= 16:
             ours, theirs = _best_times([lambda: layer(x), lambda: F.linear(x, weight)], 15)
             torch_over_packed.append(theirs / ours)
@@ -238,7 +238,7 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     k, n = 1024, 2048
-    weight = torch.randn(n, k).to(torch.bfloat16)
+    weight = torch.randn(n, k, device="cpu").to(torch.bfloat16)
     timings = {layout: _measure_layout(layout, weight, k) for layout in available_layouts()}
     # The layout whose worse decode-size ratio over torch is best.
     layout = max(timings, key=lambda name: min(timings[name][0]))
@@ -266,12 +266,12 @@ def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
         raise ValueError(f"the INT4 kernel needs in_features divisible by 8, got {k}")
     panels = -(-n // DOT_PANEL)
     padded = panels * DOT_PANEL
-    u = torch.zeros(padded, k, dtype=torch.uint8)  # padding columns: scale 0, offset 0
+    u = torch.zeros(padded, k, dtype=torch.uint8, device="cpu")  # padding columns: scale 0, offset 0
     u[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
     u = u.view(panels, 4, 8, k // 8, 2, 4)  # [panel, register, column, step, half, j]
     packed = (u[..., 0, :] | (u[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)  # [p, step, r, c, j]
     groups = scales.shape[1]
-    scale = torch.zeros(padded, groups, dtype=torch.float32)
+    scale = torch.zeros(padded, groups, dtype=torch.float32, device="cpu")
     scale[:n] = scales.float()
     offset = -8 * scale
     if zeros is not None:
@@ -295,9 +295,9 @@ def pack_int8_dot(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = weight.float().reshape(n, k // 32, 32)
     scale = (blocks.abs().amax(-1) / 127).half()
     safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-    q = torch.zeros(padded, k, dtype=torch.int8)
+    q = torch.zeros(padded, k, dtype=torch.int8, device="cpu")
     q[:n] = (blocks / safe[..., None]).round().clamp(-127, 127).reshape(n, k).to(torch.int8)
-    scales = torch.zeros(padded, k // 32, dtype=torch.float16)
+    scales = torch.zeros(padded, k // 32, dtype=torch.float16, device="cpu")
     scales[:n] = scale
     packed = q.view(panels, 4, 8, k // 4, 4).permute(0, 3, 1, 2, 4)  # [p, step, r, c, j]
     packed = packed.reshape(panels, k // 4, 128).contiguous().view(torch.uint8)
@@ -388,7 +388,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
         return Int4Choice(**cached[shape]["choice"])
     from triton_backend.engine.quant import int4
 
-    q, scales = int4.quantize_rtn(torch.randn(out_features, in_features), group_size)
+    q, scales = int4.quantize_rtn(torch.randn(out_features, in_features, device="cpu"), group_size)
     ours = pack_int4_dot(q, scales)
     theirs = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     scale_t = scales.t().to(torch.bfloat16)
@@ -399,7 +399,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
         "torch": lambda x: torch._weight_int4pack_mm_for_cpu(x, theirs, group_size, zeros)}
     torch_over_ours = []
     for m in (1, 16) if group_size in int4.TORCH_INT4PACK_GROUP_SIZES else ():
-        x = torch.randn(m, in_features).to(torch.bfloat16)
+        x = torch.randn(m, in_features, device="cpu").to(torch.bfloat16)
         t_ours, t_torch = _best_times([lambda: kernels["cpp"](x), lambda: kernels["torch"](x)], 15)
         torch_over_ours.append(t_torch / t_ours)
     wins = not torch_over_ours or min(torch_over_ours) >= 1.0 or sum(torch_over_ours) >= 2.0
@@ -408,7 +408,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     dense = lambda: dequantize_int4(ours[0], ours[1], group_size, out_features)  # noqa: E731
     upcast_over_kernel: dict[str, dict[int, float]] = {"float32": {}, "bfloat16": {}}
     for m in INT4_UPCAST_ROWS:
-        x = torch.randn(m, in_features).to(torch.bfloat16)
+        x = torch.randn(m, in_features, device="cpu").to(torch.bfloat16)
         t_kernel, t_fp32, t_bf16 = _best_times([
             lambda: kernels[winner](x), lambda: F.linear(x.float(), dense()),
             lambda: F.linear(x, dense().to(torch.bfloat16))], 3)

@@ -110,7 +110,7 @@ def fuse(contributions: list[Contribution], shape: ModelShape,
         in_features, out_features = dims[module]
         total_rank = sum(p.a.shape[0] for p in parts)
         a = torch.cat([p.a.float() for p in parts], dim=0)
-        b = torch.zeros(out_features, total_rank)
+        b = torch.zeros(out_features, total_rank, device=a.device)
         column = 0
         for p in parts:
             r, rows = p.a.shape[0], p.b.shape[0]

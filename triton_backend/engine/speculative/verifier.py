@@ -93,7 +93,7 @@ def rejection_sample(sampler: Sampler, rows: torch.Tensor, chunk: ScheduledChunk
         probs = torch.softmax(candidates, dim=-1)
         if i < len(drafts):
             draft = drafts[i]
-            if float(torch.rand((), generator=generator)) < float(probs[draft]):
+            if float(torch.rand((), generator=generator, device=generator.device)) < float(probs[draft]):
                 kept.append((draft, float(log_probs[draft])))
                 continue
             probs[draft] = 0.0  # the residual max(0, p - q) for a point-mass q at the draft
