@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from builder.bench.clients import Client
+from builder.bench.client_base import Client
 from builder.bench.records import RequestRecord
 from builder.bench.workloads import WorkItem
 

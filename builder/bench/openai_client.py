@@ -12,7 +12,7 @@ import json
 import urllib.request
 from typing import Any
 
-from builder.bench.clients import SseHttpClient
+from builder.bench.client_base import SseHttpClient
 from builder.bench.records import RequestRecord
 from builder.bench.workloads import WorkItem
 
