@@ -38,7 +38,7 @@ def build_naive_engine(spec: BuildSpec, hf_dir: Path, engine_dir: Path | None = 
     """Write the naive engine for `spec` (target "naive") from the resolved checkpoint `hf_dir`
     into `engine_dir` (default `spec.output_dir`); returns the engine directory. The directory is
     assembled beside the target and renamed into place, so a failed build leaves no half engine."""
-    from builder.engine_builder import copy_tokenizer, engine_config_for
+    from builder.engine_files import copy_tokenizer, engine_config_for
     from builder.install import check_replaceable, staging_dir, swap_in
 
     if spec.target != "naive":

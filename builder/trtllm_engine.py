@@ -137,7 +137,7 @@ def _quality_gate(engine_dir: Path, config: EngineConfig, hf_dir: Path, spec: Bu
 def build_trtllm_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, steps,
                         plan: TrtllmBuildPlan) -> Path:
     """Checkpoint, config, manifest and build.sh; then trtllm-build where it can run."""
-    from builder.engine_builder import copy_tokenizer
+    from builder.engine_files import copy_tokenizer
 
     from builder.install import check_replaceable, staging_dir, swap_in
 
