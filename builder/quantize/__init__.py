@@ -5,7 +5,8 @@ The builder calls `quantize_checkpoint(hf_dir, engine_dir, QuantizeOptions.from_
 dtype, progress)` and records the returned `QuantizationResult` in the engine config.
 """
 from builder.quantize.options import CalibrationOptions, QuantizeOptions
-from builder.quantize.quantizer import QuantizationResult, quantize_checkpoint, quantize_engine
+from builder.quantize.quantizer import quantize_checkpoint, quantize_engine
+from builder.quantize.result import QuantizationResult
 
 __all__ = ["CalibrationOptions", "QuantizeOptions", "QuantizationResult", "quantize_checkpoint",
            "quantize_engine"]

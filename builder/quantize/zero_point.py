@@ -25,6 +25,7 @@ from builder import convert
 from builder.quantize import calibration, modelopt_run
 from builder.quantize.modelopt_run import check_exclusion_patterns, is_excluded
 from builder.quantize.options import QuantizeOptions
+from builder.quantize.result import QuantizationResult, linear_bytes
 from builder.quantize.trtllm_checkpoint import KV_CACHE_QUANT_ALGOS
 from triton_backend.engine.config import WEIGHTS_FILE, QuantConfig
 from triton_backend.engine.models.llama import PROJECTIONS
@@ -110,10 +111,8 @@ def calibrate_kv_cache(hf_dir: Path, options: QuantizeOptions, progress: Callabl
 
 
 def quantize_zero_point(hf_dir: Path, engine_dir: Path, options: QuantizeOptions,
-                        dtype: torch.dtype, progress: Callable[[str], None]):
+                        dtype: torch.dtype, progress: Callable[[str], None]) -> QuantizationResult:
     """Write engine_dir/model.safetensors; the result for the engine config."""
-    from builder.quantize.quantizer import QuantizationResult, linear_bytes
-
     start = time.perf_counter()
     shape = convert.model_shape_from_hf(convert.read_hf_config(hf_dir))
     state = convert.convert_state_dict(convert.load_hf_state_dict(hf_dir), shape, torch.float32)
