@@ -11,14 +11,16 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from builder.template import Raw, pbtxt_escape
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.numbers import is_number
 
-TRTLLM_TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates_trtllm"
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates_trtllm"
+MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble")
+NVIDIA_MODELS = ("preprocessing", "tensorrt_llm", "ensemble")  # from TEMPLATES_DIR, not ours
+SHIMS = {"preprocessing": ("trtllm_preprocessing", "TrtllmPreprocessingModel")}  # + ours
 BACKENDS = ("auto", "tensorrtllm", "python")
 SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")  # NVIDIA's batch_scheduler_policy
 ENGINE_SUBDIR = "trtllm_engine"
@@ -55,34 +57,6 @@ def backend_for(config: EngineConfig, options) -> str:
         raise ValueError("repository.tensorrt_llm_backend: 'python' over TensorRT-LLM's executor "
                          "is not built yet; trtllm engines are served by 'tensorrtllm'")
     return backend
-
-
-@dataclass(frozen=True)
-class Layout:
-    models: tuple[str, ...]
-    overrides: dict          # model -> templates dir (default: model_repository/templates)
-    shims: dict              # Python model -> (module in triton_backend.models, class)
-    uses_trtllm_values: bool
-
-    def templates_dir(self, model: str) -> Path:
-        from builder.repository import TEMPLATES_DIR
-
-        return self.overrides.get(model, TEMPLATES_DIR)
-
-    def shim(self, model: str):
-        return self.shims.get(model)
-
-
-def layout(config: EngineConfig, options) -> Layout:
-    from builder.repository import MODELS, PYTHON_MODELS
-
-    if backend_for(config, options) == "python":
-        return Layout(MODELS, {}, dict(PYTHON_MODELS), uses_trtllm_values=False)
-    shims = {"preprocessing": ("trtllm_preprocessing", "TrtllmPreprocessingModel"),
-             "postprocessing": PYTHON_MODELS["postprocessing"]}
-    overrides = {m: TRTLLM_TEMPLATES_DIR for m in ("preprocessing", "tensorrt_llm", "ensemble")}
-    return Layout(("preprocessing", "tensorrt_llm", "postprocessing", "ensemble"), overrides,
-                  shims, uses_trtllm_values=True)
 
 
 def template_values(config: EngineConfig, engine_dir: Path, options) -> dict[str, object]:

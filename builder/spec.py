@@ -227,7 +227,7 @@ def _build_section(key: str, klass: type, raw: Any) -> Any:
 
 
 def _check_repository(raw: Any) -> None:
-    from builder.repository import RepositoryOptions
+    from builder.repository_options import RepositoryOptions
 
     if not isinstance(raw, dict):
         raise SpecError("repository: must be a mapping")
