@@ -104,16 +104,17 @@ def _read_config(where: str, path: Path) -> dict:
 
 def _target_modules(where: str, config: dict, shape: ModelShape) -> dict[tuple[int, str], str]:
     """(layer, module) -> HF module name of every projection the config says it adapts."""
-    from triton_backend.engine.lora.layout import HF_MODULES, AdapterError, hf_module_name
+    from triton_backend.engine.lora.layout import AdapterError, projections
 
+    names = projections(shape.architecture)
     targets = config.get("target_modules") or []
     layers = config.get("layers_to_transform")
     layers = range(shape.num_hidden_layers) if layers is None else (
         [layers] if isinstance(layers, int) else layers)
     wanted = {}
     for layer in layers:
-        for module in HF_MODULES:
-            name = hf_module_name(layer, module)
+        for module in names.hf_modules:
+            name = names.hf_module_name(layer, module)
             if isinstance(targets, str):
                 hit = re.fullmatch(targets, name) is not None
             else:
@@ -122,9 +123,9 @@ def _target_modules(where: str, config: dict, shape: ModelShape) -> dict[tuple[i
                 wanted[(layer, module)] = name
     if not isinstance(targets, str):
         for module in targets:
-            if module.split(".")[-1] not in HF_MODULES:
+            if module.split(".")[-1] not in names.hf_modules:
                 raise AdapterError(f"{where}: module {module}: LoRA on it is not supported "
-                                   f"(supported: {sorted(HF_MODULES)})")
+                                   f"(supported: {sorted(names.hf_modules)})")
     return wanted
 
 
@@ -132,8 +133,9 @@ def read_peft_adapter(name: str, path: Path, shape: ModelShape, max_rank: int) -
     """Read and check a PEFT adapter against the base model `shape`."""
     from safetensors.torch import load_file
 
-    from triton_backend.engine.lora.layout import HF_MODULES, AdapterError, hf_module_name
+    from triton_backend.engine.lora.layout import AdapterError, projections
 
+    names = projections(shape.architecture)
     where = f"lora.adapters.{name}"
     config = _read_config(where, path)
     rank = config["r"]
@@ -146,7 +148,7 @@ def read_peft_adapter(name: str, path: Path, shape: ModelShape, max_rank: int) -
         match = _KEY.fullmatch(key)
         if match is None:
             raise AdapterError(f"{where}: weight {key!r} is not a LoRA pair of a decoder "
-                               f"projection (supported: {sorted(HF_MODULES)})")
+                               f"projection (supported: {sorted(names.hf_modules)})")
         layer, module = int(match.group(1)), match.group(3)
         found.setdefault((layer, module), {})[match.group(4)] = tensor
     wanted = _target_modules(where, config, shape)
@@ -156,7 +158,7 @@ def read_peft_adapter(name: str, path: Path, shape: ModelShape, max_rank: int) -
                                f"missing from {PEFT_WEIGHTS} (target_modules lists it)")
     pairs = []
     for (layer, module), ab in sorted(found.items()):
-        module_where = f"{where}: module {hf_module_name(layer, module)}"
+        module_where = f"{where}: module {names.hf_module_name(layer, module)}"
         if (layer, module) not in wanted:
             raise AdapterError(f"{module_where}: has weights but is not in target_modules")
         if set(ab) != {"A", "B"}:
@@ -182,11 +184,11 @@ def adapter_dtype(engine_dtype: str) -> torch.dtype:
 
 def runtime_state(adapter: PeftAdapter, shape: ModelShape, max_rank: int,
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from triton_backend.engine.lora.layout import fuse, hf_contribution, hf_module_name
+    from triton_backend.engine.lora.layout import fuse, hf_contribution, projections
 
-    where = f"lora.adapters.{adapter.name}"
-    contributions = [hf_contribution(f"{where}: module {hf_module_name(layer, module)}", layer,
-                                     module, a, b, shape, max_rank)
+    where, names = f"lora.adapters.{adapter.name}", projections(shape.architecture)
+    contributions = [hf_contribution(f"{where}: module {names.hf_module_name(layer, module)}",
+                                     layer, module, a, b, shape, max_rank)
                      for layer, module, a, b in adapter.pairs]
     return fuse(contributions, shape, dtype)
 

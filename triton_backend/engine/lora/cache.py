@@ -199,14 +199,15 @@ class AdapterCache:
             self.progress.tick()
             if key.endswith(".lora_a"):
                 a, b = state[key], state[f"{key[:-len('.lora_a')]}.lora_b"]
-                pairs[parse_key(key)] = (a.float().t().contiguous(), b.float().t().contiguous())
+                slot = parse_key(key, self.shape)
+                pairs[slot] = (a.float().t().contiguous(), b.float().t().contiguous())
                 if a.dtype == torch.bfloat16:
-                    stored[parse_key(key)] = (a.t().contiguous(), b.t().contiguous())
+                    stored[slot] = (a.t().contiguous(), b.t().contiguous())
                 if self.packed_plan is not None:
                     from triton_backend.engine.kernels.linear import PackedBf16Linear
 
                     plan = self.packed_plan
-                    packed[parse_key(key)] = tuple(
+                    packed[slot] = tuple(
                         PackedBf16Linear(w.to(torch.bfloat16), None, plan.upcast_min_rows,
                                          plan.layout) for w in (a, b))
         self.resident[task_id] = ResidentAdapter(task_id, pairs, packed, stored)

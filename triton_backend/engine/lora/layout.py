@@ -13,21 +13,35 @@ request tensors (`nvidia.py`), are turned into `Contribution`s and go through `f
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from triton_backend.engine import models
 from triton_backend.engine.config import ModelShape
-from triton_backend.engine.models.llama import PROJECTIONS, LlamaFamily
 
-# From the model families' one weight-name table (every family has the Llama projections):
-# (HF parent, HF projection, runtime projection, part index inside the fused projection).
-_PARTS = [(*hf.split("."), weight.runtime, index) for weight in LlamaFamily.layer_weights
-          if weight.runtime in PROJECTIONS for index, hf in enumerate(weight.hf)]
-# HF projection -> (runtime projection's short name, part index), e.g. k_proj -> (qkv, 1)
-HF_MODULES = {name: (runtime.split(".")[1], index) for _, name, runtime, index in _PARTS}
-RUNTIME_PREFIX = {runtime.split(".")[1]: runtime for _, _, runtime, _ in _PARTS}  # qkv -> attention.qkv
-HF_PARENT = {name: parent for parent, name, _, _ in _PARTS}  # q_proj -> self_attn
+
+@dataclass(frozen=True)
+class Projections:
+    """The projections LoRA may adapt in one model family, from the family's weight-name table
+    (`lora_parts`), so each family brings its own names."""
+
+    hf_modules: dict[str, tuple[str, int]]  # HF projection -> (runtime short name, part index)
+    hf_parent: dict[str, str]               # q_proj -> self_attn
+    runtime_prefix: dict[str, str]          # qkv -> attention.qkv
+
+    def hf_module_name(self, layer: int, module: str) -> str:
+        return f"model.layers.{layer}.{self.hf_parent[module]}.{module}"
+
+
+@functools.cache
+def projections(architecture: str) -> Projections:
+    """The LoRA projections of the family an engine config's `model.architecture` names."""
+    parts = models.get(architecture).lora_parts()
+    return Projections({name: (runtime.split(".")[1], index) for _, name, runtime, index in parts},
+                       {name: parent for parent, name, _, _ in parts},
+                       {runtime.split(".")[1]: runtime for _, _, runtime, _ in parts})
 
 
 class AdapterError(ValueError):
@@ -46,10 +60,6 @@ class Contribution:
     label: str           # how errors name it (the source's module name)
 
 
-def hf_module_name(layer: int, module: str) -> str:
-    return f"model.layers.{layer}.{HF_PARENT[module]}.{module}"
-
-
 def runtime_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each runtime projection."""
     return {"qkv": (shape.hidden_size, shape.q_size + 2 * shape.kv_size),
@@ -60,7 +70,7 @@ def runtime_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
 
 def hf_part(shape: ModelShape, module: str) -> tuple[str, int, int, int]:
     """(runtime projection, in_features, first output row, output rows) of an HF projection."""
-    runtime, part = HF_MODULES[module]
+    runtime, part = projections(shape.architecture).hf_modules[module]
     in_features = runtime_dims(shape)[runtime][0]
     sizes = {"qkv": [shape.q_size, shape.kv_size, shape.kv_size],
              "dense": [shape.hidden_size],
@@ -104,7 +114,7 @@ def fuse(contributions: list[Contribution], shape: ModelShape,
                                f"{shape.num_hidden_layers} layers (an adapter for another base "
                                f"model?)")
         grouped.setdefault((c.layer, c.module), []).append(c)
-    dims = runtime_dims(shape)
+    dims, prefix = runtime_dims(shape), projections(shape.architecture).runtime_prefix
     state: dict[str, torch.Tensor] = {}
     for (layer, module), parts in sorted(grouped.items()):
         in_features, out_features = dims[module]
@@ -116,16 +126,17 @@ def fuse(contributions: list[Contribution], shape: ModelShape,
             r, rows = p.a.shape[0], p.b.shape[0]
             b[p.row_offset:p.row_offset + rows, column:column + r] = p.b.float()
             column += r
-        key = f"transformer.layers.{layer}.{RUNTIME_PREFIX[module]}"
+        key = f"transformer.layers.{layer}.{prefix[module]}"
         state[f"{key}.lora_a"] = a.to(dtype).contiguous()
         state[f"{key}.lora_b"] = b.to(dtype).contiguous()
     return state
 
 
-def parse_key(key: str) -> tuple[int, str]:
+def parse_key(key: str, shape: ModelShape) -> tuple[int, str]:
     """(layer, runtime projection) of a runtime-layout key's prefix."""
     parts = key.split(".")
-    module = {v: k for k, v in RUNTIME_PREFIX.items()}[".".join(parts[3:5])]
+    prefix = projections(shape.architecture).runtime_prefix
+    module = {v: k for k, v in prefix.items()}[".".join(parts[3:5])]
     return int(parts[2]), module
 
 
@@ -136,7 +147,7 @@ def check_runtime_state(where: str, state: dict[str, torch.Tensor], shape: Model
         if not key.endswith((".lora_a", ".lora_b")):
             raise AdapterError(f"{where}: unexpected key {key!r}")
         try:
-            layer, module = parse_key(key)
+            layer, module = parse_key(key, shape)
         except (KeyError, ValueError, IndexError):
             raise AdapterError(f"{where}: unexpected key {key!r}") from None
         if layer >= shape.num_hidden_layers:
@@ -153,9 +164,10 @@ def hf_contribution(where: str, layer: int, module: str, a: torch.Tensor, b: tor
                     shape: ModelShape, max_rank: int) -> Contribution:
     """Check the pair (A [r, in], B [out, r], scaling folded in) on HF projection `module` of
     `layer` against the base and place it in the fused projection."""
-    if module not in HF_MODULES:
+    supported = projections(shape.architecture).hf_modules
+    if module not in supported:
         raise AdapterError(f"{where}: LoRA on {module!r} is not supported (supported: "
-                           f"{sorted(HF_MODULES)})")
+                           f"{sorted(supported)})")
     runtime, in_features, row_offset, rows = hf_part(shape, module)
     if not 0 <= layer < shape.num_hidden_layers:
         raise AdapterError(f"{where}: layer {layer} does not exist, the base model has "

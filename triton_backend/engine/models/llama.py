@@ -3,7 +3,7 @@
 The runtime layout uses TensorRT-LLM's names with fused projections: q/k/v become
 `attention.qkv`, gate/up become `mlp.gate_up` (see triton_backend/engine/model.py).
 `LlamaFamily.layer_weights` / `model_weights` are the one table of HF -> runtime names;
-conversion, ModelOpt's quantization and LoRA's projection tables read it.
+conversion, ModelOpt's quantization and LoRA's projection tables (`lora_parts`) read it.
 """
 from __future__ import annotations
 
@@ -124,6 +124,12 @@ class LlamaFamily:
             if weight.runtime in PROJECTIONS and suffix in weight.hf:
                 return f"transformer.layers.{parts[2]}.{weight.runtime}"
         return None
+
+    def lora_parts(self) -> list[tuple[str, str, str, int]]:
+        """(HF parent, HF projection, runtime projection, part index inside the fused projection)
+        of every projection LoRA may adapt, e.g. ("self_attn", "k_proj", "attention.qkv", 1)."""
+        return [(*hf.split("."), weight.runtime, index) for weight in self.layer_weights
+                if weight.runtime in PROJECTIONS for index, hf in enumerate(weight.hf)]
 
     def fused_input_groups(self) -> list[tuple[str, ...]]:
         """HF projections of one layer that read the same input and run as one fused GEMM."""
