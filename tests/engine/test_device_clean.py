@@ -6,7 +6,8 @@ and top log probs, int8 and fp8 KV caches) and gives the tokens it gives without
 A tensor made without a device would land on `meta` and fail the step it meets (an op mixing
 meta and CPU tensors, or a `.item()` on meta): on a CUDA GPU the same tensor would have landed
 on the CPU, the bug this test finds without a GPU. Both op backends run: the C++ kernels and the
-torch reference (the one the GPU backend builds on)."""
+torch reference, and the GPU backend's step (static buffers replayed eagerly, device sampling)
+with its kernels' torch references."""
 import json
 import shutil
 
@@ -76,8 +77,10 @@ def _engines(tiny_engines, lora_build, tmp_path) -> dict:
     }
 
 
-@pytest.fixture(params=["cpp", "torch"])
+@pytest.fixture(params=["cpp", "torch", "gpu"])
 def op_backend(request, monkeypatch):
+    if request.param == "gpu":  # the GPU backend's step, its kernels' references on the CPU
+        monkeypatch.setenv("LLM_FORGE_KERNELS", "gpu")
     if request.param == "torch":
         from triton_backend.engine import kernels, model_runner, sampler
         from triton_backend.engine.ops import TorchOps

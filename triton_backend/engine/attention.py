@@ -40,6 +40,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None        # [B, max_blocks] int32 (0-padded)
     seq_lens: torch.Tensor | None = None            # [B] int32 keys per sequence, new ones included
     query_start: torch.Tensor | None = None         # [B + 1] int32 packed row offsets
+    # Host-side bounds of the same sequences, for kernels that must not read the device.
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

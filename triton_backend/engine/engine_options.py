@@ -22,7 +22,8 @@ class EngineOptions:
     one request at a time in arrival order). `device`: None follows the engine's hardware (cpu,
     or the current CUDA device for a GPU engine), else `cpu`, `cuda` or `cuda:N`.
     `kv_cache_free_gpu_mem_fraction`: on a GPU, the share of the memory left free after loading
-    that the KV cache takes (None: the engine's config.json, else its block count)."""
+    that the KV cache takes (None: the engine's config.json, else its block count).
+    `enable_cuda_graphs`: False runs the GPU backend's decode steps eagerly (None: captured)."""
 
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -32,6 +33,7 @@ class EngineOptions:
     priority_aging_rate: float = DEFAULT_AGING_RATE
     device: str | None = None
     kv_cache_free_gpu_mem_fraction: float | None = None
+    enable_cuda_graphs: bool | None = None
 
     def executor_kwargs(self) -> dict:
         """The options as `Executor` keyword arguments (one per field, nested values kept)."""

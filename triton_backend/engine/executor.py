@@ -50,13 +50,15 @@ class Executor(LoopMailbox):
                  restart_policy: RestartPolicy = RestartPolicy(),
                  admission: AdmissionLimits = AdmissionLimits(),
                  priority_aging_rate: float = DEFAULT_AGING_RATE,
-                 kv_cache_free_gpu_mem_fraction: float | None = None) -> None:
+                 kv_cache_free_gpu_mem_fraction: float | None = None,
+                 enable_cuda_graphs: bool | None = None) -> None:
         self.engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, device=device,
                                 enable_prefix_caching=enable_prefix_caching,
                                 enable_speculative_decoding=enable_speculative_decoding,
                                 priority_aging_rate=priority_aging_rate,
-                                kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction)
+                                kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
+                                enable_cuda_graphs=enable_cuda_graphs)
         self.admission = admission
         self._crashes = CrashLoop(restart_policy)
         self.config = self.engine.config

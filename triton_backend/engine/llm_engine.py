@@ -59,8 +59,10 @@ class LLMEngine:
                  enable_speculative_decoding: bool | None = None,
                  priority_aging_rate: float = DEFAULT_AGING_RATE,
                  kv_cache_free_gpu_mem_fraction: float | None = None,
+                 enable_cuda_graphs: bool | None = None,
                  clock: Callable[[], int] = time.time_ns) -> None:
-        """`device`: None follows the engine's hardware (see device.py)."""
+        """`device`: None follows the engine's hardware (see device.py); `enable_cuda_graphs`
+        False: the GPU backend runs decode steps eagerly."""
         self.engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(engine_dir)
         if self.config.target != "torch":
@@ -86,10 +88,11 @@ class LLMEngine:
         num_blocks = None if sized_by_fraction else resolve_num_blocks(
             self.config, dtype, num_kv_blocks, kv_cache_memory_bytes)
         self.runner = ModelRunner(engine_dir, self.config, num_blocks, self.device, lora=self.lora,
-                                  progress=self.progress, kv_free_fraction=fraction)
+                                  progress=self.progress, kv_free_fraction=fraction,
+                                  enable_cuda_graphs=enable_cuda_graphs is not False)
         kv = self.config.kv_cache
         self.block_manager = BlockManager(
-            self.runner.kv_cache.num_blocks, kv.tokens_per_block,
+            self.runner.num_blocks, kv.tokens_per_block,
             enable_prefix_caching=kv.enable_prefix_caching and enable_prefix_caching is not False,
             cache_salt=cache_salt(self.config))
         self.priority_aging_rate, self.clock = priority_aging_rate, clock
@@ -224,7 +227,7 @@ class LLMEngine:
         self.scheduler.step_cost.observe(output.num_tokens, seconds, output.num_keys)
 
     def _release(self, seq: Sequence) -> None:
-        self.runner.sampler.release(seq.seq_id)
+        self.runner.release(seq.seq_id)
         if self.speculator is not None:
             self.speculator.release(seq.seq_id)
         if seq.lora_task_id is not None:
@@ -253,7 +256,7 @@ class LLMEngine:
                                           enable_prefix_caching=old.enable_prefix_caching,
                                           cache_salt=cache_salt(self.config))
         self.scheduler = self._new_scheduler()
-        self.runner.sampler = type(self.runner.sampler)()
+        self.runner.reset_sampling()
         return failed
 
     def _count(self, output: SchedulerOutput, accepted: dict[int, list]) -> None:

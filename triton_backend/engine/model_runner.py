@@ -1,11 +1,15 @@
 """Runs one scheduled step: pack every scheduled token into one flat tensor, attend over the paged
-KV cache, project only the rows that sample, and sample.
+KV cache, project only the rows that sample, and sample (`step_sampling.py`).
 
-A chunk carrying draft tokens (speculative decoding) samples from its last 1 + num_draft_tokens
-rows: the verifier (`speculative/verifier.py`) keeps the drafts the target agrees with.
+Which kernels do the work is the ops backend's choice, made once at load (`ops.select_ops`): the
+C++ kernels on a CPU (with the one-call decode path for short steps), the GPU backend on CUDA
+(decode steps replayed as CUDA graphs, `gpu/graphs.py`; sampling on the device), the torch
+reference elsewhere. The runner asks the backend which chunks its kernel attends in place
+(packed first) and otherwise never looks at the device.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +17,6 @@ import torch
 
 from triton_backend.engine.attention import AttentionMetadata, PrefillChunk
 from triton_backend.engine.config import EngineConfig
-from triton_backend.engine.guided.masks import apply_grammar_masks
 from triton_backend.engine.kv_pool import free_memory_blocks, make_kv_cache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
@@ -21,16 +24,12 @@ from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.progress import Progress
 from triton_backend.engine.sampler import Sampler
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
-from triton_backend.engine.speculative.verifier import verify
+from triton_backend.engine.step_sampling import sample_step
 from triton_backend.engine.weights import load_model, runtime_dtype
 
+CUDA_GRAPHS_ENV = "LLM_FORGE_CUDA_GRAPHS"  # "0": every GPU step eagerly
 
-# Chunks of at most this many new tokens are attended by the paged kernel (decodes, short
-# chunks); longer prefill chunks by torch's flash attention, which is faster for them. 64, not
-# 8: the chunks the scheduler cuts beside decodes (about 10 rows beside 8 decodes here) then
-# stay in the one-call decode path, instead of sending the whole step through the Python model
-# (ITL p99 while a 256-token prompt is chunked in: 2.29x the steady p50 with 8, 1.96x with 64).
-KERNEL_MAX_QUERY = 64
+
 # The one-call decode path runs a whole step inside one C++ call, where the engine's progress
 # count (progress.py) cannot move; what it saves is per-op dispatch, which matters only in short
 # steps. So only steps of at most this much work (rows x projection weights) take it: 256 rows
@@ -50,45 +49,17 @@ class RunnerOutput:
     top: dict[int, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
 
 
-def raw_log_probs(logits: torch.Tensor, chunks: list[ScheduledChunk]
-                  ) -> dict[int, tuple[int, torch.Tensor]]:
-    """seq_id -> (top_log_probs, the log-softmax of its rows) for chunks that ask for
-    alternatives; rows in chunk order, 1 + num_draft_tokens each."""
-    raw, row = {}, 0
-    for chunk in chunks:
-        num_rows = 1 + chunk.num_draft_tokens
-        if chunk.request.top_log_probs:
-            raw[chunk.seq_id] = (chunk.request.top_log_probs,
-                                 torch.log_softmax(logits[row:row + num_rows].float(), dim=-1))
-        row += num_rows
-    return raw
-
-
-def top_alternatives(raw: dict[int, tuple[int, torch.Tensor]], sampled: dict, accepted: dict
-                     ) -> dict[int, list[tuple[list[int], list[float]]]]:
-    """The alternatives of every kept token; the kept tokens' own log probs become the raw ones
-    (in place), so each token's log prob is the one its alternatives list shows for it."""
-    top = {}
-    for seq_id, (k, rows) in raw.items():
-        kept = accepted.get(seq_id, [])
-        tokens = [t for t, _ in kept] + [sampled[seq_id][0]]
-        values, ids = rows[:len(tokens)].topk(k, dim=-1)
-        top[seq_id] = list(zip(ids.tolist(), values.tolist()))
-        own = [float(rows[i, t]) for i, t in enumerate(tokens)]
-        if kept:
-            accepted[seq_id] = [(t, lp) for t, lp in zip(tokens[:-1], own[:-1])]
-        sampled[seq_id] = (tokens[-1], own[-1])
-    return top
-
-
 class ModelRunner:
     def __init__(self, engine_dir: str | Path, config: EngineConfig, num_blocks: int | None,
                  device: str | torch.device = "cpu", lora: AdapterCache | None = None,
-                 progress: Progress | None = None, kv_free_fraction: float | None = None) -> None:
+                 progress: Progress | None = None, kv_free_fraction: float | None = None,
+                 enable_cuda_graphs: bool = True) -> None:
         """`lora`: the engine's adapter cache (None: an engine without adapters); `progress`:
         the engine's progress count, which the model advances per layer (a new one if None).
         `num_blocks` None: on a CUDA device, the KV pool takes `kv_free_fraction` of the memory
-        free once the weights are loaded (kv_pool.free_memory_blocks)."""
+        free once the weights are loaded (kv_pool.free_memory_blocks). `enable_cuda_graphs`:
+        False runs every step of the GPU backend eagerly."""
+        self.enable_cuda_graphs = enable_cuda_graphs
         self.config = config
         self.lora = lora
         self.device = torch.device(device)
@@ -96,36 +67,52 @@ class ModelRunner:
         self.tokens_per_block = config.kv_cache.tokens_per_block
         self.model = load_model(engine_dir, config, self.device)
         self.progress = self.model.progress = progress or Progress()
+        self.ops = select_ops(self.device)
         if num_blocks is None:
             if self.device.type != "cuda" or kv_free_fraction is None:
                 raise ValueError("the KV pool needs a block count, a memory budget, or a CUDA "
                                  "device and kv_cache_free_gpu_mem_fraction")
             num_blocks = free_memory_blocks(config, self.dtype, self.device, kv_free_fraction)
-        self.kv_cache = make_kv_cache(config, self.dtype, self.device, num_blocks)
+        # The blocks the block manager hands out; the GPU backend's captured steps write their
+        # padded rows to one more block, which nobody owns.
+        self.num_blocks = num_blocks
+        padded = self.ops.name == "gpu"
+        self.kv_cache = make_kv_cache(config, self.dtype, self.device, num_blocks + padded)
         self.sampler = Sampler()
-        self.ops = select_ops(self.device)
+        self.device_sampler = None
         # The paged kernel reads the cache in place: in the activations' dtype, or one byte per
         # element (quantized on write, widened on read).
-        self.kernel_attention = (isinstance(self.ops, CppOps)
-                                 and self.kv_cache.kernel_reads(self.dtype))
+        self.kernel_attention = self.ops.reads_cache_in_place(self.kv_cache, self.dtype)
         self.one_byte_cache = self.kv_cache.k.element_size() == 1
-        if isinstance(self.ops, CppOps) and self.dtype == torch.bfloat16:
+        self.decode_forward = None
+        self.one_call_max_rows = 0
+        self.graphs = None
+        if isinstance(self.ops, CppOps):
+            self._prepare_cpu_kernels()
+        elif config.quantization.lm_head == "int8":
+            raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
+                             "in_features divisible by 32")
+        if self.ops.name == "gpu":
+            self._prepare_gpu_backend()
+
+    def _prepare_cpu_kernels(self) -> None:
+        """Pack the projections for the measured bf16 GEMM, quantize the LM head when asked,
+        and set up the one-call decode path."""
+        if self.dtype == torch.bfloat16:
             from triton_backend.engine.kernels import plan_key
             from triton_backend.engine.kernels.linear import bf16_gemm_plan, pack_linears
 
             plan = bf16_gemm_plan(plan_key())
             if plan.packed:
                 pack_linears(self.model, plan)
-                if lora is not None:  # adapters take the same kernel
-                    lora.packed_plan = plan
-        if config.quantization.lm_head == "int8":
+                if self.lora is not None:  # adapters take the same kernel
+                    self.lora.packed_plan = plan
+        if self.config.quantization.lm_head == "int8":
             from triton_backend.engine.kernels.linear import quantize_lm_head
 
-            if not isinstance(self.ops, CppOps) or not quantize_lm_head(self.model):
+            if not quantize_lm_head(self.model):
                 raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
                                  "in_features divisible by 32")
-        self.decode_forward = None
-        self.one_call_max_rows = 0
         if self.kernel_attention:
             from triton_backend.engine.kernels.forward import DecodeForward
 
@@ -133,12 +120,42 @@ class ModelRunner:
             weights = sum(t.numel() for t in self.decode_forward.weights if t is not None)
             self.one_call_max_rows = max(1, ONE_CALL_MAX_WORK // max(1, weights))
 
+    def _prepare_gpu_backend(self) -> None:
+        """Sampling on the device, and decode steps captured as CUDA graphs (unless turned
+        off), their padded rows writing to the block past the pool."""
+        from triton_backend.engine.gpu.graphs import DecodeGraphs
+        from triton_backend.engine.gpu.sampling import DeviceSampler
+
+        self.device_sampler = DeviceSampler()
+        if os.environ.get(CUDA_GRAPHS_ENV, "1") == "0" or not self.enable_cuda_graphs:
+            return
+        limits = self.config.limits
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, limits.max_batch_size,
+                                   limits.max_seq_len, self.num_blocks * self.tokens_per_block,
+                                   self.device)
+        with torch.inference_mode():
+            self.graphs.capture()
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished sequence's sampling state (its generator or seed)."""
+        self.sampler.release(seq_id)
+        if self.device_sampler is not None:
+            self.device_sampler.release(seq_id)
+
+    def reset_sampling(self) -> None:
+        self.sampler = Sampler()
+        if self.device_sampler is not None:
+            self.device_sampler = type(self.device_sampler)()
+
     @torch.inference_mode()
     def run(self, output: SchedulerOutput, eos_ids: dict[int, frozenset[int]],
             return_logits: bool = False) -> RunnerOutput:
         """Run one step. Logits, when asked for, are [T, V] in packed-row order (the chunks
         the kernel attends come first)."""
         chunks = self._packing_order(output.chunks)
+        if self.graphs is not None and not return_logits and self.graphs.covers(chunks):
+            logits = self.graphs.run(chunks)  # every row samples: one per decode
+            return self._sample(logits, chunks, eos_ids, None)
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
         lora = self._lora_batch(chunks)
         if (self.decode_forward is not None and len(input_ids) <= self.one_call_max_rows
@@ -152,25 +169,18 @@ class ModelRunner:
             return RunnerOutput({}, all_logits)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
-        logits = logits.cpu().float().contiguous()  # no copy when it is so already
-        raw = raw_log_probs(logits, sampling_chunks)  # before any mask or penalty
-        if any(c.grammar is not None for c in sampling_chunks):
-            apply_grammar_masks(logits, sampling_chunks, eos_ids)
-        if any(c.num_draft_tokens for c in sampling_chunks):
-            sampled, accepted = verify(self.sampler, logits, sampling_chunks, eos_ids)
-        else:
-            picks = self.sampler(logits, sampling_chunks, eos_ids)
-            sampled, accepted = {c.seq_id: p for c, p in zip(sampling_chunks, picks)}, {}
-        top = top_alternatives(raw, sampled, accepted)
+        return self._sample(logits, sampling_chunks, eos_ids, all_logits)
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                eos_ids: dict[int, frozenset[int]], all_logits: torch.Tensor | None
+                ) -> RunnerOutput:
+        sampled, accepted, top = sample_step(logits, chunks, eos_ids, self.sampler,
+                                             self.device_sampler)
         return RunnerOutput(sampled, all_logits, accepted, top)
 
     def _for_kernel(self, chunk: ScheduledChunk) -> bool:
-        if not self.kernel_attention or len(chunk.new_token_ids) > KERNEL_MAX_QUERY:
-            return False
-        # Over a one-byte cache a prompt's first chunk attends its keys as computed, not as
-        # stored (as the torch path does, and TensorRT-LLM's context phase); later chunks and
-        # decodes read every key as stored, on either path.
-        return not (self.one_byte_cache and chunk.num_computed_tokens == 0)
+        return self.kernel_attention and self.ops.attends_in_place(
+            len(chunk.new_token_ids), chunk.num_computed_tokens, self.one_byte_cache)
 
     def _packing_order(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Kernel-attended chunks first; within each group, the chunks of one adapter side by
@@ -235,6 +245,8 @@ class ModelRunner:
         meta.kernel_rows = query_start[-1]
         meta.block_tables, meta.seq_lens = as_int(tables), as_int(seq_lens)
         meta.query_start = as_int(query_start)
+        meta.max_query_len = max(len(c.new_token_ids) for c in chunks)
+        meta.max_seq_len = max(seq_lens)
 
     def _add_decodes(self, meta: AttentionMetadata, decodes: list[tuple[int, ScheduledChunk]]) -> None:
         """Padded key slots [n, max_k] and a mask of the real keys for all decodes at once."""

@@ -42,7 +42,8 @@ def engine_options(params: ModelParams, device: str | None = None) -> EngineOpti
                                   params.integer("max_waiting_prompt_tokens", 0)),
         priority_aging_rate=params.number("priority_aging_rate", DEFAULT_AGING_RATE),
         device=device,
-        kv_cache_free_gpu_mem_fraction=params.number("kv_cache_free_gpu_mem_fraction", None))
+        kv_cache_free_gpu_mem_fraction=params.number("kv_cache_free_gpu_mem_fraction", None),
+        enable_cuda_graphs=off_or_none("cuda_graph_mode"))
 
 
 def create_executor(engine_dir: Path, options: EngineOptions = EngineOptions(), *,

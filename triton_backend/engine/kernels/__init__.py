@@ -56,7 +56,8 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17")
 MARCH_ENV = "LLM_FORGE_KERNEL_MARCH"
 MARCH_CHOICES = ("native", "x86-64-v2", "x86-64-v3", "x86-64-v4")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
-ENV_SWITCH = "LLM_FORGE_KERNELS"  # "torch": never build, use the pure-torch paths
+# "torch": never build, use the pure-torch paths; "gpu": the GPU backend's step on any device.
+ENV_SWITCH = "LLM_FORGE_KERNELS"
 
 # The CPU flags each named level needs (the x86-64 psABI levels, as gcc's -march takes them); a
 # library built for a level runs only where /proc/cpuinfo lists every one.
@@ -154,8 +155,8 @@ def plan_key() -> str:
 
 def kernels_wanted() -> bool:
     choice = os.environ.get(ENV_SWITCH, "auto").strip().lower()
-    if choice not in ("auto", "cpp", "torch"):
-        raise ValueError(f"{ENV_SWITCH} must be auto, cpp or torch, got {choice!r}")
+    if choice not in ("auto", "cpp", "torch", "gpu"):
+        raise ValueError(f"{ENV_SWITCH} must be auto, cpp, torch or gpu, got {choice!r}")
     return choice != "torch"
 
 
