@@ -23,7 +23,8 @@ EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
 @click.option("--name", help="Engine name (default from the spec).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--target", help="torch (default) | naive | trtllm")
-@click.option("--hardware", help="cpu | l4 | a100-40gb | a100-80gb | h100-80gb (overrides the spec).")
+@click.option("--hardware", help="cpu | l4 | a100-40gb | a100-80gb | h100-80gb | cuda (any CUDA "
+                                 "GPU, target torch) (overrides the spec).")
 @click.option("--tp", type=int, help="Tensor parallelism (target trtllm; parallelism.tp).")
 @click.option("--pp", type=int, help="Pipeline parallelism (target trtllm; parallelism.pp).")
 @click.option("--quantization", type=click.Choice(["none", "int4_awq", "int4_rtn", "fp8"]),

@@ -20,6 +20,7 @@ from builder.manifest import write_manifest
 from builder.quality import QualityThresholds, run_quality_gate
 from builder.quantize import QuantizeOptions, quantize_checkpoint
 from builder.spec import BuildSpec
+from builder.torch_gpu import build_check_device, is_gpu_engine
 from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig
 from triton_backend.engine.weights import TORCH_DTYPES
 
@@ -150,8 +151,12 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
         write_manifest(tmp_dir, spec, hf_dir)
         log(f"eos ids {config.tokenizer.eos_token_ids}, chat template: "
             f"{config.tokenizer.has_chat_template}")
-    with steps.step("CPU kernels (compiled once, cached)") as log:
-        prepare_cpu_kernels(config, log)
+    if is_gpu_engine(config.hardware):
+        with steps.step("CPU kernels: skipped") as log:
+            log(f"a GPU engine (hardware {config.hardware}) runs the GPU ops, not the CPU kernels")
+    else:
+        with steps.step("CPU kernels (compiled once, cached)") as log:
+            prepare_cpu_kernels(config, log)
     if options.enabled or options.lm_head != "none":
         with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:
             run_quality_gate(tmp_dir, hf_dir, QualityThresholds.from_spec(spec.quantization.quality),
@@ -206,7 +211,8 @@ def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path
 
 
 def check_against_transformers(engine_dir: Path, hf_dir: Path) -> str:
-    """A quick build-time check: the engine's prefill logits vs transformers' at the same dtype."""
+    """A quick build-time check: the engine's prefill logits vs transformers' at the same dtype,
+    both on the device `build_check_device` picks (a GPU engine on a CPU machine: the CPU)."""
     from transformers import AutoModelForCausalLM
 
     from triton_backend.engine.offline import prefill_logits
@@ -214,14 +220,17 @@ def check_against_transformers(engine_dir: Path, hf_dir: Path) -> str:
     from triton_backend.engine.weights import runtime_dtype
 
     config = EngineConfig.load(engine_dir)
+    device = torch.device(build_check_device(config.hardware))
     tokenizer = load_tokenizer(engine_dir, config)
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. Paris is the capital of")
-    ours = prefill_logits(engine_dir, ids)
-    dtype = runtime_dtype(config, torch.device("cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
+    ours = prefill_logits(engine_dir, ids, device=str(device)).float()
+    dtype = runtime_dtype(config, device)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device)
     with torch.inference_mode():
-        theirs = hf(torch.tensor([ids])).logits[0].float()
+        theirs = hf(torch.tensor([ids], device=device)).logits[0].float()
     diff = (ours - theirs).abs().max().item()
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    return (f"max |logit diff| {diff:.3g} ({config.dtype}), top-1 agreement {agree:.0%} "
-            f"over {len(ids)} positions")
+    where = (f"on {device}" if device.type == "cuda" or not is_gpu_engine(config.hardware)
+             else "on the CPU, no GPU visible")
+    return (f"max |logit diff| {diff:.3g} ({str(dtype).removeprefix('torch.')} {where}), "
+            f"top-1 agreement {agree:.0%} over {len(ids)} positions")

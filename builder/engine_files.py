@@ -8,6 +8,7 @@ from pathlib import Path
 
 from builder import convert
 from builder.spec import BuildSpec, default_limits
+from builder.torch_gpu import gpu_limits, is_gpu_engine, kv_free_fraction
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig, QuantConfig, TokenizerInfo
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -25,11 +26,15 @@ def engine_config_for(spec: BuildSpec, hf_dir: Path, hf_config: dict) -> EngineC
                         group_size=spec.quantization.group_size,
                         exclude_modules=list(spec.quantization.exclude_modules),
                         lm_head=spec.quantization.lm_head)
+    limits = spec.limits or default_limits(shape.max_position_embeddings)
+    kv_cache, extra = spec.kv_cache, {}
+    if spec.target == "torch" and is_gpu_engine(spec.hardware):
+        limits, extra["gpu"] = gpu_limits(spec, shape, limits)
+        kv_cache = dataclasses.replace(kv_cache, free_gpu_mem_fraction=kv_free_fraction(spec))
     return EngineConfig(name=spec.name, target=spec.target, dtype=spec.dtype, model=shape,
-                        limits=spec.limits or default_limits(shape.max_position_embeddings),
-                        kv_cache=spec.kv_cache, quantization=quant,
+                        limits=limits, kv_cache=kv_cache, quantization=quant,
                         tokenizer=tokenizer, hardware=spec.hardware,
-                        speculative=dataclasses.replace(spec.speculative))
+                        speculative=dataclasses.replace(spec.speculative), extra=extra)
 
 
 def _has_chat_template(hf_dir: Path) -> bool:

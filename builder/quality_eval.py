@@ -51,12 +51,15 @@ class EngineModel:
     """A built engine run by the torch runtime, one request at a time."""
 
     def __init__(self, engine_dir: str | Path, max_tokens: int) -> None:
+        from builder.torch_gpu import build_check_device
         from triton_backend.engine.llm_engine import LLMEngine
 
         config = EngineConfig.load(engine_dir)
         blocks = -(-max_tokens // config.kv_cache.tokens_per_block) + 2
-        # Every window's logits are read, so none may come from the prefix cache.
-        self.engine = LLMEngine(engine_dir, num_kv_blocks=blocks, enable_prefix_caching=False)
+        # Every window's logits are read, so none may come from the prefix cache. A GPU engine
+        # prepared on a machine without one is measured on the CPU.
+        self.engine = LLMEngine(engine_dir, num_kv_blocks=blocks, enable_prefix_caching=False,
+                                device=build_check_device(config.hardware))
         self.max_input_len = config.limits.max_input_len
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -67,7 +70,7 @@ class EngineModel:
         while self.engine.has_work():
             self.engine.step(return_logits=True)
             chunks.append(self.engine.last_logits)
-        return torch.cat(chunks).float()
+        return torch.cat(chunks).float().cpu()  # beside the reference, on the CPU
 
     def greedy(self, token_ids: list[int], num_tokens: int) -> list[int]:
         from triton_backend.engine.offline import generate

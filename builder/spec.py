@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from builder.deployment_spec import DeploymentSpec, check_keys
-from builder.hardware import FP8_PROFILES, GPU_PROFILES, PROFILES
+from builder.hardware import ANY_GPU, FP8_PROFILES, GPU_PROFILES, PROFILES
 from builder.lora import LoraSpec
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
 from triton_backend.engine.numbers import is_int, is_number
@@ -154,26 +154,35 @@ class BuildSpec:
         if self.target == "trtllm":
             self._check_trtllm()
         else:
-            self._check_cpu_target()
+            self._check_torch_target()
         if self.deployment is not None:
             try:
                 self.deployment.check_against(self.name, self.target, self.parallelism.world_size)
             except ValueError as exc:
                 raise SpecError(str(exc)) from None
 
-    def _check_cpu_target(self) -> None:
-        if self.hardware != "cpu":
-            raise SpecError(f"hardware: {self.hardware!r} is a GPU profile, for target trtllm; "
-                            f"target {self.target} runs on the CPU (hardware: cpu)")
-        if self.parallelism.world_size != 1:
-            raise SpecError(f"parallelism: tp/pp are TensorRT-LLM's (target trtllm); target "
-                            f"{self.target} runs on one device (tp: 1, pp: 1)")
+    def _check_torch_target(self) -> None:
+        """torch (and naive) on the CPU or, torch only, on a GPU (builder/torch_gpu.py)."""
+        from builder import torch_gpu
+
+        try:
+            if PROFILES[self.hardware].is_gpu:
+                torch_gpu.check_gpu_spec(self)
+            else:
+                if self.parallelism.world_size != 1:
+                    raise ValueError(f"parallelism: tp/pp are TensorRT-LLM's (target trtllm); "
+                                     f"target {self.target} runs on one device (tp: 1, pp: 1)")
+                torch_gpu.check_cpu_spec(self)
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
 
     def _check_trtllm(self) -> None:
         """What the GPU cannot do fails here, naming the field and why."""
         if self.hardware not in GPU_PROFILES:
+            any_gpu = (f" ({ANY_GPU}, any CUDA GPU, is for target torch: trtllm-build needs the "
+                       f"GPU's SM and memory)" if self.hardware == ANY_GPU else "")
             raise SpecError(f"hardware: target trtllm needs a GPU profile {list(GPU_PROFILES)}, "
-                            f"got {self.hardware!r}")
+                            f"got {self.hardware!r}{any_gpu}")
         if self.dtype not in TRTLLM_DTYPES:
             raise SpecError(f"dtype: target trtllm builds {list(TRTLLM_DTYPES)} engines, "
                             f"got {self.dtype!r}")

@@ -36,11 +36,14 @@ def generate(engine: LLMEngine, requests: list[Request]) -> list[GenerationResul
     return [results[i] for i in ids]
 
 
-def prefill_logits(engine_dir: str | Path, token_ids: list[int]) -> torch.Tensor:
-    """Logits [len(token_ids), vocab] of one prefill over `token_ids` (no sampling effects)."""
+def prefill_logits(engine_dir: str | Path, token_ids: list[int],
+                   device: str | None = None) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] of one prefill over `token_ids` (no sampling effects), on
+    `device` (None: the engine's own)."""
     tokens_per_block = EngineConfig.load(engine_dir).kv_cache.tokens_per_block
     engine = LLMEngine(engine_dir, num_kv_blocks=len(token_ids) // tokens_per_block + 2,
-                       enable_prefix_caching=False, enable_speculative_decoding=False)
+                       enable_prefix_caching=False, enable_speculative_decoding=False,
+                       device=device)
     engine.add_request(Request(input_token_ids=list(token_ids), max_tokens=1))
     chunks = []  # a prompt longer than max_num_tokens is prefilled in several steps
     while engine.has_work():

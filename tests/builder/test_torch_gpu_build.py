@@ -1,0 +1,90 @@
+"""A GPU engine of the torch target prepared on a machine without a GPU: `forge engine` builds it
+and checks it on the CPU, where the quality gate of a quantized build runs too."""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+import tiny
+from builder import convert
+from builder.cli import main
+from builder.engine_builder import build_engine
+from builder.engine_files import engine_config_for
+from builder.spec import spec_from_dict
+from triton_backend.engine.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+LIMITS = {"max_batch_size": 8, "max_num_tokens": 128, "max_input_len": 64, "max_seq_len": 128}
+
+
+def _build(tmp: Path, checkpoint: Path, name: str, **spec) -> tuple[Path, str]:
+    """(engine dir, the build's console output); a repository beside the engine."""
+    out = io.StringIO()
+    data = {"name": name, "checkpoint": str(checkpoint), "output": str(tmp / "engines" / name),
+            "limits": LIMITS, "kv_cache": {"tokens_per_block": 8}, **spec}
+    engine = build_engine(spec_from_dict(data), console=Console(file=out, width=300),
+                          repository_dir=tmp / "repos" / name)
+    return engine, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """{name: (engine dir, console output)}: an h100-80gb engine in the default dtype, and a
+    float32 one for the GPU and for the CPU from the same checkpoint."""
+    tmp = tmp_path_factory.mktemp("gpu")
+    checkpoint = tiny.make_checkpoint(tmp / "hf", "llama_gqa")
+    return {"gpu": _build(tmp, checkpoint, "gpu", hardware="h100-80gb"),
+            "gpu32": _build(tmp, checkpoint, "gpu32", hardware="h100-80gb", dtype="float32"),
+            "cpu32": _build(tmp, checkpoint, "cpu32", dtype="float32"),
+            "checkpoint": (checkpoint, "")}
+
+
+def test_the_build_skips_the_cpu_kernels_and_checks_on_the_cpu(built):
+    engine, output = built["gpu"]
+    assert "CPU kernels: skipped" in output
+    assert "a GPU engine (hardware h100-80gb) runs the GPU ops, not the CPU kernels" in output
+    assert re.search(r"max \|logit diff\| \S+ \(bfloat16 on the CPU, no GPU visible\), top-1 "
+                     r"agreement", output), output
+    config = json.loads((engine / "config.json").read_text())
+    assert config["hardware"] == "h100-80gb" and config["dtype"] == "bfloat16"
+    assert config["kv_cache"]["free_gpu_mem_fraction"] == 0.9  # the profile's
+    assert config["limits"]["max_seq_len"] == 128  # given limits stand (they fit an H100)
+    assert config["extra"]["gpu"]["sm"] == 90 and config["extra"]["gpu"]["memory"]["kv_tokens"] > 0
+    cpu_output = built["cpu32"][1]
+    assert "CPU kernels (compiled once, cached)" in cpu_output and "(float32 on cpu)" in cpu_output
+
+
+def test_a_repository_fraction_becomes_the_engines_and_limits_are_sized(built):
+    checkpoint, _ = built["checkpoint"]
+    spec = spec_from_dict({"name": "f", "checkpoint": str(checkpoint), "hardware": "l4",
+                           "repository": {"kv_cache_free_gpu_mem_fraction": 0.8}})
+    config = engine_config_for(spec, checkpoint, convert.read_hf_config(checkpoint))
+    assert config.kv_cache.free_gpu_mem_fraction == 0.8 and config.hardware == "l4"
+    assert config.limits.max_seq_len == 256  # the tiny model's context, as sized for trtllm
+    assert config.limits.max_batch_size == 256 and config.limits.max_num_tokens == 8192
+
+
+def test_a_quantized_gpu_build_passes_its_gate_on_the_cpu(tmp_path):
+    pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is the quant extra")
+    checkpoint = tiny.make_checkpoint(tmp_path / "hf", "llama_gqa")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"name: gpu-int4\ncheckpoint: {checkpoint}\nhardware: h100-80gb\n"
+        f"output: {tmp_path / 'engine'}\n"
+        "limits: {max_batch_size: 4, max_num_tokens: 64, max_input_len: 64, max_seq_len: 128}\n"
+        "quantization:\n  weights: int4_rtn\n  group_size: 32\n"
+        "  calibration: {samples: 2, seq_len: 32}\n"
+        "  quality: {max_perplexity_increase_pct: 10, min_top1_agreement: null,\n"
+        "            min_logit_cosine: 0.8, windows: 2, seq_len: 32, prompts: 1,\n"
+        "            greedy_tokens: 2}\n")
+    result = CliRunner().invoke(main, ["engine", "--spec", str(spec), "--no-repository"])
+    assert result.exit_code == 0, result.output
+    assert "quality gate: passed" in result.output
+    config = EngineConfig.load(tmp_path / "engine")
+    assert config.quantization.weights == "int4_rtn" and config.hardware == "h100-80gb"
