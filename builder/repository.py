@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder import repository_trtllm
+from builder import repository_device, repository_trtllm
 from builder.install import swap_in
 from builder.repository_options import RepositoryOptions
 from builder.template import render
@@ -64,6 +64,7 @@ def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
     opt = options
     return {
         **serving_values(config, serving),
+        **repository_device.template_values(config, options),
         "triton_max_batch_size": opt.triton_max_batch_size or config.limits.max_batch_size,
         "max_queue_size": opt.max_queue_size,
         "max_queue_delay_microseconds": opt.max_queue_delay_microseconds,
@@ -147,6 +148,7 @@ def emit_repository(engine_dir: Path, output_dir: Path,
     values = template_values(config, engine_dir, output_dir, options, serving)
     layout = layout_for(config, options)
     if layout.uses_trtllm_values:
+        repository_device.check_unused(options)
         values.update(repository_trtllm.template_values(config, engine_dir, options))
     rendered: dict[Path, str] = {}
     for model in layout.models:

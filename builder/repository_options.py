@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from builder.repository_device import check_instance_options
 from builder.repository_trtllm import check_trtllm_options
 from triton_backend.engine.numbers import is_int
 from triton_backend.engine.process.executor import ENGINE_ISOLATIONS
@@ -58,6 +59,10 @@ class RepositoryOptions:
     enable_speculative_decoding: bool = True
     enable_chunked_context: bool = True
     trtllm_engine_path: str | None = None  # gpt_model_path as the server sees it (None: absolute)
+    # Where a torch engine's tensorrt_llm instance runs (see builder/repository_device.py): auto =
+    # KIND_GPU for a GPU engine, KIND_CPU otherwise; model = KIND_MODEL on gpu_device_ids.
+    tensorrt_llm_instance_kind: str = "auto"
+    gpu_device_ids: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.triton_max_batch_size is not None:
@@ -89,6 +94,7 @@ class RepositoryOptions:
         except ValueError as exc:
             raise ValueError(f"repository.default_{exc}") from None
         check_trtllm_options(self)
+        check_instance_options(self)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "RepositoryOptions":

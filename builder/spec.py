@@ -164,6 +164,7 @@ class BuildSpec:
     def _check_torch_target(self) -> None:
         """torch (and naive) on the CPU or, torch only, on a GPU (builder/torch_gpu.py)."""
         from builder import torch_gpu
+        from builder.repository_device import check_instance_kind
 
         try:
             if PROFILES[self.hardware].is_gpu:
@@ -173,6 +174,8 @@ class BuildSpec:
                     raise ValueError(f"parallelism: tp/pp are TensorRT-LLM's (target trtllm); "
                                      f"target {self.target} runs on one device (tp: 1, pp: 1)")
                 torch_gpu.check_cpu_spec(self)
+            check_instance_kind(self.repository.get("tensorrt_llm_instance_kind", "auto"),
+                                self.hardware)
         except ValueError as exc:
             raise SpecError(str(exc)) from None
 

@@ -1,5 +1,5 @@
 """A GPU engine of the torch target prepared on a machine without a GPU: `forge engine` builds it
-and checks it on the CPU, where the quality gate of a quantized build runs too."""
+and checks it on the CPU, and its repository gives the tensorrt_llm model a GPU instance."""
 from __future__ import annotations
 
 import io
@@ -16,6 +16,7 @@ from builder import convert
 from builder.cli import main
 from builder.engine_builder import build_engine
 from builder.engine_files import engine_config_for
+from builder.repository import RepositoryOptions, emit_repository
 from builder.spec import spec_from_dict
 from triton_backend.engine.config import EngineConfig
 
@@ -45,6 +46,15 @@ def built(tmp_path_factory):
             "checkpoint": (checkpoint, "")}
 
 
+def _params(config_pbtxt: str) -> dict[str, str]:
+    return dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', config_pbtxt))
+
+
+def _kind(repo: Path, model: str) -> str:
+    text = (repo / model / "config.pbtxt").read_text()
+    return re.search(r"instance_group \[ \{ count: \d+ kind: (\w+) \} \]", text).group(1)
+
+
 def test_the_build_skips_the_cpu_kernels_and_checks_on_the_cpu(built):
     engine, output = built["gpu"]
     assert "CPU kernels: skipped" in output
@@ -58,6 +68,35 @@ def test_the_build_skips_the_cpu_kernels_and_checks_on_the_cpu(built):
     assert config["extra"]["gpu"]["sm"] == 90 and config["extra"]["gpu"]["memory"]["kv_tokens"] > 0
     cpu_output = built["cpu32"][1]
     assert "CPU kernels (compiled once, cached)" in cpu_output and "(float32 on cpu)" in cpu_output
+
+
+def test_the_repository_gives_tensorrt_llm_a_gpu_instance_and_the_rest_cpu(built):
+    engine, _ = built["gpu"]
+    repo = engine.parent.parent / "repos" / "gpu"
+    assert _kind(repo, "tensorrt_llm") == "KIND_GPU"
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        assert _kind(repo, model) == "KIND_CPU"
+    params = _params((repo / "tensorrt_llm" / "config.pbtxt").read_text())
+    assert params["kv_cache_free_gpu_mem_fraction"] == "0.9" and params["gpu_device_ids"] == ""
+    cpu_repo = built["cpu32"][0].parent.parent / "repos" / "cpu32"
+    assert _kind(cpu_repo, "tensorrt_llm") == "KIND_CPU"
+    assert _params((cpu_repo / "tensorrt_llm" / "config.pbtxt").read_text())[
+        "kv_cache_free_gpu_mem_fraction"] == ""
+
+
+def test_kind_model_takes_its_devices_from_gpu_device_ids(built, tmp_path):
+    engine, _ = built["gpu"]
+    repo = emit_repository(engine, tmp_path / "repo", RepositoryOptions(
+        tensorrt_llm_instance_kind="model", gpu_device_ids="1;0", tensorrt_llm_instance_count=2,
+        kv_cache_free_gpu_mem_fraction=0.5))
+    text = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 2 kind: KIND_MODEL } ]" in text
+    params = _params(text)
+    assert params["gpu_device_ids"] == "1;0" and params["kv_cache_free_gpu_mem_fraction"] == "0.5"
+    with pytest.raises(ValueError, match="repository.tensorrt_llm_instance_kind: 'gpu' places a "
+                                         "GPU engine; this engine's hardware is cpu"):
+        emit_repository(built["cpu32"][0], tmp_path / "cpu-repo",
+                        RepositoryOptions(tensorrt_llm_instance_kind="gpu"))
 
 
 def test_a_repository_fraction_becomes_the_engines_and_limits_are_sized(built):

@@ -58,6 +58,19 @@ def test_fp8_weights_on_fp8_gpus_and_where_the_gpu_decides(hardware):
       "repository": {"kv_cache_free_gpu_mem_fraction": 0.5}},
      "repository.kv_cache_free_gpu_mem_fraction: the KV pool is sized by kv_cache.num_blocks / "
      "kv_cache.memory_bytes in this spec"),
+    ({"repository": {"tensorrt_llm_instance_kind": "gpu"}},
+     "repository.tensorrt_llm_instance_kind: 'gpu' places a GPU engine; this engine's hardware "
+     "is cpu (use auto)"),
+    ({"hardware": "l4", "repository": {"tensorrt_llm_instance_kind": "tpu"}},
+     "repository.tensorrt_llm_instance_kind must be one of ['auto', 'gpu', 'model'], got 'tpu'"),
+    ({"hardware": "l4", "repository": {"gpu_device_ids": "1"}},
+     "repository.gpu_device_ids: only with tensorrt_llm_instance_kind model"),
+    ({"hardware": "l4", "repository": {"tensorrt_llm_instance_kind": "model",
+                                       "gpu_device_ids": "0,1"}},
+     "repository.gpu_device_ids '0,1': the torch engine runs on one GPU per instance"),
+    ({"hardware": "l4", "repository": {"tensorrt_llm_instance_kind": "model",
+                                       "gpu_device_ids": "0;1;2"}},
+     "repository.gpu_device_ids: 3 device ids for 1 instance(s)"),
 ])
 def test_bad_gpu_specs_name_the_field(patch, message):
     with pytest.raises(SpecError) as err:

@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 from triton_backend.engine.admission import ServerBusy
 from triton_backend.engine.process.watchdog import DEFAULT_FREEZE_SECONDS
 from triton_backend.models.executor_factory import create_executor, engine_options
+from triton_backend.models.instance_device import PARAMETER as GPU_DEVICE_IDS, instance_device
 from triton_backend.models.metrics import ExecutorMetrics, outcome_of
 from triton_backend.models.model_params import ModelParams
 from triton_backend.models.request_converter import (INPUT_NAMES, RequestDefaults, RequestError,
@@ -95,7 +96,9 @@ class TensorrtLlmModel:
     def initialize(self, args):
         params = ModelParams(args)
         self.decoupled = params.decoupled
-        self.executor = create_executor(params.path("engine_dir"), engine_options(params),
+        # KIND_GPU: the instance's GPU; KIND_MODEL: gpu_device_ids (see instance_device.py).
+        device = instance_device(args, params.text(GPU_DEVICE_IDS))
+        self.executor = create_executor(params.path("engine_dir"), engine_options(params, device),
                                         isolation=params.text("engine_isolation", "process"),
                                         num_threads=params.integer("engine_num_threads", 0),
                                         freeze_seconds=params.number("engine_freeze_seconds",
