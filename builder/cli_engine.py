@@ -171,8 +171,11 @@ def _emit_repository(data: dict, engine_dir: Path, repository: Path) -> None:
 @click.option("--seed", type=int)
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the engine's own: the CPU, or the current CUDA GPU for a GPU engine), "
+                   "cpu (e.g. to check a GPU engine on a machine without one), cuda or cuda:N.")
 def generate_command(engine_dir, prompt, prompt_ids, max_tokens, temperature, top_k, top_p, seed,
-                     raw, as_json) -> None:
+                     raw, as_json, device) -> None:
     """Generate from an engine in this process (no server)."""
     with cli_errors():
         if (prompt is None) == (prompt_ids is None):
@@ -182,7 +185,8 @@ def generate_command(engine_dir, prompt, prompt_ids, max_tokens, temperature, to
         from triton_backend.engine.offline import generate
         from triton_backend.engine.tokenizer import encode_prompt, load_tokenizer
 
-        engine = LLMEngine(engine_dir)
+        _check_device(Path(engine_dir), device)
+        engine = LLMEngine(engine_dir, device=device)
         tokenizer = load_tokenizer(engine_dir, engine.config)
         if prompt_ids is not None:
             ids = _parse_ids(prompt_ids)
@@ -196,6 +200,17 @@ def generate_command(engine_dir, prompt, prompt_ids, max_tokens, temperature, to
                                    "finish_reason": result.finish_reason.value}))
         else:
             click.echo(text)
+
+
+def _check_device(engine_dir: Path, device: str) -> None:
+    """A GPU engine asked to run on its GPU (auto) where none is visible: one line, exit 2."""
+    from builder.torch_gpu import gpu_unavailable
+    from triton_backend.engine.config import EngineConfig
+
+    if device in ("auto", None):
+        problem = gpu_unavailable(engine_dir, EngineConfig.load(engine_dir).hardware)
+        if problem:
+            raise ValueError(f"{problem}: --device cpu runs it on the CPU")
 
 
 def _parse_ids(text: str) -> list[int]:

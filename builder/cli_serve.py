@@ -69,8 +69,13 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                   health_port, triton_host, metrics_host) -> None:
     """Start tritonserver for a repository and supervise it, with probes on the health port;
     Ctrl-C, SIGTERM or `forge drain` drain it and exit 0; exit 1 if tritonserver itself dies."""
+    from builder.repository_device import check_servable
     from builder.serving.serve import start_tritonserver
 
+    try:  # a GPU engine where no GPU is visible: said before any port opens
+        check_servable(Path(repository_dir))
+    except ValueError as exc:
+        fail(str(exc))
     health, stop = HealthState(), threading.Event()
 
     def begin_drain() -> None:  # SIGTERM, Ctrl-C and POST /drain alike

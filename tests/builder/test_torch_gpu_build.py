@@ -1,10 +1,14 @@
 """A GPU engine of the torch target prepared on a machine without a GPU: `forge engine` builds it
-and checks it on the CPU, and its repository gives the tensorrt_llm model a GPU instance."""
+and checks it on the CPU, its repository gives the tensorrt_llm model a GPU instance, `forge serve`
+and `forge generate` refuse it here with one line, and `forge generate --device cpu` runs it."""
 from __future__ import annotations
 
 import io
 import json
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,6 +111,59 @@ def test_a_repository_fraction_becomes_the_engines_and_limits_are_sized(built):
     assert config.kv_cache.free_gpu_mem_fraction == 0.8 and config.hardware == "l4"
     assert config.limits.max_seq_len == 256  # the tiny model's context, as sized for trtllm
     assert config.limits.max_batch_size == 256 and config.limits.max_num_tokens == 8192
+
+
+def _forge(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "builder.cli", *args], capture_output=True,
+                          text=True, timeout=180, **kwargs)
+
+
+def _no_gpu(engine: Path) -> str:
+    import torch
+
+    return (f"error: engine {engine.resolve()} (hardware h100-80gb) runs on a CUDA GPU and no "
+            f"CUDA device is visible here (torch {torch.__version__}, CUDA not built in)")
+
+
+def test_forge_serve_refuses_before_opening_a_port(built):
+    """The health port is held by someone else: had forge serve opened its ports first, it would
+    name that port; it names the missing GPU instead."""
+    engine, _ = built["gpu"]
+    repo = engine.parent.parent / "repos" / "gpu"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _forge("serve", "--repository", str(repo), "--health-port", str(port))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"{_no_gpu(engine)}: serve it on a GPU host (or build it for "
+                             f"hardware cpu)\n")
+    assert result.stdout == ""
+
+
+def test_forge_generate_refuses_and_runs_on_the_cpu_when_told(built):
+    engine, _ = built["gpu"]
+    result = _forge("generate", "--engine", str(engine), "--prompt-ids", "5,6,7")
+    assert result.returncode == 2
+    assert result.stderr == f"{_no_gpu(engine)}: --device cpu runs it on the CPU\n"
+    result = _forge("generate", "--engine", str(engine), "--prompt-ids", "5,6,7", "--device", "cuda:1")
+    assert result.returncode == 2 and "device cuda:1: the engine (hardware h100-80gb) runs on a " \
+        "CUDA GPU and none is visible" in result.stderr
+
+
+def test_generate_on_the_cpu_gives_the_gpu_engine_the_cpu_engines_tokens(built):
+    def tokens(engine: Path, *extra: str) -> list[int]:
+        result = CliRunner().invoke(main, ["generate", "--engine", str(engine), "--prompt-ids",
+                                           "5,6,7,8,9", "--max-tokens", "12", "--json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["output_ids"]
+
+    gpu, cpu = built["gpu32"][0], built["cpu32"][0]
+    assert EngineConfig.load(gpu).hardware == "h100-80gb"
+    expected = tokens(cpu)
+    assert len(expected) == 12
+    assert tokens(gpu, "--device", "cpu") == expected
+    assert tokens(cpu, "--device", "cpu") == expected
 
 
 def test_a_quantized_gpu_build_passes_its_gate_on_the_cpu(tmp_path):
