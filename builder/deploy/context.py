@@ -35,6 +35,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCTS = {"l4": "NVIDIA-L4", "a100-40gb": "NVIDIA-A100-SXM4-40GB",
                 "a100-80gb": "NVIDIA-A100-SXM4-80GB", "h100-80gb": "NVIDIA-H100-80GB-HBM3"}
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+# Any GPU node (`hardware: cuda`): the label NVIDIA's GPU operator puts on every node with a GPU.
+GPU_PRESENT = {"nvidia.com/gpu.present": "true"}
 # The endpoint picker chooses metric names by this pod label (gateway-api-inference-extension).
 ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 ENGINE_TYPE = "llm-forge"
@@ -116,7 +118,8 @@ class DeployContext:
         if self.deployment.node_selector is not None:
             return dict(self.deployment.node_selector)
         if self.gpus:
-            return {GPU_PRODUCT_LABEL: GPU_PRODUCTS[self.spec.hardware]}
+            product = GPU_PRODUCTS.get(self.spec.hardware)
+            return {GPU_PRODUCT_LABEL: product} if product else dict(GPU_PRESENT)
         return {"kubernetes.io/arch": "amd64"}
 
 

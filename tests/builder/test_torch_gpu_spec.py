@@ -1,12 +1,18 @@
 """`target: torch` on a GPU, in the spec: which hardware, dtypes and quantizations it accepts,
-the KV fraction its engine records, and the limits sized from the profile's memory."""
+the KV fraction its engine records, the limits sized from the profile's memory, and its
+Kubernetes manifests (GPU limit, node selector, toleration)."""
 from __future__ import annotations
 
+import kubernetes_validate
 import pytest
+import yaml
+from click.testing import CliRunner
 
+from builder.cli import main
 from builder.hardware import PROFILES
 from builder.spec import SpecError, spec_from_dict
 from builder.torch_gpu import gpu_limits, kv_free_fraction
+from deploy_helpers import KUBERNETES_VERSION, REPO, all_objects
 from triton_backend.engine.config import Limits, ModelShape
 
 BASE = {"name": "m", "checkpoint": "some/dir"}
@@ -118,3 +124,31 @@ def test_any_cuda_gpu_sizes_nothing_before_the_engine_runs():
     assert limits is fallback and record == {"hardware": "cuda", "sm": None}
     assert PROFILES["cuda"].is_gpu and not PROFILES["cuda"].sized and PROFILES["cuda"].may_run_fp8
     assert not PROFILES["a100-40gb"].may_run_fp8 and not PROFILES["cpu"].may_run_fp8
+
+
+@pytest.mark.parametrize("hardware, selector", [
+    ("h100-80gb", {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),
+    ("l4", {"nvidia.com/gpu.product": "NVIDIA-L4"}),
+    ("cuda", {"nvidia.com/gpu.present": "true"}),
+])
+def test_deploy_gives_a_torch_gpu_engine_its_gpu(tmp_path, hardware, selector):
+    data = yaml.safe_load((REPO / "examples" / "smollm2-135m.yaml").read_text())
+    data["hardware"] = hardware
+    data["deployment"]["image"] = "registry.example.com/llm-forge/smollm2-135m:0.1.0-gpu"
+    spec = tmp_path / "gpu.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(main, ["deploy", "--spec", str(spec), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    objects = all_objects(tmp_path / "o")
+    deployment = next(o for o in objects if o["kind"] == "Deployment"
+                      and o["metadata"]["name"] == "smollm2-135m")
+    pod = deployment["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    assert server["command"] == ["forge"] and server["args"][:1] == ["serve"]
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["nodeSelector"] == selector
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
+        in pod["tolerations"]
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"):
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
