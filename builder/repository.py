@@ -94,6 +94,7 @@ def template_values(config: EngineConfig, engine_dir: Path, output_dir: Path,
         "enable_kv_cache_reuse": opt.enable_kv_cache_reuse and config.kv_cache.enable_prefix_caching,
         "enable_speculative_decoding": (opt.enable_speculative_decoding
                                         and config.speculative.enabled),
+        "cuda_graph_mode": opt.cuda_graph_mode,
     }
 
 

@@ -58,6 +58,9 @@ class RepositoryOptions:
     enable_kv_cache_reuse: bool = True
     enable_speculative_decoding: bool = True
     enable_chunked_context: bool = True
+    # The GPU backend's decode steps replayed as CUDA graphs (TensorRT-LLM's cuda_graph_mode);
+    # false runs every step eagerly. No effect on a CPU engine.
+    cuda_graph_mode: bool = True
     trtllm_engine_path: str | None = None  # gpt_model_path as the server sees it (None: absolute)
     # Where a torch engine's tensorrt_llm instance runs (see builder/repository_device.py): auto =
     # KIND_GPU for a GPU engine, KIND_CPU otherwise; model = KIND_MODEL on gpu_device_ids.
@@ -74,7 +77,7 @@ class RepositoryOptions:
         for name in ("max_queue_size", "max_queue_delay_microseconds"):
             _int_at_least(name, getattr(self, name), 0)
         for name in ("decoupled", "exclude_input_in_output", "add_special_tokens",
-                     "skip_special_tokens", "enable_speculative_decoding"):
+                     "skip_special_tokens", "enable_speculative_decoding", "cuda_graph_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"repository.{name} must be true or false, "
                                  f"got {getattr(self, name)!r}")

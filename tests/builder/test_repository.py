@@ -104,6 +104,10 @@ def test_off_switches_follow_the_engine_and_the_options(tmp_path):
     repo = emit_repository(engine, tmp_path / "repo", off)
     trt = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
     assert 'key: "enable_kv_cache_reuse" value: { string_value: "false" }' in trt
+    assert 'key: "cuda_graph_mode" value: { string_value: "true" }' in trt
+    eager = emit_repository(engine, tmp_path / "eager", RepositoryOptions(cuda_graph_mode=False))
+    assert ('key: "cuda_graph_mode" value: { string_value: "false" }'
+            in (eager / "tensorrt_llm" / "config.pbtxt").read_text())
 
 
 def test_the_serving_section_becomes_tensorrt_llm_parameters(tmp_path):
