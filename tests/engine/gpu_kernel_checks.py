@@ -10,8 +10,11 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run under Triton's interpreter"
 
+from triton_backend.engine.gpu import fused  # noqa: E402
 from triton_backend.engine.gpu.paged_attention import (  # noqa: E402
     paged_attention, paged_attention_reference)
+from triton_backend.engine.ops import TorchOps  # noqa: E402
+from triton_backend.engine.quant.kv_cache import quantize_kv  # noqa: E402
 
 
 def _case(seed: int, num_heads: int, num_kv_heads: int, head_dim: int, tokens_per_block: int,
@@ -74,12 +77,156 @@ CASES = [
 ]
 
 
+def _ulps(got: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor | None = None
+          ) -> float:
+    """The largest difference in units of the last place of the values' magnitude (the
+    expected value's, or `magnitude`'s where a sum cancels): 0 when equal."""
+    if got.dtype == torch.float32:
+        return float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-30)
+                     / torch.finfo(torch.float32).eps)
+    size = expected.float().abs() if magnitude is None else magnitude.float().abs()
+    spacing = torch.finfo(got.dtype).eps * size.clamp(min=1e-3)
+    return float(((got.float() - expected.float()).abs() / spacing).max())
+
+
+def _same_bytes(got: torch.Tensor, expected: torch.Tensor, values: torch.Tensor) -> bool:
+    """The stored bytes equal the expected ones. FP8 under the interpreter: its float32 -> e4m3
+    conversion rounds ties up where torch (and the GPU) round them to even, and drops the carry
+    of a rounding that reaches the next power of two (1.98 becomes 1, not 2); a difference must
+    be one of those two, for the quantized `values` (float32, before the cast)."""
+    if got.dtype != torch.float8_e4m3fn:
+        return torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    differ = got.float() != expected.float()
+    g, e, x = got.float()[differ], expected.float()[differ], values.float()[differ]
+    tie = (x - g).abs() == (x - e).abs()
+    carry = (torch.exp2(torch.log2(e.abs()).round()) == e.abs()) & (g * 2 == e)
+    return bool((tie | carry).all())
+
+
+def _fused_cases(dtype: torch.dtype) -> dict[str, float]:
+    """max ulps of each fused kernel against the torch reference's op."""
+    generator = torch.Generator().manual_seed(7)
+    ops = TorchOps()
+    rows, hidden, heads, kv_heads, head_dim = 5, 80, 4, 2, 16
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    residual = torch.randn(rows, hidden, generator=generator).to(dtype)
+    weight = (torch.rand(hidden, generator=generator) + 0.5).to(dtype)
+    out = {}
+    got, new_residual = fused.add_rms_norm(x, residual, weight, 1e-5)
+    expected, expected_residual = ops.add_rms_norm(x, residual, weight, 1e-5)
+    out["add_rms_norm"] = max(_ulps(got, expected), _ulps(new_residual, expected_residual))
+    out["rms_norm"] = _ulps(fused.add_rms_norm(x, None, weight, 1e-5)[0],
+                            ops.rms_norm(x, weight, 1e-5))
+    gate_up = torch.randn(rows, 2 * 48, generator=generator).to(dtype)
+    out["silu_mul"] = _ulps(fused.silu_mul(gate_up), ops.silu_mul(gate_up))
+    from triton_backend.engine.config import ModelShape
+    from triton_backend.engine.layers import RotaryEmbedding
+
+    shape = ModelShape("LlamaForCausalLM", 100, heads * head_dim, 64, 1, heads, kv_heads, head_dim)
+    rotary = RotaryEmbedding(shape, 64)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    positions = torch.tensor([3, 0, 17, 63, 9])
+    slots = torch.tensor([5, 1, 30, 7, 12])
+    q_ref, k_ref = rotary(positions, qkv[:, :heads * head_dim].view(rows, heads, head_dim),
+                          qkv[:, heads * head_dim:(heads + kv_heads) * head_dim]
+                          .view(rows, kv_heads, head_dim))
+    v_ref = qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+    for kind, kv in enumerate(("auto", "int8", "fp8")):
+        storage = {"auto": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+        k_cache = torch.zeros(32, kv_heads, head_dim, dtype=storage)
+        v_cache = torch.zeros(32, kv_heads, head_dim, dtype=storage)
+        scale = 0.02 if kv != "auto" else 1.0
+        q, k = fused.rope_write_cache(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads,
+                                      head_dim, k_cache, v_cache, slots, scale, scale, kind)
+        q_in = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
+        k_in = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads,
+                                                                          head_dim)
+        q_size = torch.maximum(q_in.abs(), q_in.abs().roll(head_dim // 2, dims=-1))
+        k_size = torch.maximum(k_in.abs(), k_in.abs().roll(head_dim // 2, dims=-1))
+        ulps = max(_ulps(q, q_ref, q_size), _ulps(k, k_ref, k_size))
+        if kv == "auto":
+            ulps = max(ulps, _ulps(k_cache[slots], k_ref, k_size),
+                       _ulps(v_cache[slots], v_ref))
+        else:  # the stored bytes: the torch cache's quantization of the keys it rotated
+            same = all(_same_bytes(cache[slots], quantize_kv(ref, scale, kv),
+                                   (ref.float() / scale).clamp(-448, 448))
+                       for cache, ref in ((k_cache, k), (v_cache, v_ref)))
+            ulps = max(ulps, 0.0 if same else float("inf"))
+        out[f"rope_write_cache {kv}"] = ulps
+    return out
+
+
+def _engine_case(engine_dir: str) -> int:
+    """The GPU backend with every kernel (interpreted) inside the engine: greedy ids against
+    transformers on the same checkpoint, batched, with a prefix hit, graphs' buffers replayed."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from triton_backend.engine import Request
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate
+
+    engine = LLMEngine(engine_dir)
+    assert engine.runner.ops.name == "gpu" and engine.runner.ops.use_kernel
+    shared = list(range(3, 27))
+    prompts = [shared + [40], [5, 9, 13], shared + [50, 51]]
+    new = 8
+    results = generate(engine, [Request(p, new, ignore_eos=True) for p in prompts[:2]])
+    results += generate(engine, [Request(prompts[2], new, ignore_eos=True)])
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(Path(engine_dir).parent / f"hf-{Path(engine_dir).name[7:]}"), dtype=torch.float32)
+    for prompt, result in zip(prompts, results):
+        expected = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                               do_sample=False, max_new_tokens=new,
+                               min_new_tokens=new)[0, len(prompt):].tolist()
+        print(f"engine: {result.output_ids} transformers: {expected}")
+        if result.output_ids != expected:
+            return 1
+    hits = engine.get_stats()["prefix_cache_hit_tokens"]
+    print(f"engine: prefix-cache hit tokens {hits}, graph replays {engine.runner.graphs.num_replays}")
+    return 0 if hits >= 24 and engine.runner.graphs.num_replays > 0 else 1
+
+
+def _kernels_against_references(engine_dir: str) -> int:
+    """An engine whose every path differs from the plain one (a one-byte cache, n-gram drafts
+    verified in multi-row chunks, sampling on the device): the interpreted kernels give the
+    tokens their torch references give."""
+    from triton_backend.engine import Request, SamplingParams
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate
+
+    requests = [Request([5, 6, 7, 5, 6, 7, 5, 6], 10, ignore_eos=True),
+                Request(list(range(3, 30)), 8, SamplingParams(temperature=0.8, seed=3),
+                        ignore_eos=True),
+                Request([9, 8, 7, 9, 8, 7, 9], 8, SamplingParams(min_tokens=3), ignore_eos=True)]
+    outputs = []
+    for use_kernel in (True, False):
+        engine = LLMEngine(engine_dir)
+        engine.runner.ops.use_kernel = use_kernel
+        outputs.append([r.output_ids for r in generate(engine, requests)])
+        print(f"kernels {use_kernel}: {outputs[-1]}, drafts "
+              f"{engine.get_stats()['spec_num_draft_tokens']}")
+    return 0 if outputs[0] == outputs[1] else 1
+
+
 def main() -> int:
+    if len(sys.argv) > 2:
+        return _engine_case(sys.argv[1]) or _kernels_against_references(sys.argv[2])
     for seed, (name, kwargs, tolerance) in enumerate(CASES):
         diff = _case(seed, **kwargs)
         print(f"{name}: max |kernel - reference| {diff:.2e} (tolerance {tolerance:.0e})")
         if not diff <= tolerance:
             return 1
+    # fp32: equal up to fp32 summation order; bf16: the interpreter truncates where the GPU
+    # rounds to nearest, so each of the up to three roundings in a row (rotary's two products
+    # and their sum) may land a step apart here (on a GPU, `forge gpu-check` holds the fused
+    # ops to the torch ops exactly).
+    for dtype, limit in ((torch.float32, 64.0), (torch.bfloat16, 3.0)):
+        for name, ulps in _fused_cases(dtype).items():
+            print(f"fused {name} {dtype}: max {ulps:.2f} ulp from the torch op (limit {limit})")
+            if not ulps <= limit:
+                return 1
     return 0
 
 

@@ -1,6 +1,8 @@
 """The GPU backend's Triton kernels, run by Triton's interpreter on this CPU against their torch
 references (paged attention: decodes, prefill chunks over a cached prefix, GQA groups of 3 and 4,
-head sizes that are not a power of two, split keys merged, bf16, int8 and FP8 caches).
+head sizes that are not a power of two, split keys merged, bf16, int8 and FP8 caches; the fused
+RMSNorm with its residual add, SiLU * up, and rotary with the KV-cache write in each cache
+format, against the torch ops).
 
 Triton is installed by `make setup` into a folder of its own (`.venv/triton`), outside the
 virtual environment's path, so only the process this test starts imports it."""
@@ -13,12 +15,34 @@ ROOT = Path(__file__).resolve().parents[2]
 TRITON_DIR = Path(os.environ.get("LLM_FORGE_TRITON_DIR", ROOT / ".venv" / "triton"))
 
 
-def test_kernels_match_their_references_under_the_interpreter():
+def _interpreted(*args: str) -> subprocess.CompletedProcess:
     assert (TRITON_DIR / "triton").is_dir(), (
         f"Triton is not installed in {TRITON_DIR}: `make setup` installs it there")
-    env = dict(os.environ, TRITON_INTERPRET="1",
+    env = dict(os.environ, TRITON_INTERPRET="1", LLM_FORGE_KERNELS="gpu",
                PYTHONPATH=os.pathsep.join([str(TRITON_DIR), str(ROOT)]))
-    run = subprocess.run([sys.executable, str(Path(__file__).parent / "gpu_kernel_checks.py")],
-                         env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, str(Path(__file__).parent / "gpu_kernel_checks.py"),
+                           *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_kernels_match_their_references_under_the_interpreter():
+    run = _interpreted()
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("max |kernel - reference|") == 8, run.stdout
+    assert run.stdout.count("from the torch op") == 12, run.stdout
+
+
+def test_the_engine_with_every_gpu_kernel_matches_transformers(tiny_engines, tmp_path):
+    """The whole GPU backend, its kernels interpreted on the CPU, inside the engine: greedy ids
+    against transformers; and over an int8 cache with n-gram drafts, the kernels' tokens equal
+    their references'."""
+    import tiny
+    from test_speculative import speculative_engine
+
+    base = tiny_engines("llama_gqa")
+    int8 = tiny.one_byte_kv_engine(base, tmp_path, "int8")
+    variant = speculative_engine(int8, tmp_path, mode="ngram", num_draft_tokens=3,
+                                 prompt_lookup_min=1)
+    run = _interpreted(str(base), str(variant))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("transformers:") == 3, run.stdout
+    assert run.stdout.count("kernels ") == 2 and "drafts 0" not in run.stdout, run.stdout

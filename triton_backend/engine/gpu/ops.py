@@ -1,5 +1,6 @@
-"""The GPU backend's per-layer operations: the torch reference's norms and activations, with
-attention that reads the paged cache in place (the Triton kernel of `paged_attention.py`).
+"""The GPU backend's per-layer operations: RMSNorm with the residual add, SiLU * up, and rotary
+with the KV-cache write as one Triton kernel each (`fused.py`), and attention that reads the
+paged cache in place (the Triton kernel of `paged_attention.py`).
 
 Every chunk with a cached prefix, and every decode, goes to the paged kernel in one launch per
 layer; a prompt's first chunk is attended by torch's SDPA over its own keys as computed (flash
@@ -15,11 +16,22 @@ from __future__ import annotations
 import torch
 
 from triton_backend.engine.attention import AttentionMetadata, _decode, prefill_attention
+from triton_backend.engine.gpu import fused
 from triton_backend.engine.gpu.paged_attention import paged_attention, paged_attention_reference
+from triton_backend.engine.gpu.triton_support import available, interpreted
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.ops import TorchOps
 
-FP8_STORAGE = torch.uint8  # the one-byte FP8 cache's container (quant/kv_cache.py)
+KV_KINDS = {"auto": 0, "int8": 1, "fp8": 2}  # the fused cache write's formats
+
+
+def _cache_views(cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values as the kernels read them: an FP8 cache, kept in a uint8
+    container (quant/kv_cache.py), seen as float8_e4m3fn."""
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    if getattr(cache, "kv_dtype", "auto") == "fp8":
+        return k_cache.view(torch.float8_e4m3fn), v_cache.view(torch.float8_e4m3fn)
+    return k_cache, v_cache
 
 
 def split_count(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -38,9 +50,11 @@ class GpuOps(TorchOps):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.use_kernel = device.type == "cuda"
+        # The kernels on CUDA; on a CPU only under Triton's interpreter (the tests), else the
+        # torch references.
+        self.use_kernel = device.type == "cuda" or (available() and interpreted())
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                        if self.use_kernel else 1)
+                        if device.type == "cuda" else 4)
 
     def reads_cache_in_place(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
         return True
@@ -48,16 +62,38 @@ class GpuOps(TorchOps):
     def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
         return num_computed > 0  # a first chunk: SDPA over its keys as computed
 
+    def rms_norm(self, x, weight, eps):
+        if not self.use_kernel:
+            return super().rms_norm(x, weight, eps)
+        return fused.add_rms_norm(x.contiguous(), None, weight, eps)[0]
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if not self.use_kernel:
+            return super().add_rms_norm(x, residual, weight, eps)
+        return fused.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
+
+    def silu_mul(self, gate_up):
+        if not self.use_kernel:
+            return super().silu_mul(gate_up)
+        return fused.silu_mul(gate_up.contiguous())
+
     def attention(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary,
                   cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
                   num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, num_heads, head_dim)
-        k = k.view(-1, num_kv_heads, head_dim)
-        v = v.view(-1, num_kv_heads, head_dim)
-        q, k = rotary(positions, q, k)
-        cache.write(layer, meta.slot_mapping, k, v)
+        v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
+        if self.use_kernel:  # rotary and the cache write in one kernel
+            k_cache, v_cache = _cache_views(cache, layer)
+            k_scale, v_scale = cache.layer_scales(layer)
+            q, k = fused.rope_write_cache(
+                qkv.contiguous(), positions, rotary.cos, rotary.sin, num_heads, num_kv_heads,
+                head_dim, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale,
+                KV_KINDS[getattr(cache, "kv_dtype", "auto")])
+        else:
+            q = qkv[:, :q_size].view(-1, num_heads, head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
+            q, k = rotary(positions, q, k)
+            cache.write(layer, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         rows = meta.kernel_rows
         if rows:
@@ -70,10 +106,7 @@ class GpuOps(TorchOps):
 
     def _paged(self, layer: int, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        k_cache, v_cache = cache.k[layer], cache.v[layer]
-        if k_cache.dtype == FP8_STORAGE:
-            k_cache, v_cache = (k_cache.view(torch.float8_e4m3fn),
-                                v_cache.view(torch.float8_e4m3fn))
+        k_cache, v_cache = _cache_views(cache, layer)
         k_scale, v_scale = cache.layer_scales(layer)
         if not self.use_kernel:
             return paged_attention_reference(q, k_cache, v_cache, meta.block_tables,

@@ -95,7 +95,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, partial_out, partial_ml,
         scale, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), *stride_p, **common)
+        block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *stride_p,
+        **common)
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
             partial_out, partial_ml, out, *stride_p, out.stride(0), out.stride(1),
@@ -112,7 +113,8 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(Q, K, V, Out, BlockTables, SeqLens, QueryStart, PartialOut, PartialML,
                           scale, k_scale, v_scale,
-                          stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_ot,
+                          stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_sl,
+                          stride_ot,
                           stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -124,7 +126,7 @@ if triton is not None:
         kv_head = tl.program_id(2)
         q_start = tl.load(QueryStart + seq)
         q_len = tl.load(QueryStart + seq + 1) - q_start
-        seq_len = tl.load(SeqLens + seq)
+        seq_len = tl.load(SeqLens + seq * stride_sl)
         context = seq_len - q_len
 
         rows = tl.arange(0, BLOCK_M)
