@@ -108,3 +108,47 @@ def test_shutdown_ends_requests_in_flight_with_a_final_response(tiny_engines, is
     assert final and final[0].finish_reason == FinishReason.CANCELLED
     with pytest.raises(RuntimeError, match="shut down"):
         ex.enqueue_request(Request([5], 2))
+
+
+def test_requests_admitted_while_a_gpu_step_runs_are_served(tiny_engines):
+    """The loop a GPU engine runs: requests that arrive while a step computes join the waiting
+    queue from the step's `while_running` hook (here on the CPU, the hook called as on a GPU);
+    each client still gets its solo ids, and one the engine refuses there gets its error."""
+    from triton_backend.engine.executor import Executor
+
+    engine_dir = tiny_engines("llama_gqa")
+    executor = Executor(engine_dir, num_kv_blocks=128, start_loop=False)
+    executor._overlap = executor._admit_while_running
+    calls = []
+    step = executor.engine.step
+
+    def counted(**kwargs):
+        calls.append(kwargs.get("while_running") is not None)
+        return step(**kwargs)
+
+    executor.engine.step = counted
+    threading.Thread(target=executor.run_loop, daemon=True).start()
+    try:
+        requests = [Request(list(range(3 + i, 12 + i)), 6 + i, ignore_eos=True)
+                    for i in range(6)]
+        solo = LLMEngine(engine_dir)
+        expected = [generate(solo, [r])[0].output_ids for r in requests]
+        results = {}
+
+        def client(i: int) -> None:
+            rid = executor.enqueue_request(requests[i])
+            results[i] = [t for r in collect(executor, rid) for t in r.output_token_ids]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results[i] for i in range(6)] == expected
+        rid = executor.enqueue_request(Request([5, 6], 2, lora_task_id=3))  # no adapters here
+        final = collect(executor, rid)[-1]
+        assert final.finish_reason == FinishReason.ERROR
+        assert "serves no LoRA adapters" in final.error
+        assert calls and all(calls)
+    finally:
+        executor.shutdown()

@@ -77,6 +77,10 @@ class Executor(LoopMailbox):
         self._loop_alive = True  # until the loop has ended (or, with start_loop=False, started)
         self._loop_done = threading.Event()
         self._stats = self.engine.get_stats()
+        self._refused: list[Response] = []  # refused while a step ran: published after it
+        # On a GPU the loop admits new requests while a step computes (see LLMEngine.step).
+        self._overlap = (self._admit_while_running if self.engine.device.type == "cuda"
+                         else None)
         if start_loop:
             threading.Thread(target=self.run_loop, name="llm-forge-executor", daemon=True).start()
 
@@ -135,23 +139,35 @@ class Executor(LoopMailbox):
             while not (self._pending or self._cancels or self._shutdown or self.engine.has_work()):
                 self._wakeup.wait(LOOP_TICK_SECONDS)
                 self.progress.tick()  # idle, not frozen
-            # Into the scheduler under the lock, so the admission check never misses them.
-            finals = []
-            for request_id, request in zip(self._pending_ids, self._pending):
-                try:
-                    self.engine.add_request(request, request_id=request_id)
-                except ValueError as exc:  # this request only
-                    finals.append(Response(request_id, [], True, FinishReason.ERROR,
-                                           error=str(exc)))
-            self._pending.clear()
-            self._pending_ids.clear()
+            finals = self._move_pending()
             cancels, self._cancels = self._cancels, set()
             shutting_down = self._shutdown
+        finals += self._refused
+        self._refused = []
         finals += [r for rid in cancels if (r := self.engine.abort(rid)) is not None]
         finals += self.engine.expire()
         self._publish(finals)
         self.engine.faults.check("loop")
         return not shutting_down
+
+    def _move_pending(self) -> list[Response]:
+        """Queued requests into the scheduler (call with the lock held, so the admission check
+        never misses them); the final responses of those the engine refused."""
+        finals = []
+        for request_id, request in zip(self._pending_ids, self._pending):
+            try:
+                self.engine.add_request(request, request_id=request_id)
+            except ValueError as exc:  # this request only
+                finals.append(Response(request_id, [], True, FinishReason.ERROR, error=str(exc)))
+        self._pending.clear()
+        self._pending_ids.clear()
+        return finals
+
+    def _admit_while_running(self) -> None:
+        """While a GPU computes a step: requests that arrived join the waiting queue (they are
+        scheduled from the next step on); cancels and deadlines wait for the step's end."""
+        with self._lock:
+            self._refused += self._move_pending()
 
     def run_loop(self) -> None:
         """Step the engine on the calling thread until `shutdown()`; then end what is left."""
@@ -159,7 +175,7 @@ class Executor(LoopMailbox):
             while True:
                 try:
                     while self._admit():
-                        self._publish(self.engine.step())
+                        self._publish(self.engine.step(while_running=self._overlap))
                         self.progress.tick()
                     break
                 except Exception as exc:  # the loop must not die silently

@@ -194,7 +194,10 @@ class LLMEngine:
                                           counter="num_timed_out_requests"))
         return expired
 
-    def step(self, return_logits: bool = False) -> list[Response]:
+    def step(self, return_logits: bool = False,
+             while_running: Callable[[], None] | None = None) -> list[Response]:
+        """One step; `while_running`: host work that does not touch the running batch (the
+        executor's admission of new requests), done while a GPU computes the step."""
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
@@ -203,7 +206,8 @@ class LLMEngine:
             eos = {c.seq_id: self.sequences[c.seq_id].eos_ids
                    for c in output.chunks if c.needs_sample}
             started = time.perf_counter()
-            result = self.runner.run(output, eos, return_logits=return_logits)
+            result = self.runner.run(output, eos, return_logits=return_logits,
+                                     while_running=while_running)
             self._observe_step_time(output, time.perf_counter() - started)
             finished = self.scheduler.update(output, result.sampled, result.accepted, result.top)
         except SamplingError as exc:

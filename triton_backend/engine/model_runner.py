@@ -9,9 +9,11 @@ reference elsewhere. The runner asks the backend which chunks its kernel attends
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,7 +24,7 @@ from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.ops import CppOps, select_ops
 from triton_backend.engine.progress import Progress
-from triton_backend.engine.sampler import Sampler
+from triton_backend.engine.sampler import Sampler, below_min_tokens
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from triton_backend.engine.step_sampling import sample_step
 from triton_backend.engine.weights import load_model, runtime_dtype
@@ -149,12 +151,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput, eos_ids: dict[int, frozenset[int]],
-            return_logits: bool = False) -> RunnerOutput:
+            return_logits: bool = False, while_running: Callable[[], None] | None = None
+            ) -> RunnerOutput:
         """Run one step. Logits, when asked for, are [T, V] in packed-row order (the chunks
-        the kernel attends come first)."""
+        the kernel attends come first). `while_running`: host work that does not depend on
+        this step, called once the step is launched and before its results are read (on a GPU
+        the two overlap)."""
         chunks = self._packing_order(output.chunks)
         if self.graphs is not None and not return_logits and self.graphs.covers(chunks):
-            logits = self.graphs.run(chunks)  # every row samples: one per decode
+            logits, greedy = self.graphs.run(chunks)  # every row samples: one per decode
+            if while_running is not None:
+                while_running()
+            if all(self._plain_greedy(c, eos_ids[c.seq_id]) for c in chunks):
+                picks = greedy.cpu().tolist()  # the step's one copy to the host
+                if all(math.isfinite(log_prob) for _, log_prob in picks):
+                    return RunnerOutput({c.seq_id: (int(token), log_prob)
+                                         for c, (token, log_prob) in zip(chunks, picks)})
             return self._sample(logits, chunks, eos_ids, None)
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
         lora = self._lora_batch(chunks)
@@ -163,6 +175,8 @@ class ModelRunner:
             hidden = self.decode_forward(input_ids, positions, meta, lora)  # all layers, one call
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.ops, lora)
+        if while_running is not None:
+            while_running()
         all_logits = self.model.logits(hidden) if return_logits else None
         sampling_chunks = [c for c in chunks if c.needs_sample]
         if not sampling_chunks:
@@ -177,6 +191,12 @@ class ModelRunner:
         sampled, accepted, top = sample_step(logits, chunks, eos_ids, self.sampler,
                                              self.device_sampler)
         return RunnerOutput(sampled, all_logits, accepted, top)
+
+    def _plain_greedy(self, chunk: ScheduledChunk, eos: frozenset[int]) -> bool:
+        """A row the graph's own greedy pick serves: nothing masked, no alternatives asked."""
+        request = chunk.request
+        return (request.sampling.greedy and not request.top_log_probs
+                and self.device_sampler.takes(chunk) and not below_min_tokens(chunk, eos))
 
     def _for_kernel(self, chunk: ScheduledChunk) -> bool:
         return self.kernel_attention and self.ops.attends_in_place(

@@ -64,7 +64,7 @@ class Sampler:
         masked_rows, masked_ids = [], []
         for r, i in enumerate(rows):
             eos = eos_ids[chunks[i].seq_id]
-            if _below_min_tokens(chunks[i], eos):
+            if below_min_tokens(chunks[i], eos):
                 masked_rows.extend([r] * len(eos))
                 masked_ids.extend(eos)
         if batch.device.type == "cpu" and kernels.loaded():  # no batch copy; two passes a row
@@ -117,7 +117,7 @@ class Sampler:
 
     def _mask(self, row: torch.Tensor, chunk: ScheduledChunk, eos: frozenset[int]) -> torch.Tensor:
         request = chunk.request
-        if _below_min_tokens(chunk, eos):
+        if below_min_tokens(chunk, eos):
             row[list(eos)] = float("-inf")
         for bad in request.bad_token_sequences:
             prefix = bad[:-1]
@@ -149,7 +149,7 @@ def _plain_greedy(request) -> bool:
             and not request.bad_token_sequences)
 
 
-def _below_min_tokens(chunk: ScheduledChunk, eos: frozenset[int]) -> bool:
+def below_min_tokens(chunk: ScheduledChunk, eos: frozenset[int]) -> bool:
     generated = len(chunk.token_ids) - chunk.num_prompt_tokens
     return bool(eos) and not chunk.request.ignore_eos and generated < chunk.request.sampling.min_tokens
 

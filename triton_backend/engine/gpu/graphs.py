@@ -2,8 +2,9 @@
 
 A decode-only step of B sequences (one new token each, no drafts, no adapters) runs the graph of
 the smallest captured size P >= B: its inputs are copied into persistent buffers (two copies to
-the device, from pinned host memory), the graph replays every layer and the LM head without a
-launch from Python, and the step reads the logits of its B rows. The P - B padded rows attend
+the device, from pinned host memory), the graph replays every layer, the LM head and the greedy
+pick of every row without a launch from Python, and the step reads its B rows: the greedy ids
+and log probs alone (one small copy) when every row is plain greedy, else the logits. The P - B padded rows attend
 nothing (`seq_lens` 0) and write their keys to a slot no sequence owns (`pad_slot`, in a block
 the block manager never hands out), so they never touch a real sequence.
 
@@ -65,7 +66,7 @@ class DecodeGraphs:
                                      device="cpu", pin_memory=pin)
         self._host_longs, self._host_ints = self.host_longs.numpy(), self.host_ints.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_replays = 0
 
     def covers(self, chunks: list[ScheduledChunk]) -> bool:
@@ -84,11 +85,15 @@ class DecodeGraphs:
                                  query_start=self.device_inputs.query_start[:size + 1],
                                  max_query_len=1, max_seq_len=self.max_seq_len)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [P, V] float32, greedy picks [P, 2] float64: token id and its log prob)."""
         longs = self.device_inputs.longs
         hidden = self.model(longs[0, :size], longs[1, :size], self.kv_cache, self._meta(size),
                             self.ops)
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        best, token = logits.max(dim=-1)
+        log_prob = best - torch.logsumexp(logits, dim=-1)
+        return logits, torch.stack([token.double(), log_prob.double()], dim=1)
 
     def capture(self) -> None:
         """Capture every size, largest first (the smaller ones reuse its memory pool); padded
@@ -106,7 +111,7 @@ class DecodeGraphs:
                 self._forward(size)  # compiles the kernels and warms the allocator
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[size] = self._forward(size)
+                    self.outputs[size] = self._forward(size)
                 pool = graph.pool()
                 self.graphs[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -118,7 +123,9 @@ class DecodeGraphs:
         self._host_longs[2, start:end] = self.pad_slot
         self._host_ints[start:end] = 0
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch the step (asynchronously on CUDA): (logits [B, V], greedy picks [B, 2]),
+        views of the graph's outputs, valid until the next run."""
         batch = len(chunks)
         size = self._padded(batch)
         tpb = self.tokens_per_block
@@ -137,7 +144,9 @@ class DecodeGraphs:
         self.device_inputs.ints[:size].copy_(self.host_ints[:size], non_blocking=True)
         self.num_replays += 1
         graph = self.graphs.get(size)
-        if graph is None:  # off CUDA, or graphs off: the same step, eagerly
-            return self._forward(size)[:batch]
-        graph.replay()
-        return self.logits[size][:batch]
+        if graph is None:  # off CUDA: the same step, eagerly
+            logits, greedy = self._forward(size)
+        else:
+            graph.replay()
+            logits, greedy = self.outputs[size]
+        return logits[:batch], greedy[:batch]

@@ -23,7 +23,7 @@ import random
 
 import torch
 
-from triton_backend.engine.sampler import SamplingError, _below_min_tokens
+from triton_backend.engine.sampler import SamplingError, below_min_tokens
 from triton_backend.engine.scheduler import ScheduledChunk
 
 Pick = tuple[int, float]
@@ -90,7 +90,7 @@ class DeviceSampler:
         masked_rows, masked_ids = [], []
         for row, chunk in enumerate(chunks):
             eos = eos_ids[chunk.seq_id]
-            if _below_min_tokens(chunk, eos):
+            if below_min_tokens(chunk, eos):
                 masked_rows.extend([row] * len(eos))
                 masked_ids.extend(eos)
         logits = torch.nan_to_num(logits, nan=float("-inf"),
