@@ -11,6 +11,7 @@ from builder import __version__
 from builder.cli_bench import bench_command
 from builder.cli_deploy import deploy_command
 from builder.cli_engine import engine_command, generate_command
+from builder.cli_gpu_check import gpu_check_command
 from builder.cli_drain import drain_command
 from builder.cli_quant import check_command
 from builder.cli_query import query_command
@@ -33,6 +34,7 @@ main.add_command(serve_command)
 main.add_command(query_command)
 main.add_command(drain_command)
 main.add_command(deploy_command)
+main.add_command(gpu_check_command)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Runs one scheduled step: pack every scheduled token into one flat tensor, attend over the paged
 KV cache, project only the rows that sample, and sample (`step_sampling.py`).
 
-Which kernels do the work is the ops backend's choice, made once at load (`ops.select_ops`): the
-C++ kernels on a CPU (with the one-call decode path for short steps), the GPU backend on CUDA
-(decode steps replayed as CUDA graphs, `gpu/graphs.py`; sampling on the device), the torch
-reference elsewhere. The runner asks the backend which chunks its kernel attends in place
+Which kernels do the work is the ops backend's choice, made once at load
+(`backend.select_ops`): the C++ kernels on a CPU (with the one-call decode path for short
+steps), the GPU backend on CUDA (decode steps replayed as CUDA graphs, `gpu/graphs.py`;
+sampling on the device), the torch reference elsewhere. The runner asks the backend which chunks its kernel attends in place
 (packed first) and otherwise never looks at the device.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.kv_pool import free_memory_blocks, make_kv_cache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
-from triton_backend.engine.ops import CppOps, select_ops
+from triton_backend.engine.backend import select_ops
+from triton_backend.engine.ops import CppOps
 from triton_backend.engine.progress import Progress
 from triton_backend.engine.sampler import Sampler, below_min_tokens
 from triton_backend.engine.scheduler import ScheduledChunk, SchedulerOutput

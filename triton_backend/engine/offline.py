@@ -43,7 +43,7 @@ def prefill_logits(engine_dir: str | Path, token_ids: list[int],
     tokens_per_block = EngineConfig.load(engine_dir).kv_cache.tokens_per_block
     engine = LLMEngine(engine_dir, num_kv_blocks=len(token_ids) // tokens_per_block + 2,
                        enable_prefix_caching=False, enable_speculative_decoding=False,
-                       device=device)
+                       device=device, enable_cuda_graphs=False)
     engine.add_request(Request(input_token_ids=list(token_ids), max_tokens=1))
     chunks = []  # a prompt longer than max_num_tokens is prefilled in several steps
     while engine.has_work():

@@ -7,21 +7,16 @@ where torch needs several. Both round where the other rounds, so they agree up t
 order; tests hold them to that.
 
 The model calls `ops.<op>(...)`; which backend it gets is decided once at load
-(`select_ops`): the C++ one on a CPU when the kernels built, the torch one otherwise (or when
-`LLM_FORGE_KERNELS=torch`).
+(`backend.select_ops`): the GPU backend (`gpu/ops.py`) on CUDA, the C++ one on a CPU when the
+kernels built, the torch one otherwise (or when `LLM_FORGE_KERNELS=torch`).
 """
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
 from triton_backend.engine.attention import AttentionMetadata, paged_attention, prefill_attention
 from triton_backend.engine.kv_cache import PagedKVCache
-
-log = logging.getLogger(__name__)
 
 # Chunks of at most this many new tokens are attended by the paged kernel (decodes, short
 # chunks); longer prefill chunks by torch's flash attention, which is faster for them. 64, not
@@ -125,22 +120,3 @@ class CppOps(TorchOps):
                 out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk,
                                                                    scale)
         return out.view(-1, q_size)
-
-
-def select_ops(device: torch.device) -> TorchOps:
-    """The GPU backend on CUDA (where Triton imports), the C++ backend on a CPU when its kernels
-    load, else the torch reference. `LLM_FORGE_KERNELS=gpu` runs the GPU backend's step on any
-    device (its kernels' torch references off CUDA: tests and `forge gpu-check --device cpu`)."""
-    from triton_backend.engine.kernels import ENV_SWITCH, load_cpu_kernels
-
-    if device.type == "cuda" or os.environ.get(ENV_SWITCH, "").strip().lower() == "gpu":
-        from triton_backend.engine.gpu.triton_support import available
-
-        if device.type != "cuda" or available():
-            from triton_backend.engine.gpu.ops import GpuOps
-
-            return GpuOps(device)
-        log.warning("no Triton on this CUDA host: the engine runs the pure-torch reference ops")
-    if device.type == "cpu" and load_cpu_kernels():
-        return CppOps()
-    return TorchOps()

@@ -1,0 +1,106 @@
+"""The checkpoints and engines `forge gpu-check` measures, made on the machine (no download).
+
+Two shapes on a GPU, the ones the engine is judged by: SmolLM2-135M's and a 1.07B Llama (hidden
+2048, 16 layers, 32/8 heads, intermediate 8192, vocab 49152, tied embeddings, 2.15 GB in bf16).
+On a CPU the same two families at a size a CPU test can afford. Weights are random, with an
+init spread that makes the next token clear (a random model's near-ties would let bf16 rounding
+decide a greedy pick); the tokenizer is a small word-level one: the checks feed token ids.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    init_std: float
+
+    @property
+    def parameters(self) -> int:
+        head_dim = self.hidden_size // self.num_attention_heads
+        attention = self.hidden_size * head_dim * (2 * self.num_attention_heads
+                                                   + 2 * self.num_key_value_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * (attention + mlp) + self.vocab_size * self.hidden_size
+
+
+GPU_SHAPES = (Shape("smollm2-135m-shape", 576, 1536, 30, 9, 3, 49152, 0.05),
+              Shape("llama-1.07b-shape", 2048, 8192, 16, 32, 8, 49152, 0.05))
+CPU_SHAPES = (Shape("smollm2-shape-tiny", 96, 192, 3, 3, 1, 512, 0.15),
+              Shape("llama-shape-tiny", 128, 256, 4, 4, 1, 512, 0.15))
+MAX_SEQ_LEN = 2048
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def make_checkpoint(shape: Shape, out_dir: Path) -> Path:
+    """A random-weight Llama checkpoint of `shape` with a word-level tokenizer, once."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(253)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE  # so the OpenAI chat endpoint can be asked
+    tokenizer.save_pretrained(str(out_dir))
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=MAX_SEQ_LEN,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+        initializer_range=shape.init_std)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def build_engine(shape: Shape, checkpoint: Path, work: Path, device: str, weights: str = "none",
+                 max_batch_size: int = 64, quick_gate: bool = False) -> Path:
+    """`forge engine` on a spec for `shape`: bf16 for a GPU (hardware cuda), fp32 on a CPU
+    (where greedy parity with transformers is exact); `weights` fp8 gated as any quantized build
+    (`quick_gate`: a fraction of the gate, on a CPU). Rebuilds only what changed (the build
+    key)."""
+    name = f"{shape.name}-{weights}" if weights != "none" else shape.name
+    spec = {"name": name, "checkpoint": str(checkpoint),
+            "dtype": "bfloat16" if device == "cuda" else "float32",
+            "hardware": "cuda" if device == "cuda" else "cpu",
+            "output": str(work / "engines" / name),
+            "limits": {"max_batch_size": max_batch_size, "max_num_tokens": 8192,
+                       "max_input_len": 1024, "max_seq_len": MAX_SEQ_LEN},
+            "kv_cache": {"tokens_per_block": 16}}
+    if device == "cuda":
+        # The engines of one check share the GPU with transformers' reference: a third each.
+        spec["repository"] = {"kv_cache_free_gpu_mem_fraction": 0.3}
+    if weights != "none":
+        # A random model answers no chat question right: the held-out text alone gates it.
+        spec["quantization"] = {"weights": weights, "exclude_modules": ["lm_head"],
+                                "quality": {"min_task_retention": None, "quick": quick_gate}}
+    spec_file = work / "specs" / f"{name}.yaml"
+    spec_file.parent.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+    command = [sys.executable, "-m", "builder.cli", "engine", "--spec", str(spec_file),
+               "--repository", str(work / "model_repository" / name)]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"forge engine for {name} exited {run.returncode}:\n"
+                           f"{run.stdout[-3000:]}{run.stderr[-3000:]}")
+    return Path(spec["output"])
