@@ -25,7 +25,6 @@ from builder.gpu_check import models, parity, speed
 GPU_TARGETS = {1: 450.0, 16: 5000.0, 64: 15000.0}
 MIN_RATIO_TO_TRANSFORMERS = 5.0
 MIN_FP8_SPEEDUP = 1.3
-MIN_SERVED_RATIO = 0.8
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 DEMO_QUESTION = "What is the capital of France?"
+MIN_SERVED_RATIO = 0.8  # served tok/s over in-process at the same concurrency, on a GPU
 READY_LINE = "OpenAI API ready"
 
 
@@ -79,8 +80,6 @@ def _bench(port: int, concurrency: int, prompt_len: int, new_tokens: int, work: 
 
 
 def check_served(engine_dir: Path, settings, report, say: Callable[[str], None]) -> None:
-    from builder.gpu_check.run import MIN_SERVED_RATIO
-
     if not tritonserver_available():
         report.extra["served"] = {"skipped": "no tritonserver on PATH and no nvidia-pytriton"}
         say("served: skipped (no tritonserver here)")
