@@ -174,9 +174,9 @@ def _run_and_report(console: Any, targets: list, wl: Any, settings: Any, tok: An
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from builder.bench import plots as plot_mod
-    from builder.bench.report import (markdown_comparison, markdown_levels, print_report,
-                                      write_results)
+    from builder.bench.report import refresh, write_results
     from builder.bench.runner import run_bench
+    from builder.bench.summary import finish
 
     console.print(f"[bold]forge bench[/] {wl.name}: {len(wl.items)} distinct requests, "
                   f"levels {list(settings.concurrencies)} on {', '.join(t.label + '=' + t.url for t in targets)}")
@@ -188,11 +188,7 @@ def _run_and_report(console: Any, targets: list, wl: Any, settings: Any, tok: An
                                on_level=lambda partial: write_results(partial, out))
         except ValueError as exc:
             raise _BadInput(str(exc))
-    path = write_results(result, out)
-    summary = markdown_comparison(result) if "comparison" in result else markdown_levels(result)
-    (out / "summary.md").write_text(summary)
-    print_report(result, console)
+    finish(refresh(result), out, console)
     if plots:
         for png in plot_mod.write_plots(result, out):
             console.print(f"plot: {png}")
-    console.print(f"results: {path}")

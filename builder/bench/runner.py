@@ -8,11 +8,8 @@ prompts of their own (`Workload.items_for`). Results are plain dicts, ready for
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 from builder.bench.clients import ModelInputs, fetch_model_inputs, make_client
@@ -20,6 +17,7 @@ from builder.bench.loadgen import LevelPlan, LevelRun, run_level
 from builder.bench.records import RequestRecord
 from builder.bench.server_stats import level_delta, scrape
 from builder.bench.stats import summarize
+from builder.bench.summary import document
 from builder.bench.workloads import WorkItem, Workload
 
 
@@ -150,16 +148,12 @@ def run_bench(targets: list[Target], workload: Workload, settings: BenchSettings
 
 def _document(targets: list[Target], inputs: dict[str, ModelInputs], workload: Workload,
               settings: BenchSettings) -> dict[str, Any]:
-    return {
-        "tool": "forge bench",
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "python": platform.python_version(),
-                 "cpus": os.cpu_count()},
-        "workload": workload.describe(),
-        "settings": {**asdict(settings), "concurrencies": list(settings.concurrencies)},
-        "targets": [{**asdict(t), "fixed_output_honoured": inputs[t.label].accepts("min_tokens"),
-                     "levels": []} for t in targets],
-    }
+    return document("forge bench", {**asdict(settings),
+                                    "concurrencies": list(settings.concurrencies)}, [],
+                    workload=workload.describe(),
+                    targets=[{**asdict(t), "fixed_output_honoured":
+                              inputs[t.label].accepts("min_tokens"), "levels": []}
+                             for t in targets])
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -13,8 +13,8 @@ import tiny
 from builder.bench.engine_level import paired_ratios
 from builder.bench.loadgen import LevelPlan, run_level
 from builder.bench.records import RequestRecord
-from builder.bench.report import (markdown_comparison, markdown_levels, print_report,
-                                  write_results)
+from builder.bench.report import refresh, write_results
+from builder.bench.summary import document, finish, markdown
 from builder.bench.runner import BenchSettings, compare_levels
 from builder.bench.stats import percentiles, summarize
 from builder.bench.workloads import WorkItem, build_workload
@@ -194,14 +194,14 @@ def _result():
 
     a = [level(1, 100.0, 0.05), level(4, 300.0, 0.08)]
     b = [level(1, 50.0, 0.10), level(4, 60.0, 0.40)]
-    return {"workload": {"name": "chat", "seed": 0, "scale": 1.0, "input_tokens": None,
-                         "max_tokens": None, "stream": True},
-            "settings": {"concurrencies": [1, 4], "fixed_output": True},
-            "targets": [{"label": "ours", "url": "h:1", "model": "ensemble", "protocol": "grpc",
-                         "fixed_output_honoured": True, "levels": a},
-                        {"label": "naive", "url": "h:2", "model": "ensemble", "protocol": "grpc",
-                         "fixed_output_honoured": True, "levels": b}],
-            "comparison": compare_levels(a, b)}
+    return document("forge bench", {"concurrencies": [1, 4], "fixed_output": True}, [],
+                    workload={"name": "chat", "seed": 0, "scale": 1.0, "input_tokens": None,
+                              "max_tokens": None, "stream": True},
+                    targets=[{"label": "ours", "url": "h:1", "model": "ensemble",
+                              "protocol": "grpc", "fixed_output_honoured": True, "levels": a},
+                             {"label": "naive", "url": "h:2", "model": "ensemble",
+                              "protocol": "grpc", "fixed_output_honoured": True, "levels": b}],
+                    comparison=compare_levels(a, b))
 
 
 def test_comparison_ratios_report_and_plots(tmp_path):
@@ -211,17 +211,21 @@ def test_comparison_ratios_report_and_plots(tmp_path):
     rows = result["comparison"]
     assert rows[0]["output_tokens_per_s_ratio"] == 2.0 and rows[1]["output_tokens_per_s_ratio"] == 5.0
     assert rows[1]["ttft_p99_ratio"] == pytest.approx(0.2)
-    console = Console(record=True, width=160)
-    print_report(result, console)
+    console = Console(record=True, width=240)
+    finish(refresh(result), tmp_path, console)
     text = console.export_text()
-    assert "ours vs naive" in text and "5.00x" in text
-    markdown = markdown_comparison(result)
-    assert "| 4 | 300.0 | 60.0 | 5.00x | " in markdown
-    assert " / 80 | " in markdown and " / 400 | " in markdown
-    levels = markdown_levels(result)  # summary.md of a run with one server
-    assert levels.count("| concurrency | ok/err/canc |") == 2 and "| 4 | " in levels
+    assert "ours vs naive" in text and "5.00x" in text and "workload chat" in text
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary == markdown(json.loads((tmp_path / "results.json").read_text()))
+    assert "| 4 | 300.0 | 60.0 | 5.00x | " in summary
+    assert " / 80 | " in summary and " / 400 | " in summary
+    one = {k: v for k, v in result.items() if k != "comparison"}  # a run with one server
+    assert markdown(refresh({**one, "targets": one["targets"][:1]})).count(
+        "| concurrency | ok/err/canc |") == 1
     path = write_results(result, tmp_path)
-    assert json.loads(path.read_text())["comparison"][0]["concurrency"] == 1
+    doc = json.loads(path.read_text())
+    assert doc["comparison"][0]["concurrency"] == 1
+    assert [t["title"][:13] for t in doc["tables"]] == ["ours: ensembl", "naive: ensemb", "ours vs naive"]
     from builder.bench.plots import write_plots
 
     for png in write_plots(result, tmp_path):
