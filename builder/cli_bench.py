@@ -1,4 +1,9 @@
-"""`forge bench`: measure a running Triton server (or two, side by side) with a workload."""
+"""`forge bench`, the one benchmark tool. Without a subcommand it measures a served endpoint (a
+running Triton server or two side by side, or the one `--spec` serves for the run) with a
+workload; its subcommands measure the other levels (`cli_bench_engine`: the engine in-process;
+`cli_bench_serving`: the shape matrix against vLLM, the soak) and the features
+(`cli_bench_features`). Every one writes results.json and summary.md in one format
+(`bench/summary.py`)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +14,9 @@ from typing import Any, Callable
 import click
 
 from builder.bench.records import RequestRecord
+from builder.cli_bench_engine import COMMANDS as ENGINE_LEVEL
+from builder.cli_bench_features import COMMANDS as FEATURES
+from builder.cli_bench_serving import COMMANDS as SERVING
 
 DEFAULT_OUT = "bench/latest"
 
@@ -80,7 +88,7 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
     return factory
 
 
-@click.command("bench")
+@click.group("bench", invoke_without_command=True)
 @click.option("--url", default="localhost:8001", show_default=True,
               help="Server endpoint host:port (gRPC port, or the HTTP / OpenAI port).")
 @click.option("--model", default=None,
@@ -112,6 +120,10 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
                    "builds and serves the naive baseline of --engine's checkpoint for the run.")
 @click.option("--engine", "engine_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="The engine served at --url: its tokenizer, and the model of --baseline naive.")
+@click.option("--spec", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Serve this spec's repository for the run (built when missing) with forge "
+                   "serve on free loopback ports, and measure it; with --protocol openai,grpc "
+                   "its two endpoints side by side.")
 @click.option("--baseline-model", default=None, help="Model name on the baseline (default --model).")
 @click.option("--labels", default=None, help="Names of the servers in the report, e.g. ours,naive.")
 @click.option("--metrics-url", "metrics", default=None, metavar="HOST:PORT[,HOST:PORT]",
@@ -124,12 +136,16 @@ def _progress_factory(progress: Any) -> Callable[[str, int | None], Callable[[Re
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=DEFAULT_OUT,
               show_default=True)
 @click.option("--plots/--no-plots", default=True, show_default=True)
-def bench_command(url, model, protocol, workload, scale, seed, concurrency, requests_, duration,
-                  rate, stream, fixed_output, tokenizer, compare, baseline, engine_dir,
-                  baseline_model, labels, metrics, warmup, timeout, keep_text, out_dir,
+@click.pass_context
+def bench_command(ctx, url, model, protocol, workload, scale, seed, concurrency, requests_,
+                  duration, rate, stream, fixed_output, tokenizer, compare, baseline, engine_dir,
+                  spec, baseline_model, labels, metrics, warmup, timeout, keep_text, out_dir,
                   plots) -> None:
-    """Drive a running server with WORKLOAD at each concurrency; print a table, write
-    results.json (every request's timings) and PNG plots into --out."""
+    """Served: drive a running server with WORKLOAD at each concurrency; print a table, write
+    results.json (every request's timings), summary.md and PNG plots into --out. The
+    subcommands measure the engine in-process and the features."""
+    if ctx.invoked_subcommand:
+        return
     from rich.console import Console
 
     from builder.bench.runner import BenchSettings
@@ -139,14 +155,23 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
         raise _BadInput("give --requests or --duration, not both")
     if baseline == "naive" and protocol not in ("grpc", "http"):
         raise _BadInput("--baseline naive serves Triton only: use --protocol grpc or http")
-    if baseline == "naive" and not engine_dir:
+    if baseline == "naive" and not (engine_dir or spec):
         raise _BadInput("--baseline naive needs --engine DIR (the engine served at --url)")
+    if spec and compare:
+        raise _BadInput("give --spec or --compare, not both")
     levels = _concurrencies(concurrency)
     settings = BenchSettings(levels, requests_ or (None if duration else "4x"), duration, rate,
                              warmup, timeout, fixed_output, seed, keep_text)
-    _targets(url, model, protocol, compare, baseline, labels, baseline_model, metrics)  # early
+    two_paths = bool(spec) and "," in protocol  # the served spec's two endpoints
+    _targets(url, model, protocol, ("a", "b") if two_paths else compare, baseline, labels,
+             baseline_model, metrics)  # early
     # Piped or redirected, rich would cut the tables to 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=200)
+    if spec:
+        from builder.bench.servers import ensure_repository
+
+        spec_engine, repository = ensure_repository(spec, console.print)
+        engine_dir = engine_dir or str(spec_engine)
     try:
         counts = [settings.num_requests(c) for c in levels]
         num_items = max(counts) if duration is None else 256
@@ -156,6 +181,9 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
     except ValueError as exc:
         raise _BadInput(str(exc))
     with contextlib.ExitStack() as stack:
+        if spec:
+            url, compare, labels = _serve_for_the_run(stack, repository, protocol, labels,
+                                                      Path(out_dir), console)
         if baseline == "naive":
             from builder.bench.baseline import serve_naive_baseline
 
@@ -167,6 +195,23 @@ def bench_command(url, model, protocol, workload, scale, seed, concurrency, requ
         targets = _targets(url, model, protocol, compare, baseline, labels, baseline_model,
                            metrics)
         _run_and_report(console, targets, wl, settings, tok, Path(out_dir), plots)
+
+
+def _serve_for_the_run(stack: contextlib.ExitStack, repository: Path, protocol: str,
+                       labels: str | None, out: Path, console: Any) -> tuple:
+    """`forge serve` of the spec's repository until the run ends: (--url, --compare, --labels)
+    on it, its two paths compared when two protocols are given."""
+    from builder.bench.servers import forge_serve
+
+    out.mkdir(parents=True, exist_ok=True)
+    server, endpoints = forge_serve(repository, out / "forge-serve.log")
+    stack.callback(server.stop)
+    console.print(f"serving {repository}: gRPC {endpoints.grpc}, HTTP {endpoints.http}, "
+                  f"OpenAI {endpoints.openai}, metrics {endpoints.metrics}")
+    paths = protocol.split(",")
+    if len(paths) == 2:
+        return endpoints.url(paths[0]), tuple(endpoints.url(p) for p in paths), labels or protocol
+    return endpoints.url(paths[0]), None, labels
 
 
 def _run_and_report(console: Any, targets: list, wl: Any, settings: Any, tok: Any, out: Path,
@@ -192,3 +237,7 @@ def _run_and_report(console: Any, targets: list, wl: Any, settings: Any, tok: An
     if plots:
         for png in plot_mod.write_plots(result, out):
             console.print(f"plot: {png}")
+
+
+for _command in (*ENGINE_LEVEL, *FEATURES, *SERVING):
+    bench_command.add_command(_command)

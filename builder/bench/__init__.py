@@ -1,9 +1,5 @@
-"""`forge bench`: workloads, the load generator, statistics, the report and plots, comparisons.
-
-Modules, in the order data flows: `workloads` (seeded requests, token counts fitted with the
-engine's tokenizer; prompts from the offline `corpus`) -> `clients` (gRPC stream / HTTP generate,
-one request at a time, timestamps on arrival) -> `loadgen` (one concurrency level, closed loop
-or Poisson-capped) -> `records` (one request's timings; TTFT/ITL/E2E definitions) -> `stats`
-(percentiles per level) -> `runner` (all levels, one or two servers alternating) -> `report`
-(results.json, tables) and `plots` (PNG).
+"""`forge bench`, the one benchmark tool: the served level (workloads, clients, the load
+generator, statistics, report and plots), the shape matrix against vLLM, the engine level in
+process, the feature workloads and the soak; one output format for all (`summary`). The map of
+its modules is in docs/structure.md.
 """

