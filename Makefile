@@ -101,7 +101,7 @@ soak: setup
 
 # The engine proven on a GPU (parity with transformers, speed at c=1/16/64 beside transformers and
 # the memory roofline, FP8 against bf16, forge serve where tritonserver can be found): one JSON,
-# one table. On a GPU host without this project's setup: scripts/gpu_check.sh (carried wheels).
+# one table. On a GPU host without this project's setup: scripts/gpu.sh (carried wheels).
 # DEVICE=cpu runs the same checks on small shapes here (CI runs it: tests/e2e/test_gpu_check.py).
 DEVICE ?= cuda
 GPU_CHECK_OUT ?= gpu-check.json
@@ -112,5 +112,5 @@ gpu-check:
 		$(MAKE) --no-print-directory setup && \
 		$(PY) -m builder.cli gpu-check --device cpu --work $(GPU_CHECK_WORK) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS); \
 	else \
-		bash scripts/gpu_check.sh run --work $(GPU_CHECK_WORK) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS); \
+		bash scripts/gpu.sh check --work $(GPU_CHECK_WORK) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS); \
 	fi

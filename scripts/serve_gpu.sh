@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SPEC="${SPEC:-examples/smollm2-135m-trtllm.yaml}"
 MODELS="${LLM_FORGE_MODELS:-/models}"
-HARDWARE="${HARDWARE:-$(bash scripts/gpu_profile.sh)}"
+HARDWARE="${HARDWARE:-$(bash scripts/gpu.sh profile)}"
 out="$MODELS/$HARDWARE"
 
 forge engine --spec "$SPEC" --hardware "$HARDWARE" --output "$out/engine" \

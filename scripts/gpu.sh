@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# `make gpu-check` on a GPU host that has CUDA torch, Triton and transformers but not this
-# project's setup and no package index: the few packages it lacks travel as wheels.
+# GPU host helpers.
 #
-#   bash scripts/gpu_check.sh wheels    # here, with an index: download them into .whl/
-#   bash scripts/gpu_check.sh run ...   # there: install .whl/ into a temporary folder, run
-#                                       # forge gpu-check --device cuda ... from this checkout
+#   bash scripts/gpu.sh profile   # print the hardware profile (l4, a100-40gb, a100-80gb,
+#                                 # h100-80gb) of this host's first GPU, as `forge engine
+#                                 # --hardware` takes it; exit 1 naming the GPU when none fits
+#   bash scripts/gpu.sh wheels    # here, with an index: download into .whl/ the packages a bare
+#                                 # GPU host lacks for `make gpu-check`
+#   bash scripts/gpu.sh check ... # there (CUDA torch, Triton, transformers, no package index):
+#                                 # install .whl/ into a temporary folder and run
+#                                 # forge gpu-check --device cuda ... from this checkout
 #
 # The wheels are for the GPU host's Python (GPU_PYTHON_VERSION, default 3.12): llguidance and
 # gguf (the engine and the builder import them), nvidia-modelopt and what it needs beyond what
@@ -18,6 +22,19 @@ NEEDED=(llguidance==1.9.1 gguf==0.19.0 nvidia-modelopt==0.47.0 omegaconf antlr4-
         pulp pydantic pydantic-core annotated-types typing-inspection)
 
 case "${1:-}" in
+    profile)
+        gpu="$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits | head -1)"
+        case "$gpu" in
+            *L4*) hardware=l4 ;;
+            *H100*) hardware=h100-80gb ;;
+            *A100*) mem="${gpu##*, }"
+                    if (( mem > 50000 )); then hardware=a100-80gb; else hardware=a100-40gb; fi ;;
+            *) echo "gpu profile: no profile for GPU '$gpu' (profiles: l4, a100-40gb, a100-80gb," \
+                    "h100-80gb)" >&2; exit 1 ;;
+        esac
+        echo "GPU: $gpu -> hardware profile $hardware" >&2
+        echo "$hardware"
+        ;;
     wheels)
         mkdir -p "$WHEELS"
         platforms=()
@@ -27,7 +44,7 @@ case "${1:-}" in
             --platform any -d "$WHEELS" "${NEEDED[@]}"
         du -sh "$WHEELS"
         ;;
-    run)
+    check)
         shift
         site="$(mktemp -d)"
         if compgen -G "$WHEELS/*.whl" >/dev/null; then
@@ -38,7 +55,7 @@ case "${1:-}" in
         exec python3 -m builder.cli gpu-check --device cuda "$@"
         ;;
     *)
-        echo "usage: $0 wheels | run [forge gpu-check options]" >&2
+        echo "usage: $0 profile | wheels | check [forge gpu-check options]" >&2
         exit 2
         ;;
 esac
