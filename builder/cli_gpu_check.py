@@ -44,7 +44,7 @@ def gpu_check_command(device, work, out, fp8, serve) -> None:
         report = run.run_checks(settings, lambda line: console.print(f"[gpu-check] {line}"))
         data = report.to_dict()
         Path(out).write_text(json.dumps(data, indent=2) + "\n")
-        printer = Console()
+        printer = Console(width=max(Console().width, 140))
         printer.print(table.speed_table(data))
         printer.print(table.checks_table(data))
         printer.print(f"report: {out}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -69,7 +68,9 @@ class Report:
 
 
 def machine(device: str) -> dict:
-    info = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
+    from builder.bench.summary import cpu_line, host
+
+    info = {"torch": torch.__version__, "cpu": cpu_line(host())}
     if device == "cuda":
         info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     try:

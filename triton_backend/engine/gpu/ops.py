@@ -94,8 +94,10 @@ class GpuOps(TorchOps):
             k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
             q, k = rotary(positions, q, k)
             cache.write(layer, meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
         rows = meta.kernel_rows
+        if rows == q.shape[0] and not meta.prefills and meta.decode_token_index is None:
+            return self._paged(layer, q, cache, meta, scale).view(-1, q_size)  # a decode step
+        out = torch.empty_like(q)
         if rows:
             out[:rows] = self._paged(layer, q[:rows], cache, meta, scale)
         for chunk in meta.prefills:  # first chunks: SDPA over their own keys

@@ -98,11 +98,11 @@ class DeviceSampler:
         if masked_rows:
             logits = logits.index_put(
                 (_ints(masked_rows, device), _ints(masked_ids, device)),
-                torch.tensor(float("-inf"), device=device))
+                torch.full((), float("-inf"), device=device))
         params = [c.request.sampling for c in chunks]
         greedy = [p.greedy for p in params]
-        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                   device=device)
+        temperature = _to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                 torch.float32, device)
         scored = logits / temperature[:, None]
         log_probs = torch.log_softmax(scored, dim=-1)
         candidates = _top_k_top_p(scored, params, greedy)
@@ -112,7 +112,7 @@ class DeviceSampler:
             seeds = _ints([0 if g else self._seed(c) for g, c in zip(greedy, chunks)], device)
             counters = _ints([len(c.token_ids) - c.num_prompt_tokens for c in chunks], device)
             noise = -torch.log(-torch.log(uniform_noise(seeds, counters, vocab)))
-            is_greedy = torch.tensor(greedy, device=device)
+            is_greedy = _to_device(greedy, torch.bool, device)
             tokens = torch.where(is_greedy, candidates.argmax(dim=-1),
                                  (candidates + noise).argmax(dim=-1))
         own = log_probs.gather(1, tokens[:, None])[:, 0]
@@ -147,7 +147,15 @@ def _picks(host: list[list[float]], chunks: list[ScheduledChunk], top_k: int):
 
 
 def _ints(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return _to_device(values, torch.int64, device)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`; on CUDA through pinned memory, so the copy queues behind
+    the step instead of waiting for it."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _top_k_top_p(scored: torch.Tensor, params, greedy: list[bool]) -> torch.Tensor:
@@ -159,13 +167,13 @@ def _top_k_top_p(scored: torch.Tensor, params, greedy: list[bool]) -> torch.Tens
         return scored
     device = scored.device
     ordered, order = scored.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+    ks = _to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, device)
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= ks[:, None]
     # Ties with the k-th value stay in, as the host sampler's `row < kth` keeps them.
     kth = ordered.gather(1, (ks - 1)[:, None])
     drop &= ordered < kth
     probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
-    ps = torch.tensor(top_p, device=device)[:, None]
+    ps = _to_device(top_p, torch.float32, device)[:, None]
     drop |= (probs.cumsum(dim=-1) - probs >= ps) & (ps < 1.0)
     return scored.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
