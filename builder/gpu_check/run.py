@@ -169,6 +169,7 @@ def _check_fp8(shape: models.Shape, bf16_dir: Path, settings: Settings, report: 
         report.check(f"{shape.name} FP8 build and gate", False, "failed", "passes")
         return
     quality = json.loads((fp8_dir / "quality.json").read_text())
+    kernels = fp8_kernels(fp8_dir, settings.device)
     c = max(settings.concurrencies)
     runs = {}
     for name, engine_dir in (("bf16", bf16_dir), ("fp8", fp8_dir)):
@@ -178,12 +179,29 @@ def _check_fp8(shape: models.Shape, bf16_dir: Path, settings: Settings, report: 
         _free(settings.device)
     ratio = runs["fp8"]["tok_s"] / runs["bf16"]["tok_s"]
     report.extra["fp8"] = {"concurrency": c, "bf16": runs["bf16"], "fp8": runs["fp8"],
-                           "speedup": ratio, "quality": quality}
+                           "speedup": ratio, "kernels": kernels, "quality": quality}
     report.check(f"{shape.name} FP8 gate", not quality.get("failures"),
                  quality.get("failures") or "passed", "passes")
     report.check(f"{shape.name} FP8 >= {MIN_FP8_SPEEDUP:g}x bf16 at c={c}",
                  ratio >= MIN_FP8_SPEEDUP, round(ratio, 2), f">= {MIN_FP8_SPEEDUP:g}x",
                  applied=settings.device == "cuda")
+
+
+def fp8_kernels(engine_dir: Path, device: str) -> dict[str, int]:
+    """How many FP8 projections run each kernel here: `scaled_mm` (FP8 tensor cores) or
+    `dequant` (the weight widened per call, where FP8 GEMMs are not native)."""
+    from triton_backend.engine.config import EngineConfig
+    from triton_backend.engine.weights import load_model
+
+    model = load_model(engine_dir, EngineConfig.load(engine_dir), torch.device(device))
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, str):
+            counts[kernel] = counts.get(kernel, 0) + 1
+    del model
+    _free(device)
+    return counts
 
 
 def _free(device: str) -> None:
