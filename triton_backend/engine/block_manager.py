@@ -134,6 +134,9 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int,
                      cached: list[int] | None = None) -> bool:
+        if not cached and (seq.num_computed_tokens + num_new_tokens
+                           <= len(seq.block_table) * self.tokens_per_block):
+            return True  # room in the blocks it holds (a decode, most steps)
         # Reusing a cached block nobody holds takes it off the pool as well.
         taken = sum(1 for block_id in cached or () if self.ref_counts[block_id] == 0)
         return self.num_blocks_needed(seq, num_new_tokens, cached) + taken <= self.num_free_blocks
@@ -144,6 +147,11 @@ class BlockManager:
         the tokens this makes room for join the cache. Call `can_allocate` first.
 
         The caller sets `num_computed_tokens` to the cached prefix's length."""
+        if not cached and (seq.num_computed_tokens + num_new_tokens
+                           <= len(seq.block_table) * self.tokens_per_block):
+            if self.enable_prefix_caching:  # no new block; one may have filled up
+                self._register_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+            return
         if not self.can_allocate(seq, num_new_tokens, cached):
             raise RuntimeError(f"allocate: {self.num_blocks_needed(seq, num_new_tokens, cached)} "
                                f"blocks needed, {self.num_free_blocks} free")

@@ -49,7 +49,9 @@ DEFAULT_AGING_RATE = 1.0  # priority levels a waiting request gains per second
 
 @dataclass
 class ScheduledChunk:
-    """One sequence's share of a step: feed `new_token_ids` at positions from `num_computed_tokens`."""
+    """One sequence's share of a step: feed `new_token_ids` at positions from `num_computed_tokens`.
+    `block_table` and `token_ids` are the sequence's own lists (no copy per step): valid until the
+    step's `update`, which may grow or free them."""
 
     seq_id: int
     new_token_ids: list[int]
@@ -240,7 +242,7 @@ class Scheduler:
         return ScheduledChunk(
             seq_id=seq.seq_id,
             new_token_ids=seq.token_ids[start:start + num_new] + seq.draft_token_ids[:num_drafts],
-            num_computed_tokens=start, block_table=list(seq.block_table),
+            num_computed_tokens=start, block_table=seq.block_table,
             needs_sample=start + num_new == seq.num_tokens, request=seq.request,
             token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             num_draft_tokens=num_drafts, grammar=seq.grammar, lora_task_id=seq.lora_task_id)
