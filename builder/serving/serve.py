@@ -249,6 +249,8 @@ def engine_report(metrics_url: str, timeout: float = 5.0) -> str | None:
         if "num_threads" not in stats:
             time.sleep(0.2)
     kernels = {1.0: "C++ CPU kernels", 0.0: "pure-torch kernels"}.get(stats.get("cpp_kernels"), "")
+    if stats.get("gpu_backend"):
+        kernels = f"GPU backend, {int(stats.get('cuda_graphs', 0))} CUDA graphs captured"
     return (f"engine: {int(stats['num_threads'])} torch threads ({cpu_budget().describe()}; "
             f"repository option engine_num_threads), {kernels}").rstrip(", ")
 

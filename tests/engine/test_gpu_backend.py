@@ -42,8 +42,12 @@ def test_greedy_ids_match_transformers_with_a_prefix_hit(tiny_engines, shape, gr
     for prompt, result in zip(prompts, first + second):
         assert result.output_ids == _expected(engine_dir, prompt)
     assert (engine.runner.graphs is not None) == graphs
+    stats = engine.get_stats()
+    assert stats["gpu_backend"] == 1 and stats["cpp_kernels"] == 0
     if graphs:
-        assert engine.runner.graphs.num_replays >= NEW_TOKENS - 1
+        assert stats["cuda_graph_replays"] == engine.runner.graphs.num_replays >= NEW_TOKENS - 1
+    else:
+        assert stats["cuda_graph_replays"] == stats["cuda_graphs"] == 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 

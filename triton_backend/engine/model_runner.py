@@ -139,6 +139,12 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs.capture()
 
+    def graph_stats(self) -> dict[str, int]:
+        """Captured decode graphs and how many steps replayed one (0 without graphs)."""
+        graphs = self.graphs
+        return {"cuda_graphs": len(graphs.graphs) if graphs is not None else 0,
+                "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's sampling state (its generator or seed)."""
         self.sampler.release(seq_id)
