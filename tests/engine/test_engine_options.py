@@ -10,7 +10,7 @@ from triton_backend.engine.engine_options import EngineOptions
 NON_DEFAULT = {"num_kv_blocks": 48, "kv_cache_memory_bytes": 1 << 20,
                "enable_prefix_caching": False, "enable_speculative_decoding": False,
                "admission": AdmissionLimits(7, 900), "priority_aging_rate": 2.5,
-               "device": "cuda:1", "kv_cache_free_gpu_mem_fraction": 0.85,
+               "device": "cpu", "kv_cache_free_gpu_mem_fraction": 0.85,
                "enable_cuda_graphs": False}
 
 
@@ -60,7 +60,7 @@ def test_the_repository_parameters_become_every_option_once():
                       "max_waiting_requests": "7", "max_waiting_prompt_tokens": "900",
                       "priority_aging_rate": "2.5", "kv_cache_free_gpu_mem_fraction": "0.85",
                       "cuda_graph_mode": "false"})
-    assert engine_options(params, device="cuda:1") == EngineOptions(**NON_DEFAULT)
+    assert engine_options(params, device="cpu") == EngineOptions(**NON_DEFAULT)
     defaults = _params({"kv_cache_num_blocks": "", "enable_kv_cache_reuse": "true"})
     assert engine_options(defaults) == EngineOptions(admission=AdmissionLimits(0, 0))
 
