@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -14,6 +15,8 @@ from builder.serving.addresses import LOOPBACK, bind_address, check_port_free
 from builder.serving.health import (DEFAULT_HEALTH_PORT, LIVENESS_PATH, READINESS_PATH,
                                     STARTUP_PATH, HealthState)
 from builder.serving.allocator import ALLOCATOR_PACKAGES, MALLOC_CHOICES
+
+API_KEY_ENV = "LLM_FORGE_API_KEY"
 
 
 @click.command("serve")
@@ -35,10 +38,11 @@ from builder.serving.allocator import ALLOCATOR_PACKAGES, MALLOC_CHOICES
               default="tensorrt_llm", show_default=True,
               help="The model the OpenAI API calls: tensorrt_llm with token ids (the API "
                    "tokenizes and detokenizes), or the ensemble / BLS with text.")
-@click.option("--api-key", envvar="LLM_FORGE_API_KEY", default=None,
+@click.option("--api-key", envvar=API_KEY_ENV, default=None,
               help="Clients of the OpenAI API must send this key as a bearer token (401 "
-                   "otherwise); also read from LLM_FORGE_API_KEY. Triton's own ports take no "
-                   "key: they bind loopback unless --triton-host says otherwise.")
+                   "otherwise); also read from LLM_FORGE_API_KEY. An empty key (flag or "
+                   "variable) is refused (exit 2). Triton's own ports take no key: they bind "
+                   "loopback unless --triton-host says otherwise.")
 @click.option("--openai-max-concurrent-requests", type=int, default=256, show_default=True,
               help="Requests in flight on the OpenAI API; more get HTTP 429.")
 @click.option("--drain-timeout", type=click.FloatRange(0, 3600), default=30.0,
@@ -72,6 +76,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
     from builder.repository_device import check_servable
     from builder.serving.serve import start_tritonserver
 
+    api_key = checked_api_key(api_key, click.get_current_context())
     try:  # a GPU engine where no GPU is visible: said before any port opens
         check_servable(Path(repository_dir))
     except ValueError as exc:
@@ -110,6 +115,21 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
             _serve(server, parts, health, stop, drain_timeout)
     finally:
         health_server.stop()
+
+
+def checked_api_key(api_key: str | None, ctx: click.Context) -> str | None:
+    """The API key, or None when none was given; exit 2 for an empty one. click reads an empty
+    variable as unset, so `LLM_FORGE_API_KEY=""` (a Secret made from an unset shell variable)
+    would otherwise serve every client without a key."""
+    from_flag = ctx.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE
+    if from_flag and (api_key is None or not api_key.strip()):
+        fail("--api-key: must not be empty (leave the flag out to serve without a key)")
+    if not from_flag and api_key is None and API_KEY_ENV in os.environ:
+        fail(f"{API_KEY_ENV} is set but empty: set it to the key clients must send, or unset "
+             f"it to serve without a key (in a pod: the Secret's api-key is empty)")
+    if api_key is not None and not api_key.strip():
+        fail(f"{API_KEY_ENV}: must not be blank (it holds only whitespace)")
+    return api_key
 
 
 def _open_ports(health: HealthState, on_drain, host: str, health_port: int,

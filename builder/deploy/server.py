@@ -102,12 +102,14 @@ def container_ports(ctx: DeployContext) -> list[dict]:
 
 
 def environment(ctx: DeployContext) -> list[dict]:
-    """The API key from its Secret; HOME and TMPDIR on the writable /tmp (the root filesystem
-    is read-only)."""
+    """The API key from its Secret (without the Secret or its key the pod does not start; with
+    an empty key forge serve exits 2); HOME and TMPDIR on the writable /tmp (the root
+    filesystem is read-only)."""
     env = [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}]
     if not ctx.multi_rank:
         env.insert(0, {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
-            "name": ctx.deployment.api_key_secret, "key": API_KEY_SECRET_KEY}}})
+            "name": ctx.deployment.api_key_secret, "key": API_KEY_SECRET_KEY,
+            "optional": False}}})
     return env
 
 
