@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.deploy.names import check_derived_names
 from triton_backend.engine.numbers import is_int, is_number
 
 MODEL_SOURCES = ("image", "volume")
@@ -167,10 +168,10 @@ class DeploymentSpec:
         if isinstance(self.autoscaling, dict):
             self.autoscaling = AutoscalingSpec(
                 **check_keys("deployment.autoscaling", AutoscalingSpec, self.autoscaling))
-        if self.name is not None:
-            check_dns_label("deployment.name", self.name)
         for key in ("namespace", "gateway_namespace", "monitoring_namespace"):
             check_dns_label(f"deployment.{key}", getattr(self, key))
+        if self.name is not None:
+            check_derived_names("deployment.name", self.name, self.namespace)
         if not isinstance(self.client_namespaces, list):
             raise ValueError("deployment.client_namespaces: must be a list of namespaces")
         for i, namespace in enumerate(self.client_namespaces):
@@ -222,7 +223,7 @@ class DeploymentSpec:
         """What the rest of the spec decides: which image can serve, how Triton binds."""
         if self.name is None:
             self.name = spec_name.lower().replace("_", "-").replace(".", "-")
-            check_dns_label("deployment.name (from name)", self.name)
+            check_derived_names("deployment.name (from name)", self.name, self.namespace)
         if self.api_key_secret is None:
             self.api_key_secret = f"{self.name}-api-key"
         if self.repository_path is None:  # the image's own (Containerfile), or the claim's

@@ -161,3 +161,33 @@ def shared_inference_pool_schemas() -> list[tuple[Path, dict]]:
                 if version["name"] == "v1":
                     found.append((path, version["schema"]["openAPIV3Schema"]))
     return found
+
+
+# Kubernetes' name rules (apimachinery's validation), written out here apart from the code under
+# test: Services DNS-1035 labels, namespaces DNS-1123 labels, other objects DNS-1123 subdomains.
+_DNS_1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_NAME_RULES = {
+    "Service": (re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?"), 63),
+    "Namespace": (re.compile(_DNS_1123_LABEL), 63),
+}
+_SUBDOMAIN = (re.compile(rf"{_DNS_1123_LABEL}(\.{_DNS_1123_LABEL})*"), 253)
+
+
+def name_errors(objects: list[dict]) -> list[str]:
+    """Every object name, namespace and label value that the API server would refuse."""
+    errors = []
+
+    def check(what: str, value: object, rule: tuple[re.Pattern, int]) -> None:
+        pattern, limit = rule
+        if not isinstance(value, str) or len(value) > limit or not pattern.fullmatch(value):
+            errors.append(f"{what}: {value!r}")
+
+    for obj in objects:
+        meta, kind = obj["metadata"], obj["kind"]
+        check(f"{kind} name", meta["name"], _NAME_RULES.get(kind, _SUBDOMAIN))
+        if "namespace" in meta:
+            check(f"{kind} {meta['name']} namespace", meta["namespace"], _NAME_RULES["Namespace"])
+        for key, value in meta.get("labels", {}).items():
+            if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
+                errors.append(f"{kind} {meta['name']} label {key}: {value!r}")
+    return errors

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from builder.deploy.names import epp_name
 from builder.deployment_spec import DeploymentSpec
 from builder.hardware import PROFILES
 from builder.serving.health import DEFAULT_HEALTH_PORT
@@ -80,7 +81,7 @@ class DeployContext:
 
     @property
     def epp_name(self) -> str:
-        return f"{self.name}-epp"
+        return epp_name(self.name)
 
     @property
     def multi_rank(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import yaml
 
 from builder.deploy.context import METRICS_PORT, DeployContext
+from builder.deploy.names import EPP_SUFFIX, metrics_auth_name
 from builder.deploy.gateway import EPP_CONFIG_FILE, EPP_IMAGE, POOL_GROUP, epp_config
 from builder.deploy.network import (EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT,
                                     epp_pod_selector)
@@ -24,7 +25,7 @@ EPP_UID = 65532  # the distroless image's nonroot user
 
 
 def _meta(ctx: DeployContext, suffix: str = "") -> dict:
-    return ctx.metadata(f"-epp{suffix}", COMPONENT)
+    return ctx.metadata(f"{EPP_SUFFIX}{suffix}", COMPONENT)
 
 
 def epp_args(ctx: DeployContext) -> list[str]:
@@ -109,7 +110,7 @@ def epp_rbac(ctx: DeployContext) -> list[dict]:
                       {"apiGroups": ["inference.networking.x-k8s.io"],
                        "resources": ["inferenceobjectives", "inferencemodelrewrites"],
                        "verbs": watch}]}
-    cluster_name = f"{ctx.namespace}-{ctx.epp_name}-metrics-auth"
+    cluster_name = metrics_auth_name(ctx.namespace, ctx.name)
     cluster_meta = {"name": cluster_name, "labels": ctx.labels(COMPONENT)}
     cluster_role = {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",

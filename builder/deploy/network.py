@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from builder.deploy.context import (HEALTH_PORT, METRICS_PORT, OPENAI_PORT, TRITON_GRPC_PORT,
                                     TRITON_HTTP_PORT, DeployContext)
+from builder.deploy.names import EPP_SUFFIX
 
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set by Kubernetes on every namespace
 EPP_GRPC_PORT = 9002
@@ -83,7 +84,7 @@ def epp_network_policy(ctx: DeployContext) -> dict:
     """Ingress to the endpoint picker: ext-proc from the gateway only."""
     d = ctx.deployment
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": ctx.metadata("-epp", "endpoint-picker"),
+            "metadata": ctx.metadata(EPP_SUFFIX, "endpoint-picker"),
             "spec": {"podSelector": {"matchLabels": epp_pod_selector(ctx)},
                      "policyTypes": ["Ingress"],
                      "ingress": [

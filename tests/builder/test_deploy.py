@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from builder.cli import main
 from deploy_helpers import (CUSTOM_KINDS, IN_CI, KUBERNETES_VERSION, REPO, all_objects,
-                            crd_model_errors, inference_pool_errors, load_dir,
+                            crd_model_errors, inference_pool_errors, load_dir, name_errors,
                             npm_models_installed, one, shared_inference_pool_schemas)
 
 CPU_SPEC = REPO / "examples" / "smollm2-135m.yaml"
@@ -164,6 +164,48 @@ def test_spec_errors_exit_2_naming_the_field(tmp_path, patch, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not (tmp_path / "deployment.yaml").exists()
+
+
+def _deploy(tmp_path: Path, data: dict):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    return CliRunner().invoke(main, ["deploy", "--spec", str(spec), "--out",
+                                     str(tmp_path / "out")])
+
+
+def test_every_rendered_name_passes_its_kubernetes_rule_at_the_longest_name(tmp_path, rendered):
+    assert name_errors(all_objects(rendered)) == []
+    data = yaml.safe_load((CPU_SPEC if "cpu" in rendered.name else GPU_SPEC).read_text())
+    data["deployment"].update(name="m" * 59, namespace="n" * 63)  # the longest accepted
+    result = _deploy(tmp_path, data)
+    assert result.exit_code == 0, result.output
+    assert name_errors(all_objects(tmp_path / "out")) == []
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"name": "m" * 60}, "deployment.name: '" + "m" * 60 + "' gives the endpoint picker's "
+     "Service '" + "m" * 60 + "-epp', which has 64 characters; a DNS-1035 label has at most 63"),
+    ({"name": "9model"}, "deployment.name: '9model' is not a DNS-1035 label (lowercase letters, "
+     "digits and '-', a letter first"),
+    ({"name": "m" * 64}, "deployment.name: '" + "m" * 64 + "' has 64 characters"),
+    ({"name": "Model"}, "deployment.name: 'Model' is not a DNS-1035 label"),
+])
+def test_a_name_kubernetes_would_refuse_exits_2_naming_the_field(tmp_path, patch, message):
+    data = yaml.safe_load(CPU_SPEC.read_text())
+    data["deployment"].update(patch)
+    result = _deploy(tmp_path, data)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_name_taken_from_the_spec_is_checked_too(tmp_path):
+    data = yaml.safe_load(CPU_SPEC.read_text())
+    data["deployment"].pop("name", None)
+    data["name"] = "7b-chat"
+    result = _deploy(tmp_path, data)
+    assert result.exit_code == 2, result.output
+    assert "deployment.name (from name): '7b-chat' is not a DNS-1035 label" in result.output
 
 
 def test_a_spec_without_a_deployment_section_exits_2(tmp_path):
