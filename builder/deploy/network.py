@@ -5,7 +5,8 @@ Who may reach which port (the NetworkPolicy admits nothing else; `policyTypes: [
   needs the API key besides.
 - Triton HTTP/gRPC (8000/8001): no key, so bound to 127.0.0.1 by default and not in the policy;
   with `triton_ports: gateway` (and always under MPI, tp * pp > 1) bound to 0.0.0.0 and admitted
-  from the gateway namespace only.
+  from the gateway namespace only (under MPI the probes on Triton's HTTP port are exec probes,
+  asked from inside the container: `server.probes`).
 - Metrics (8002): the monitoring namespace (Prometheus), the gateway namespace and the endpoint
   picker's pods (it scrapes queue depth and KV use to route). Read-only numbers, no inference.
 - Health (8003): from anywhere. The kubelet probes from the node, which a NetworkPolicy cannot

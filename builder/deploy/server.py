@@ -10,7 +10,9 @@ gateway, and streams in flight finish within the drain timeout before SIGTERM ar
 Several ranks (tp * pp > 1): NVIDIA's `launch_triton_server.py --world_size N` starts one
 tritonserver per GPU under MPI and returns; forge serve does not run there (it starts a single
 tritonserver process). The probes are then Triton's own: `/v2/health/ready` for startup and
-readiness (ready = rank 0 has loaded every model), `/v2/health/live` for liveness. The preStop
+readiness (ready = rank 0 has loaded every model), `/v2/health/live` for liveness, asked by an
+exec probe on the container's loopback (the port takes no key, so the NetworkPolicy admits only
+the gateway namespace to it, and an httpGet probe from the node would be refused). The preStop
 sends SIGTERM to the ranks: Triton stops taking requests and lets those in flight finish within
 `--exit-timeout-secs` (the drain timeout).
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 
 from builder.deploy.context import (ALL_ADDRESSES, GPU_RESOURCE, HEALTH_PORT,
-                                    LAUNCH_TRITON_SERVER, METRICS_PORT, OPENAI_PORT,
+                                    LAUNCH_TRITON_SERVER, LOOPBACK, METRICS_PORT, OPENAI_PORT,
                                     STARTUP_SECONDS, TRITON_GRPC_PORT, TRITON_HTTP_PORT,
                                     DeployContext)
 from builder.serving.health import LIVENESS_PATH, READINESS_PATH, STARTUP_PATH
@@ -61,21 +63,35 @@ def _http_probe(path: str, port: int, period: int, failures: int, timeout: int) 
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
+def _loopback_probe(path: str, port: int, period: int, failures: int, timeout: int) -> dict:
+    """GET `path` on the container's own loopback, run by the kubelet inside the container
+    (exit 1 on an error status or no answer). For Triton's HTTP port under MPI: the
+    NetworkPolicy admits it from the gateway namespace only, and an httpGet probe comes from
+    the node, which a policy cannot name portably (CNIs differ on node traffic)."""
+    script = (f"import urllib.request; urllib.request.urlopen("
+              f"'http://{LOOPBACK}:{port}{path}', timeout={timeout - 1})")
+    return {"exec": {"command": ["python3", "-c", script]}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
 def probes(ctx: DeployContext) -> dict:
-    """startupProbe, readinessProbe and livenessProbe of the model-server container."""
+    """startupProbe, readinessProbe and livenessProbe of the model-server container: forge
+    serve's health port, open to every source; under MPI Triton's own endpoints, asked from
+    inside the container."""
     if ctx.multi_rank:
         ready, live, port = TRITON_READY_PATH, TRITON_LIVE_PATH, TRITON_HTTP_PORT
-        startup = TRITON_READY_PATH
+        startup, probe = TRITON_READY_PATH, _loopback_probe
     else:
         ready, live, port, startup = READINESS_PATH, LIVENESS_PATH, HEALTH_PORT, STARTUP_PATH
+        probe = _http_probe
     return {
         # Liveness and readiness wait for startup: a long first start is not a hang.
-        "startupProbe": _http_probe(startup, port, STARTUP_PERIOD,
-                                    STARTUP_SECONDS // STARTUP_PERIOD, 5),
+        "startupProbe": probe(startup, port, STARTUP_PERIOD, STARTUP_SECONDS // STARTUP_PERIOD,
+                              5),
         # Two misses (10 s) take a pod out of the Service: a drain or an engine restart.
-        "readinessProbe": _http_probe(ready, port, 5, 2, 5),
+        "readinessProbe": probe(ready, port, 5, 2, 5),
         # forge serve's liveness already waits out in-place recovery; three misses restart it.
-        "livenessProbe": _http_probe(live, port, 10, 3, 5),
+        "livenessProbe": probe(live, port, 10, 3, 5),
     }
 
 

@@ -4,6 +4,11 @@ limits, non-root, and no port that serves inference without the API key to a cli
 the allowed namespaces."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -29,6 +34,20 @@ def case(request, tmp_path_factory):
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     return request.param, yaml.safe_load(SPECS[request.param].read_text()), all_objects(out)
+
+
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+LOOPBACK_GET = re.compile(r"urllib\.request\.urlopen\('http://127\.0\.0\.1:(\d+)(/[^']*)'")
+
+
+def probe_target(probe: dict) -> dict:
+    """{path, port} an HTTP probe asks: an httpGet, or an exec probe's GET on loopback."""
+    if "httpGet" in probe:
+        return probe["httpGet"]
+    command = probe["exec"]["command"]
+    assert command[:2] == ["python3", "-c"], command
+    port, path = LOOPBACK_GET.search(command[2]).groups()
+    return {"path": path, "port": int(port)}
 
 
 def model_deployment(objects: list[dict]) -> dict:
@@ -88,8 +107,7 @@ def test_probes_drain_grace_limits_and_non_root(case):
     profile, data, objects = case
     pod = model_deployment(objects)["spec"]["template"]["spec"]
     container = server(objects)
-    probes = {kind: container[kind]["httpGet"] for kind in
-              ("startupProbe", "readinessProbe", "livenessProbe")}
+    probes = {kind: probe_target(container[kind]) for kind in PROBES}
     drain_timeout = data["deployment"]["drain_timeout"]
     if profile == "cpu":
         args = options(container["args"])
@@ -102,6 +120,7 @@ def test_probes_drain_grace_limits_and_non_root(case):
         assert options(pre_stop[2:]) == {"--health-port": args["--health-port"], "--wait": None}
     else:
         assert {v["path"] for v in probes.values()} == {"/v2/health/ready", "/v2/health/live"}
+        assert {v["port"] for v in probes.values()} == {8000}
         assert f"--exit_timeout {drain_timeout}" in container["args"][0]
     assert pod["terminationGracePeriodSeconds"] > drain_timeout
     for kind in ("cpu", "memory"):
@@ -189,6 +208,77 @@ def test_no_inference_without_the_key_from_outside_the_allowed_set(case):
     assert {p for p, h in ports.items() if h in LOOPBACK}.isdisjoint(exposed)
     service = one(objects, "Service", deployment["metadata"]["name"])
     assert {p["port"] for p in service["spec"]["ports"]} <= exposed
+
+
+def _network_port(container: dict, probe: dict) -> int | None:
+    """The port a network probe (httpGet, tcpSocket, grpc) reaches, named ports resolved; None
+    for an exec probe, which the kubelet runs inside the container."""
+    for kind in ("httpGet", "tcpSocket", "grpc"):
+        if kind in probe:
+            port = probe[kind]["port"]
+            if isinstance(port, str):
+                port = next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+            return port
+    assert "exec" in probe, probe
+    return None
+
+
+def test_the_kubelet_reaches_every_probe_of_every_deployment(case):
+    """The kubelet probes from the node, which no NetworkPolicy rule names portably: a network
+    probe's port must be open to every source in each policy that selects the pod; an exec
+    probe runs inside the container and asks its loopback."""
+    profile, _, objects = case
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    probed = 0
+    for deployment in (o for o in objects if o["kind"] == "Deployment"):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        selecting = [p for p in policies
+                     if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert selecting, deployment["metadata"]["name"]
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            for kind in (k for k in PROBES if k in container):
+                probed += 1
+                port = _network_port(container, container[kind])
+                if port is None:
+                    assert probe_target(container[kind])["port"] in \
+                        bound_ports(profile, container)
+                    continue
+                for policy in selecting:
+                    assert admitted(policy, port) is None, (
+                        f"{profile}: {deployment['metadata']['name']}'s {kind} asks port {port}, "
+                        f"which NetworkPolicy {policy['metadata']['name']} admits only from "
+                        f"{admitted(policy, port)}")
+    assert probed >= 5
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200 if self.path == "/v2/health/ready" else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_exec_probe_passes_on_200_and_fails_otherwise(case):
+    profile, _, objects = case
+    container = server(objects)
+    execs = [container[k] for k in PROBES if "exec" in container[k]]
+    if not execs:
+        pytest.skip(f"{profile}: no exec probes")
+    stand_in = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=stand_in.serve_forever, daemon=True).start()
+    try:
+        for probe in execs:
+            target = probe_target(probe)
+            script = probe["exec"]["command"][2].replace(
+                f":{target['port']}/", f":{stand_in.server_address[1]}/")
+            code = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                                  timeout=30).returncode
+            assert (code == 0) == (target["path"] == "/v2/health/ready"), (target, code)
+    finally:
+        stand_in.shutdown()
+        stand_in.server_close()
 
 
 def test_metrics_reach_monitoring_gateway_and_the_picker_only(case):
