@@ -5,6 +5,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -175,33 +176,91 @@ def test_a_drain_from_another_address_is_forbidden():
         server.stop()
 
 
-def test_connections_past_the_bound_are_closed_unanswered(health_port):
-    server, _, _ = health_port
-    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS)]
+def _timed_probe(url: str) -> float:
+    """Seconds a liveness probe took to answer 200 (any other outcome fails the test)."""
+    started = time.monotonic()
+    status, _ = _request(url, "GET", LIVENESS_PATH)
+    assert status == 200
+    return time.monotonic() - started
+
+
+def test_idle_and_slow_connections_never_keep_a_probe_waiting(health_port):
+    """100 connections that send nothing and 100 that trickle a request a byte at a time, all
+    held open: every probe still answers within 1 s (the kubelet's would otherwise fail and
+    restart the pod)."""
+    server, state, _ = health_port
+    state.mark_started()
+    address = ("127.0.0.1", server.port)
+    idle = [socket.create_connection(address) for _ in range(100)]
+    slow = [socket.create_connection(address) for _ in range(100)]
+    stop = threading.Event()
+
+    def trickle():
+        request = f"GET {LIVENESS_PATH} HTTP/1.1\r\nHost: x\r\n".encode()
+        for i in range(len(request) * 100):
+            for connection in slow:
+                try:
+                    connection.send(request[i % len(request):][:1])
+                except OSError:
+                    pass
+            if stop.wait(0.25):
+                return
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    took = []
     try:
-        # each idle connection holds a handler thread until it sends or goes: the next is refused
-        extra = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        extra.sendall(f"GET {LIVENESS_PATH} HTTP/1.0\r\n\r\n".encode())
-        assert extra.recv(100) == b""
-        extra.close()
+        for _ in range(30):
+            took.append(_timed_probe(server.url))
+            time.sleep(0.1)
     finally:
-        for connection in idle:
+        stop.set()
+        trickler.join(10)
+        for connection in idle + slow:
             connection.close()
-    answered = threading.Event()
+    assert max(took) < 1.0, took
+    print(f"\nhealth port, 100 idle + 100 slow connections held: 30 probes, slowest "
+          f"{max(took) * 1000:.1f} ms")
 
-    def probe():  # the slots come back as the idle clients leave
-        while not answered.is_set():
+
+def test_past_the_bound_the_oldest_waiting_connection_is_closed(health_port):
+    server, _, _ = health_port
+    address = ("127.0.0.1", server.port)
+    first = socket.create_connection(address, timeout=10)
+    held = [socket.create_connection(address) for _ in range(MAX_CONNECTIONS - 1)]
+    try:
+        assert _timed_probe(server.url) < 1.0  # the bound's one extra: the oldest goes
+        assert first.recv(100) == b""
+        assert _timed_probe(server.url) < 1.0
+    finally:
+        for connection in [first, *held]:
+            connection.close()
+
+
+def test_a_request_trickled_past_the_deadline_is_cut_unanswered():
+    state = HealthState()
+    server = HealthServer(state, "127.0.0.1", 0, lambda: None, client_seconds=1.0)
+    try:
+        connection = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        connection.settimeout(0.1)
+        started, closed = time.monotonic(), None
+        for byte in f"GET {LIVENESS_PATH} HTTP/1.0\r\n".encode() * 10:
             try:
-                if _request(server.url, "GET", LIVENESS_PATH)[0] == 200:
-                    answered.set()
-            except (OSError, http.client.HTTPException):
-                pass
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    assert answered.wait(30)
-    answered.set()
-    thread.join(10)
+                connection.send(bytes([byte]))
+                if connection.recv(100) == b"":
+                    closed = time.monotonic() - started
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = time.monotonic() - started
+                break
+        connection.close()
+        assert closed is not None and 0.9 < closed < 3.0, closed
+        assert _request(server.url, "GET", LIVENESS_PATH)[0] == 200
+    finally:
+        server.stop()
+        server.stop()  # idempotent
 
 
 def test_a_port_in_use_and_a_bad_address_are_refused_naming_the_option():
