@@ -194,7 +194,7 @@ def _serve(server, parts: "_Parts", health: HealthState, stop: threading.Event,
            drain_timeout: float) -> None:
     """Serve until `stop` (SIGTERM, Ctrl-C, POST /drain), then drain; exit 1 if tritonserver or
     the OpenAI server dies."""
-    from builder.serving.drain import drain
+    from builder.serving.drain import drain, unload_models
     from builder.serving.supervisor import stop_supervisors
 
     while not stop.wait(1.0):
@@ -207,6 +207,7 @@ def _serve(server, parts: "_Parts", health: HealthState, stop: threading.Event,
     click.echo(f"draining: no new requests; requests in flight may finish within "
                f"{drain_timeout:g} s")
     drain(server, drain_timeout, report=click.echo)
+    parts.unloaded = unload_models(server, report=click.echo)
     health.mark_drained()
 
 
@@ -216,6 +217,7 @@ class _Parts:
     def __init__(self) -> None:
         self.openai = None
         self.supervisors: list = []
+        self.unloaded = False  # every model unloaded after the drain (TritonServer.stop)
 
 
 @contextlib.contextmanager
@@ -232,10 +234,14 @@ def _stopping(server):
             parts.openai.stop()
         click.echo("stopping tritonserver")
         stopping = time.monotonic()
-        server.stop()
+        server.stop(unloaded=parts.unloaded)
         click.echo(f"tritonserver stopped in {time.monotonic() - stopping:.1f} s")
         stuck = server.stuck_at_exit()
-        if stuck:
+        if server.killed_after_unload:
+            click.echo("tritonserver still ran after every model was unloaded: Triton 2.51 never "
+                       "unloads a model version whose stub died after a request reached it; "
+                       "killed it")
+        elif stuck:
             click.echo(f"warning: tritonserver stopped at its exit timeout: {stuck} "
                        f"(log: {server.log_path})", err=True)
 

@@ -3,15 +3,25 @@
 The drain is ours because Triton's is not enough: on SIGTERM, Triton 2.51 stops the ensemble's
 streams where they are (its steps are new requests, refused while exiting), waits its exit
 timeout and then exits without a final response on them.
+
+Once nothing is in flight, every model is unloaded through the repository API before tritonserver
+gets its SIGTERM (`unload_models`): Triton 2.51 never finishes unloading a model version whose
+stub died after a request was sent to it (the supervisor's probe finds a dead stub that way), and
+on SIGTERM it waited its whole exit timeout for that version (60 s after a recovery, where the
+pod's grace period is 45 s). With the others unloaded first, forge serve knows the one left is
+that version and stops tritonserver at once (`TritonServer.stop(unloaded=True)`).
 """
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
+import urllib.request
 from typing import Callable
 
 from builder.metrics_reader import scrape
-from builder.serving.supervisor import control_request, mark_not_ready
+from builder.serving.serve import UNLOAD_SECONDS
+from builder.serving.supervisor import control_request, mark_not_ready, unload_model
 from triton_backend.models.serving_control import drain_request_id
 
 RELAY_SECONDS = 1.0  # for a final response to pass from tensorrt_llm through the ensemble
@@ -78,3 +88,41 @@ def _slow(report: Callable[[str], None], phase: str, started: float) -> None:
     took = time.monotonic() - started
     if took > SLOW_SECONDS:
         report(f"drain: {phase} took {took:.1f} s")
+
+
+def model_states(http_url: str, timeout: float = CONTROL_SECONDS) -> dict[str, str] | None:
+    """Model -> state (READY, UNLOADING, UNAVAILABLE, ...) from Triton's repository index; None
+    when it does not answer."""
+    request = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b"{}",
+                                     method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return {m["name"]: m.get("state", "") for m in json.loads(reply.read())}
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def unload_models(server, report: Callable[[str], None] = print,
+                  timeout: float = UNLOAD_SECONDS) -> bool:
+    """After the drain: unload every loaded model (each finalizes: the engine shuts down) and wait
+    until Triton reports them all unloaded, within `timeout`. True when they are; then whatever
+    keeps tritonserver from exiting on SIGTERM is a version it cannot unload (see the module)."""
+    started = time.monotonic()
+    states = model_states(server.http_url)
+    if states is None:
+        report("drain: tritonserver's repository index did not answer; stopping it as is")
+        return False
+    busy = sorted(m for m, state in states.items() if state == "READY")
+    for model in busy:
+        error = unload_model(server.http_url, model, timeout=CONTROL_SECONDS)
+        if error:
+            report(f"drain: unloading {model} failed ({error})")
+    while time.monotonic() - started < timeout and server.is_alive():
+        states = model_states(server.http_url) or {"?": "no answer"}
+        busy = sorted(m for m, state in states.items() if state in ("READY", "UNLOADING"))
+        if not busy and "?" not in states:
+            _slow(report, "unloading the models", started)
+            return True
+        time.sleep(0.1)
+    report(f"drain: models still loaded after {timeout:g} s: {', '.join(busy)}")
+    return False

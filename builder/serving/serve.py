@@ -50,6 +50,9 @@ CLIENT_HEADER_PATTERN = "^(authorization|x-llm-forge-client)$"
 DEFAULT_DRAIN_SECONDS = 30.0
 # What tritonserver's own exit timeout adds to the drain: unloading the models (finalize).
 UNLOAD_SECONDS = 30.0
+# After every model was unloaded through the repository API, tritonserver exits within a second
+# of SIGTERM; one still running is waiting for a version it cannot unload (`stop`).
+AFTER_UNLOAD_SECONDS = 3.0
 STUB_NAME = "triton_python_backend_stub"
 
 
@@ -146,6 +149,7 @@ class TritonServer:
     allocator: str = "system"  # the malloc it runs with (see `find_allocator`)
     triton_host: str = LOOPBACK   # the address its HTTP and gRPC ports bind to
     metrics_host: str = LOOPBACK  # the address its metrics port binds to
+    killed_after_unload: bool = False  # see `stop`
 
     @property
     def http_url(self) -> str:
@@ -196,12 +200,15 @@ class TritonServer:
 
     drain_timeout: float = DEFAULT_DRAIN_SECONDS
 
-    def stop(self, timeout: float | None = None) -> int | None:
+    def stop(self, timeout: float | None = None, unloaded: bool = False) -> int | None:
         """SIGTERM to tritonserver, then SIGKILL of its whole process group (stubs, engines) after
-        `timeout` (default: tritonserver's exit timeout plus 15 s). Only the server gets the
-        SIGTERM: an engine process that got it too would die under requests still draining."""
+        `timeout` (default: tritonserver's exit timeout plus 15 s; `AFTER_UNLOAD_SECONDS` when
+        the caller has `unloaded` every model: what is left then is a version Triton cannot
+        unload, and `killed_after_unload` says so). Only the server gets the SIGTERM: an engine process
+        that got it too would die under requests still draining."""
         if timeout is None:
-            timeout = self.drain_timeout + UNLOAD_SECONDS + 15.0
+            timeout = (AFTER_UNLOAD_SECONDS if unloaded
+                       else self.drain_timeout + UNLOAD_SECONDS + 15.0)
         if self._stopped:
             return self.process.returncode
         self._stopped = True
@@ -211,6 +218,7 @@ class TritonServer:
                 try:
                     self.process.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
+                    self.killed_after_unload = unloaded
                     _signal_group(self.process, signal.SIGKILL)
                     self.process.wait(timeout=10)
             # Stubs of a killed server may outlive it for a moment; they share its group.

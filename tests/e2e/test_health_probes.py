@@ -220,3 +220,26 @@ def test_a_frozen_engine_restarts_in_place_and_fails_liveness_only_when_it_canno
         serve.text()
     assert "made no progress for" in serve.text()
     assert "tensorrt_llm: the engine is down" in serve.text()
+
+
+@pytest.mark.slow
+def test_a_drain_right_after_a_recovery_exits_as_fast_as_without_one(forge_serve):
+    """A killed `tensorrt_llm` stub, reloaded by the supervisor, then SIGTERM at once: forge
+    serve exits within seconds, not at tritonserver's exit timeout (drain 4 s + 30 s)."""
+    serve = forge_serve("--drain-timeout", "4")
+    serve.wait_serving()
+    assert poll(lambda: probe(serve.health, READINESS_PATH) == (200, "ready"), 60), serve.text()
+    stub = _descendant_with(serve.process.pid, "tensorrt_llm_0_0")
+    assert stub is not None
+    os.kill(stub, signal.SIGKILL)
+    assert poll(lambda: probe(serve.health, READINESS_PATH)[0] == 503, 30), serve.text()
+    assert poll(lambda: probe(serve.health, READINESS_PATH) == (200, "ready"), 180), serve.text()
+    signalled = time.monotonic()
+    serve.process.send_signal(signal.SIGTERM)
+    code = serve.process.wait(90)
+    exited = time.monotonic() - signalled
+    assert code == 0, serve.text()
+    assert "tritonserver stopped at its exit timeout" not in serve.text(), serve.text()
+    assert "drain: no requests were in flight" in serve.text()
+    assert exited < 20.0, f"exited {exited:.1f} s after SIGTERM:\n{serve.text()}"
+    print(f"\nSIGTERM right after a reload: forge serve exited {exited:.1f} s later")
