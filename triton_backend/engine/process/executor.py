@@ -25,7 +25,8 @@ from pathlib import Path
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.cpu_budget import available_cores
 from triton_backend.engine.engine_options import EngineOptions
-from triton_backend.engine.process.handle import EngineHandle, EngineLaunch, EngineProcessError
+from triton_backend.engine.process.handle import (EngineHandle, EngineLaunch, EngineProcessError,
+                                                  describe_exit)
 from triton_backend.engine.process.watchdog import (DEFAULT_FREEZE_SECONDS, ProgressWatch,
                                                     Watchdog, check_freeze_seconds, freeze_cause,
                                                     run_queue_seconds)
@@ -38,6 +39,24 @@ __all__ = ["ENGINE_ISOLATIONS", "EngineProcessError", "ProcessExecutor", "availa
 log = logging.getLogger(__name__)
 # Where an engine loop may run: a process of its own (serving) or a thread of the caller.
 ENGINE_ISOLATIONS = ("process", "thread")
+
+
+# The stats that say what the engine holds now (its load, which a gateway routes on, and its
+# cached prefix blocks); the others count since the engine started.
+HELD_STATS = ("num_active_requests", "num_waiting_requests", "num_waiting_tokens",
+              "num_queued_requests", "num_used_blocks", "num_cached_blocks",
+              "num_reusable_blocks")
+
+
+def idle_stats(stats: dict) -> dict:
+    """`stats` of an engine that is gone with its requests: nothing held, every block free."""
+    idle = dict(stats, **{key: 0 for key in HELD_STATS if key in stats})
+    if "num_total_blocks" in stats and "num_free_blocks" in stats:
+        idle["num_free_blocks"] = stats["num_total_blocks"]
+    for key in ("lora_running", "lora_waiting"):
+        if key in stats:
+            idle[key] = {}
+    return idle
 
 
 class ProcessExecutor:
@@ -181,12 +200,14 @@ class ProcessExecutor:
             code = handle.exit_code(timeout=5.0)
             killed = self._killed
             cause = (killed[1] if killed is not None and killed[0] is handle
-                     else f"the engine process exited with code {code}")
+                     else f"the engine process {describe_exit(code)}")
             with self._state_lock:
                 self._restarting, self._restart_cause = True, cause
                 self._watch.disarm()
                 lost, self._in_flight = sorted(self._in_flight), set()
                 closing = self._closed
+                # Its requests end now: load gauges a router reads must not outlive them.
+                self._stats = idle_stats(self._stats)
             if closing:
                 self._finish_lost(lost, " (the executor was shut down)")
                 return self._close("")
@@ -232,13 +253,31 @@ class ProcessExecutor:
         except (EOFError, OSError):
             return False
 
+    def _start_again(self) -> EngineHandle | None:
+        """A new, ready engine process; one that dies while starting (killed again) counts as a
+        crash and another is started, within the restart policy. None: shut down meanwhile, or
+        past the policy (the executor is then closed, saying why)."""
+        while True:
+            log.warning("starting a new engine process (%s)", self._crashes.describe())
+            try:
+                return EngineHandle.start(self._launch)
+            except (EngineProcessError, OSError) as exc:
+                with self._state_lock:
+                    closing = self._closed
+                    self._restart_cause = str(exc)
+                if closing:
+                    self._close("")
+                    return None
+                if not self._crashes.allow_restart():
+                    self._close(f" (the engine process could not be restarted: {exc}; "
+                                f"{self._crashes.describe()}, not restarted)")
+                    return None
+                log.error("%s; starting another", exc)
+
     def _restart(self) -> bool:
         """Start a new engine in place; then send what waited for it."""
-        log.warning("starting a new engine process (%s)", self._crashes.describe())
-        try:
-            handle = EngineHandle.start(self._launch)
-        except (EngineProcessError, OSError) as exc:
-            self._close(f" (the engine process could not be restarted: {exc})")
+        handle = self._start_again()
+        if handle is None:
             return False
         with self._state_lock:
             closing = self._closed

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,20 @@ SPIN_ENV, ENGINE_SPIN_COUNT = "GOMP_SPINCOUNT", "3000"
 
 class EngineProcessError(RuntimeError):
     """The engine process failed to start or died."""
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, for a log line: the signal that killed it (a kill -9, the OOM
+    killer) or its exit code."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
 
 
 def python_executable() -> str:
@@ -91,8 +106,8 @@ class EngineHandle:
         return handle
 
     def _wait_ready(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
             if self.conn.poll(0.2):
                 try:
                     kind, payload = self.conn.recv()
@@ -104,9 +119,12 @@ class EngineHandle:
                 raise EngineProcessError(f"the engine process failed to start: {payload}")
             if self.process.poll() is not None:
                 break
+        code = self.exit_code(timeout=1.0)  # its socket closed: the process is ending
         self.stop()
-        raise EngineProcessError(f"the engine process did not start within {timeout:.0f}s "
-                                 f"(exit code {self.process.returncode})")
+        if code is None:
+            raise EngineProcessError(f"the engine process did not start within {timeout:.0f}s")
+        raise EngineProcessError(f"the engine process {describe_exit(code)} while starting "
+                                 f"({time.monotonic() - started:.1f} s in)")
 
     @property
     def pid(self) -> int:
