@@ -190,6 +190,7 @@ class Supervisor(threading.Thread):
         self._halt = threading.Event()
         self._unanswered_since: float | None = None
         self._restarting_since: float | None = None
+        self._failed_load: str | None = None  # why the last reload failed, until one succeeds
 
     def halt(self) -> None:
         """Probe and reload nothing more; a probe in flight ends within `probe_timeout`."""
@@ -224,6 +225,10 @@ class Supervisor(threading.Thread):
             self._unanswered_since = self._restarting_since = None
             self.health.serving(self.model)
             return None
+        if self._failed_load is not None:
+            # Our own reload left the model unloaded: Triton's "unknown model" is conclusive.
+            self._unanswered_since = self._restarting_since = None
+            return f"the last reload failed ({self._failed_load})"
         if result.ok is False:
             self._unanswered_since = self._restarting_since = None
             return result.message
@@ -264,6 +269,7 @@ class Supervisor(threading.Thread):
             return
         error = load_model(self.http_url, self.model, self.load_timeout)
         took = self._clock() - started
+        self._failed_load = error.strip().splitlines()[0] if error else None
         if error:
             self.report(f"supervisor: reloading {self.model} failed after {took:.1f} s: {error}")
         else:

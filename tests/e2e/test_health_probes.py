@@ -243,3 +243,39 @@ def test_a_drain_right_after_a_recovery_exits_as_fast_as_without_one(forge_serve
     assert "drain: no requests were in flight" in serve.text()
     assert exited < 20.0, f"exited {exited:.1f} s after SIGTERM:\n{serve.text()}"
     print(f"\nSIGTERM right after a reload: forge serve exited {exited:.1f} s later")
+
+
+def _kill_next_engine(serve: ForgeServe, killed: list[int], timeout: float = 30) -> None:
+    """SIGKILL the first engine process not killed yet, as soon as it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = _descendant_with(serve.process.pid, "triton_backend.engine.process.main")
+        if pid is not None and pid not in killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no new engine process within {timeout} s:\n{serve.text()}")
+
+
+@pytest.mark.slow
+def test_repeated_kills_of_the_engine_recover_in_place_within_seconds(forge_serve):
+    """Three kill -9 of the engine 1.5 s apart (the last two hit an engine still starting):
+    within the restart budget each is replaced in place, the server is ready again within 15 s
+    of the last kill, and what forge serve reports names the kill."""
+    serve = forge_serve()
+    serve.wait_serving()
+    assert poll(lambda: probe(serve.health, READINESS_PATH) == (200, "ready"), 60), serve.text()
+    killed: list[int] = []
+    for _ in range(3):
+        _kill_next_engine(serve, killed)
+        time.sleep(1.5)
+    last_kill = time.monotonic() - 1.5
+    assert poll(lambda: probe(serve.health, READINESS_PATH) == (200, "ready"), 60), serve.text()
+    back = time.monotonic() - last_kill
+    text = serve.text()
+    assert back < 15.0, f"ready again {back:.1f} s after the last kill:\n{text}"
+    assert "killed by SIGKILL (exit code -9)" in text, text
+    assert "did not start within" not in text, text
+    assert "reloaded" not in text and "cannot serve" not in text, text  # all in place
+    print(f"\nthree kills 1.5 s apart: ready again {back:.1f} s after the last")

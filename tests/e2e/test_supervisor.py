@@ -49,6 +49,8 @@ class FakeTriton:
 
     def __init__(self):
         self.probe = (200, {"model_name": "tensorrt_llm"})
+        self.loads: list[tuple[int, dict]] = []  # answers to the next loads (then 200)
+        self.probe_after_load: tuple[int, dict] | None = None  # the probe's, after a load
         self.calls: list[tuple[str, dict]] = []
         fake = self
 
@@ -58,6 +60,10 @@ class FakeTriton:
                 fake.calls.append((self.path, body))
                 probed = self.path.endswith(("/generate", "/infer"))
                 status, reply = fake.probe if probed else (200, {})
+                if self.path.endswith("/load") and fake.loads:
+                    status, reply = fake.loads.pop(0)
+                if self.path.endswith("tensorrt_llm/load") and fake.probe_after_load:
+                    fake.probe, fake.probe_after_load = fake.probe_after_load, None
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
@@ -222,6 +228,31 @@ def test_inconclusive_probes_count_only_after_hung_seconds(fake_triton):
             "size)") in lines[0]
 
 
+def test_a_failed_reload_is_retried_at_the_next_probe_not_after_hung_seconds(fake_triton):
+    """The engine killed again while the reload starts it: the load fails and Triton answers
+    the probe "unknown model" from then on. That is no inconclusive answer: the supervisor made
+    the model unavailable itself, so it reloads again at once, within its reload limit."""
+    lines: list[str] = []
+    supervisor = Supervisor(fake_triton.url, period=0.05, hung_seconds=30.0, max_reloads=3,
+                            report=lines.append)
+    fake_triton.loads = [(400, {"error": "load failed for model 'tensorrt_llm': version 1 is at "
+                                         "UNAVAILABLE state: Internal: EngineProcessError"})]
+    fake_triton.probe = (400, {"error": STUB_DEAD})
+    fake_triton.probe_after_load = (400, {"error": "Request for unknown model: 'tensorrt_llm' "
+                                                   "has no available versions"})
+    supervisor.start()
+    try:
+        assert _wait(lambda: any("reloaded, ready again" in line for line in lines), 5), lines
+        fake_triton.probe = (200, {"model_name": "tensorrt_llm"})
+    finally:
+        supervisor.stop()
+    assert fake_triton.repository_calls()[:4] == ["tensorrt_llm/unload", "tensorrt_llm/load",
+                                                  "tensorrt_llm/unload", "tensorrt_llm/load"]
+    assert any("cannot serve (the last reload failed (load failed for model 'tensorrt_llm'"
+               in line for line in lines), lines
+    assert not supervisor.gave_up.is_set()
+
+
 def test_active_requests_reads_the_models_counter(tmp_path):
     text = ('llm_forge_executor_stats{model="tensorrt_llm",stat="model_active_requests",'
             'version="1"} 3\nllm_forge_executor_stats{model="tensorrt_llm",stat="num_steps",'
@@ -376,7 +407,8 @@ def test_an_engine_down_for_good_makes_the_server_not_ready_then_serve_again(sup
     assert not_ready is not None, lines
     serving = _poll(lambda: _ready(server) and _answers(server, "ensemble"), 120)
     assert serving is not None, lines
-    assert any("tensorrt_llm: the engine is down (the engine process exited with code -9; "
+    assert any("tensorrt_llm: the engine is down (the engine process was killed by SIGKILL "
+               "(exit code -9); "
                "4 crashes within 300 s" in line for line in lines), lines
     print(f"\nengine down for good: not ready after {not_ready:.1f} s, serving again after "
           f"{not_ready + serving:.1f} s")
