@@ -168,6 +168,10 @@ def test_parameters_map_to_the_ensemble_inputs():
      "the server is busy: 9000 prompt tokens waiting (limit 16384), this prompt adds 8000; "
      "retry later"),
     ("Request for unknown model: 'ensemble' is not found", 503, None, "the model is not ready"),
+    ("the server is draining: the drain timeout (30 s) expired before this request finished; "
+     "send it again", 503, None, "the server is draining: the drain timeout (30 s) expired"),
+    ("in ensemble 'ensemble', the server is shutting down: new requests are refused (draining)",
+     503, None, "the server is shutting down: new requests are refused (draining)"),
     ("tensorrt_llm_bls: KeyError: 'x'", 500, None, "inference failed"),
 ])
 def test_triton_errors_are_classified_and_renamed(message, status, param, text):

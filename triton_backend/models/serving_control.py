@@ -11,10 +11,16 @@ Both are `stop` requests (NVIDIA's cancellation convention), so they never reach
   known id; without the secret there is no drain request): from then on new requests are
   refused with `DRAIN_REFUSED`;
   requests in flight may finish until the drain timeout (`DRAIN_SECONDS_ENV`, which the launcher
-  sets from `forge serve --drain-timeout`), then are cancelled: they end with their final
-  response, finish reason `cancelled` (or, should the engine not end one, the `DRAIN_EXPIRED`
-  error). Not an error for all: an error response sent to a BLS request's stream after it has
-  streamed never reaches the BLS in Triton 2.51's Python backend, a final with outputs does.
+  sets from `forge serve --drain-timeout`), then are cancelled in the engine and end with the
+  `DRAIN_CUT` error, which says to send them again (not a `cancelled` finish a client cannot
+  tell from its own cancel). The tokens the engine made before the cut go out first. The BLS
+  gets the error as a final response carrying `error_message` (an error response sent to a BLS
+  request's stream after it has streamed never reaches the BLS in Triton 2.51's Python
+  backend), and sends it on to its client as an error. The ensemble's step alone still ends
+  with its final response, finish reason `cancelled`: Triton 2.51's ensemble never completes a
+  request one of whose steps sends an error after streaming (measured: the ensemble and
+  postprocessing then never unload, and tritonserver waits out its exit timeout), so forge
+  serve's OpenAI API reads `cancelled` during the drain as the drain error.
 """
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ DEFAULT_DRAIN_SECONDS = 30.0
 ENGINE_DOWN = "tensorrt_llm: the engine is down ({reason})"
 ENGINE_RESTARTING = "tensorrt_llm: the engine is restarting ({reason})"
 DRAIN_REFUSED = "the server is shutting down: new requests are refused (draining)"
-DRAIN_EXPIRED = ("the server is shutting down: the drain timeout ({seconds:g} s) expired before "
-                 "this request finished")
+# A request still running at the drain timeout: retryable, as a refused one is (another replica
+# serves it; this one left the Service when the drain began).
+DRAIN_CUT = ("the server is draining: the drain timeout ({seconds:g} s) expired before this "
+             "request finished; send it again")
 
 # A `stop` request's inputs, one value each (NVIDIA's clients send the same): the required
 # inputs with placeholder values and `stop: true`. The BLS sends it in-process to cancel a

@@ -9,6 +9,7 @@ last), checks cancellation through each response sender and publishes the execut
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import triton_python_backend_utils as pb_utils
 
 from triton_backend.engine.admission import ServerBusy
+from triton_backend.engine.request import FinishReason
 from triton_backend.engine.process.watchdog import DEFAULT_FREEZE_SECONDS
 from triton_backend.models.executor_factory import create_executor, engine_options
 from triton_backend.models.instance_device import PARAMETER as GPU_DEVICE_IDS, instance_device
@@ -29,7 +31,7 @@ from triton_backend.models.request_converter import (INPUT_NAMES, RequestDefault
 from triton_backend.models.response_converter import (ERROR_AS_OUTPUT, StreamState,
                                                       build_outputs, coalesce, error_outputs)
 from triton_backend.engine.supervision import health_of
-from triton_backend.models.serving_control import (DRAIN_EXPIRED, DRAIN_REFUSED, ENGINE_DOWN,
+from triton_backend.models.serving_control import (DRAIN_CUT, DRAIN_REFUSED, ENGINE_DOWN,
                                                    ENGINE_RESTARTING, PROBE_REQUEST_ID,
                                                    drain_seconds, is_drain_request)
 from triton_backend.models.triton_io import FINAL, make_response, read_inputs, send_error
@@ -118,6 +120,7 @@ class TensorrtLlmModel:
         self.stopping = threading.Event()
         self.drain_deadline: float | None = None  # set by forge serve's drain request
         self.drain_cancelled = False
+        self.drain_cut: set[int] = set()  # the requests the drain timeout cancelled
         self.metrics.publish(self.executor.get_stats())  # /metrics is complete from ready on
         self.thread = threading.Thread(target=self._response_loop, name="tensorrt_llm-responses",
                                        daemon=True)
@@ -245,6 +248,8 @@ class TensorrtLlmModel:
         if active is None:
             return
         now_ns = time.time_ns()
+        if response.is_final and response.request_id in self.drain_cut:
+            response = self._cut_by_the_drain(response, active, now_ns)
         if response.is_final:
             self._observe(response, active.state, now_ns)
         try:
@@ -256,6 +261,25 @@ class TensorrtLlmModel:
         except Exception:  # the client is gone: stop spending steps on it
             if not response.is_final:
                 self.executor.cancel_request(response.request_id)
+
+    def _cut_by_the_drain(self, response, active: ActiveRequest, now_ns: int):
+        """The final response of a request the drain timeout cancelled becomes the `DRAIN_CUT`
+        error; its tokens, if any, go out first as a chunk of their own. Not for the ensemble's
+        step (the one caller that asks for the cancel key): see `serving_control`."""
+        self.drain_cut.discard(response.request_id)
+        if response.has_error or (active.wanted is not None
+                                  and CANCEL_KEY_OUTPUT in active.wanted):
+            return response
+        if response.output_token_ids:
+            chunk = dataclasses.replace(response, is_final=False, finish_reason=None)
+            try:
+                active.sender.send(make_response(build_outputs(chunk, active.state, now_ns,
+                                                               active.wanted)), flags=0)
+            except Exception:
+                pass  # the client is gone; the final below fails the same way, harmlessly
+        return dataclasses.replace(response, output_token_ids=[], log_probs=[], top_ids=[],
+                                   top_log_probs=[], finish_reason=FinishReason.ERROR,
+                                   error=DRAIN_CUT.format(seconds=drain_seconds()))
 
     def _observe(self, response, state: StreamState, now_ns: int) -> None:
         """Per-request histograms and the outcome counter, at the final response."""
@@ -284,17 +308,18 @@ class TensorrtLlmModel:
                 pass
 
     def _end_drain(self, now: float) -> None:
-        """The drain timeout expired: what still runs is cancelled and ends with its CANCELLED
-        final response (a final with outputs reaches every caller, the BLS too); whatever the
-        engine has not ended DRAIN_GRACE_SECONDS later ends with the drain error."""
+        """The drain timeout expired: what still runs is cancelled in the engine and ends with
+        the drain error (`_cut_by_the_drain`), as does whatever the engine has not ended
+        DRAIN_GRACE_SECONDS later."""
         if not self.drain_cancelled:
             self.drain_cancelled = True
             with self.lock:
                 request_ids = list(self.active)
+                self.drain_cut.update(request_ids)
             for request_id in request_ids:
                 self.executor.cancel_request(request_id)
         elif now >= self.drain_deadline + DRAIN_GRACE_SECONDS:
-            self._fail_active(DRAIN_EXPIRED.format(seconds=drain_seconds()))
+            self._fail_active(DRAIN_CUT.format(seconds=drain_seconds()))
 
     def _check_cancellations(self) -> None:
         with self.lock:

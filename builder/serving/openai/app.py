@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException
 
 from builder.serving.openai.config import OpenAIServerConfig
 from builder.serving.openai.direct import TextCodec
-from builder.serving.openai.errors import (OpenAIError, internal, model_not_found, not_ready,
-                                           unauthorized)
+from builder.serving.openai.errors import (RETRY_AFTER_SECONDS, OpenAIError, internal,
+                                           model_not_found, not_ready, unauthorized)
 from builder.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                              validation_error)
 from builder.serving.openai.service import Generation, OpenAIService
@@ -56,7 +56,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _answer(service: OpenAIService, generation: Generation, request: Request):

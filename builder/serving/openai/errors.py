@@ -1,6 +1,6 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status
 the official client maps to its exception classes (400 BadRequestError, 404 NotFoundError, 429
-RateLimitError, 503 InternalServerError after its retries).
+RateLimitError, 503 InternalServerError after its retries: a 503 says Retry-After).
 
 Triton's per-request errors name the ensemble's input (`text_input has 100 tokens, over the
 engine's max_input_len 64`); `from_triton` renames that input to the OpenAI field the client
@@ -25,6 +25,8 @@ TRITON_FIELDS = {
 }
 # Triton's full queue, and the tensorrt_llm model's admission limits ("server busy: ...").
 BUSY_MARKERS = ("Exceeds maximum queue size", "max_queue_size", "server busy")
+DRAINING_MARKER = "draining"  # the tensorrt_llm model's drain errors (serving_control.py)
+RETRY_AFTER_SECONDS = 1  # on a 503: the next replica, or this one back from a restart
 NOT_READY_MARKERS = ("unknown model", "is not ready", "is not found", "shutting down",
                      "Server not ready")
 ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's prefix on a step's error
@@ -74,6 +76,13 @@ def not_ready(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="service_unavailable")
 
 
+def draining(message: str) -> OpenAIError:
+    """The server is shutting down: a request refused, or cut at the drain timeout. Retryable:
+    another replica serves it (this one has left the Service). Non-streamed, a 503 with
+    Retry-After, which the official client retries; in a stream, the error event says so."""
+    return OpenAIError(503, message, type="server_error", code="service_unavailable")
+
+
 def internal(message: str) -> OpenAIError:
     return OpenAIError(500, message, type="server_error", code="internal_error")
 
@@ -81,6 +90,8 @@ def internal(message: str) -> OpenAIError:
 def from_triton(message: str, prompt_field: str) -> OpenAIError:
     """Classify an error response of the ensemble and name the OpenAI field it is about."""
     message = ENSEMBLE_PREFIX.sub("", message)
+    if DRAINING_MARKER in message:
+        return draining(message)
     if any(marker in message for marker in BUSY_MARKERS):
         return busy(f"the server is busy: {message.removeprefix('server busy: ')}; retry later")
     if any(marker in message for marker in NOT_READY_MARKERS):

@@ -26,7 +26,8 @@ from builder.grpc_stream import infer_inputs
 from builder.serving.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS,
                                            DIRECT_TOP_OUTPUTS, RequestError, TextCodec,
                                            direct_request)
-from builder.serving.openai.errors import OpenAIError, from_triton, internal, not_ready
+from builder.serving.openai.errors import (OpenAIError, draining, from_triton, internal,
+                                           not_ready)
 from triton_backend.models.serving_control import STOP_REQUEST_INPUTS
 
 BASE_OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
@@ -137,6 +138,11 @@ class TritonBackend:
                     raise from_triton(error.message(), prompt_field)
                 chunk = to_chunk(result)
                 finished = bool(chunk.finish_reason)
+                if chunk.finish_reason == "cancelled" and not await self.is_ready():
+                    # Not our cancel (that closes this generator): the drain's cut, as the
+                    # ensemble ends it (serving_control.py), or a server going away.
+                    raise draining("the server is draining: the request was cut at the drain "
+                                   "timeout; send it again")
                 yield chunk
                 if finished:
                     return
