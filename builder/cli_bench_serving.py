@@ -1,6 +1,6 @@
-"""`forge bench matrix | soak`: serving as a whole. The shape matrix through the front door,
-driven by vLLM's own client (`--against vllm`: `vllm serve` beside `forge serve`), and the
-overload / soak / priority run against real tritonservers."""
+"""`forge bench matrix | soak | memory`: serving as a whole. The shape matrix through the front
+door, driven by vLLM's own client (`--against vllm`: `vllm serve` beside `forge serve`), the
+overload / soak / priority run against real tritonservers, and forge serve's memory."""
 from __future__ import annotations
 
 import os
@@ -136,4 +136,22 @@ def soak_command(engine, repository, out_dir, **settings) -> None:
     sys.exit(0 if ok else 1)
 
 
-COMMANDS = (matrix_command, soak_command)
+@click.command("memory")
+@click.option("--repository", default="model_repository/smollm2-135m", show_default=True,
+              type=click.Path(exists=True, file_okay=False))
+@click.option("--idle-seconds", type=click.FloatRange(min=0), default=15.0, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=0), default=90.0, show_default=True,
+              help="How long the load runs.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--prompt-words", type=click.IntRange(min=1), default=1200, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@out_option("bench/memory")
+def memory_command(repository, out_dir, **load) -> None:
+    """forge serve (OpenAI API on) idle, then under streams: the PSS and RSS of its processes,
+    summed, idle and at the peak; what `forge deploy`'s computed memory is measured with."""
+    from builder.bench.serve_memory import Load, run
+
+    finish(run(Path(repository), Load(**load), Path(out_dir)), out_dir)
+
+
+COMMANDS = (matrix_command, soak_command, memory_command)

@@ -32,6 +32,7 @@ MODEL_SOURCES = ("image", "volume")
 IMAGE_WORKDIR = "/opt/llm-forge/src"
 IMAGE_UID = 10001
 VOLUME_REPOSITORY = "/models/model_repository"  # with model_source volume (the claim at /models)
+DEFAULT_MEMORY = "4Gi"  # where the engine's memory is not computed (a GPU, trtllm)
 AUTOSCALERS = ("keda", "hpa", "none")
 TRITON_EXPOSURES = ("loopback", "gateway")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -71,18 +72,25 @@ class ResourcesSpec:
     """Per-pod CPU and memory (Kubernetes quantities), and the pod's /dev/shm.
 
     CPU request == limit by default: a Guaranteed pod gets whole CPUs, and the engine sizes its
-    threads from the CFS quota. /dev/shm carries Triton's Python-backend tensors (and MPI's
-    between ranks); it is memory, counted in the memory limit.
+    threads from the CFS quota. Memory left out is computed from the engine where it runs in the
+    pod's memory (`builder/deploy/memory.py`: weights, KV cache, runtime, peak, 25% headroom),
+    else `DEFAULT_MEMORY`; given, both or neither, and `forge deploy` refuses a limit under the
+    computed one. /dev/shm carries Triton's Python-backend tensors (and MPI's between ranks); it
+    is memory, counted in the memory limit.
     """
 
     cpu_request: str = "2"
     cpu_limit: str = "2"
-    memory_request: str = "4Gi"
-    memory_limit: str = "4Gi"
+    memory_request: str | None = None
+    memory_limit: str | None = None
     shm_size: str = "1Gi"
 
     def __post_init__(self) -> None:
-        for kind in ("cpu", "memory"):
+        if (self.memory_request is None) != (self.memory_limit is None):
+            given = "memory_request" if self.memory_limit is None else "memory_limit"
+            raise ValueError(f"deployment.resources.{given}: give memory_request and "
+                             f"memory_limit both, or neither (computed from the engine)")
+        for kind in ("cpu", "memory") if self.memory_limit is not None else ("cpu",):
             request = parse_quantity(f"deployment.resources.{kind}_request",
                                      getattr(self, f"{kind}_request"))
             limit = parse_quantity(f"deployment.resources.{kind}_limit",

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from builder.deploy.memory import MemoryEstimate
 from builder.deploy.names import epp_name
-from builder.deployment_spec import DeploymentSpec
+from builder.deployment_spec import DEFAULT_MEMORY, DeploymentSpec
 from builder.hardware import PROFILES
 from builder.serving.health import DEFAULT_HEALTH_PORT
 from builder.spec import BuildSpec
@@ -45,10 +46,22 @@ ENGINE_TYPE = "llm-forge"
 
 @dataclass(frozen=True)
 class DeployContext:
-    """Names, labels and the shape of the pod, shared by every object `forge deploy` renders."""
+    """Names, labels and the shape of the pod, shared by every object `forge deploy` renders;
+    `memory_estimate`: the engine's memory where it runs in the pod's (`memory.py`)."""
 
     spec: BuildSpec
     deployment: DeploymentSpec
+    memory_estimate: MemoryEstimate | None = None
+
+    @property
+    def memory(self) -> tuple[str, str]:
+        """(request, limit): the spec's, else the estimate with headroom, else DEFAULT_MEMORY."""
+        r = self.deployment.resources
+        if r.memory_request is not None and r.memory_limit is not None:
+            return str(r.memory_request), str(r.memory_limit)
+        if self.memory_estimate is not None:
+            return self.memory_estimate.quantity, self.memory_estimate.quantity
+        return DEFAULT_MEMORY, DEFAULT_MEMORY
 
     @property
     def name(self) -> str:
@@ -124,8 +137,21 @@ class DeployContext:
         return {"kubernetes.io/arch": "amd64"}
 
 
-def context_of(spec: BuildSpec) -> DeployContext:
+def context_of(spec: BuildSpec, memory_estimate: MemoryEstimate | None = None
+               ) -> DeployContext:
     """The context of a spec with a `deployment:` section; ValueError naming it otherwise."""
     if spec.deployment is None:
         raise ValueError("deployment: the spec has no deployment: section (see docs/deploy.md)")
-    return DeployContext(spec, spec.deployment)
+    return DeployContext(spec, spec.deployment, memory_estimate)
+
+
+def deploy_context(spec: BuildSpec) -> DeployContext:
+    """`context_of` with the engine's memory estimated (`memory.estimate_for_spec`) and the
+    spec's memory, if given, checked against it (ValueError naming the field)."""
+    from builder.deploy.memory import check_given, estimate_for_spec
+
+    ctx = context_of(spec)
+    estimate = estimate_for_spec(spec)
+    if estimate is not None:
+        check_given(ctx.deployment.resources, estimate)
+    return context_of(spec, estimate)

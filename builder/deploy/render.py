@@ -12,8 +12,7 @@ from pathlib import Path
 import yaml
 
 from builder.deploy import autoscaling, epp, gateway, monitoring, network, workload
-from builder.deploy.context import DeployContext, context_of
-from builder.spec import BuildSpec
+from builder.deploy.context import DeployContext
 
 ADAPTER_RULES_FILE = "prometheus-adapter-rules.yaml"
 AUTOSCALER_FILES = ("hpa.yaml", "scaledobject.yaml")
@@ -44,12 +43,9 @@ def kustomization(ctx: DeployContext, files: list[str]) -> dict:
             "namespace": ctx.namespace, "resources": files}
 
 
-def write_manifests(spec: BuildSpec, out_dir: str | Path) -> list[Path]:
-    """Render `spec`'s deployment into `out_dir`; returns the files written.
-
-    ValueError (naming `deployment`) when the spec has no deployment: section.
-    """
-    ctx = context_of(spec)
+def write_manifests(ctx: DeployContext, out_dir: str | Path) -> list[Path]:
+    """Render a deployment (`context.deploy_context(spec)`) into `out_dir`; returns the files
+    written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     objects = render_objects(ctx)

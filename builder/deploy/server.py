@@ -131,8 +131,9 @@ def environment(ctx: DeployContext) -> list[dict]:
 
 def resources(ctx: DeployContext) -> dict:
     r = ctx.deployment.resources
-    requests = {"cpu": str(r.cpu_request), "memory": str(r.memory_request)}
-    limits = {"cpu": str(r.cpu_limit), "memory": str(r.memory_limit)}
+    memory_request, memory_limit = ctx.memory
+    requests = {"cpu": str(r.cpu_request), "memory": memory_request}
+    limits = {"cpu": str(r.cpu_limit), "memory": memory_limit}
     if ctx.gpus:
         # Extended resources: the request is the limit; one GPU per rank.
         limits[GPU_RESOURCE] = str(ctx.gpus)

@@ -149,7 +149,15 @@ def test_lora_engines_route_by_adapter(tmp_path):
      "deployment.autoscaling.min_replicas (5) must be <= max_replicas (2)"),
     ({"resources": {"cpu_request": "4", "cpu_limit": "2"}},
      "deployment.resources.cpu_request (4) must be <= cpu_limit (2)"),
-    ({"resources": {"memory_limit": "lots"}}, "deployment.resources.memory_limit: expected"),
+    ({"resources": {"memory_request": "4Gi", "memory_limit": "lots"}},
+     "deployment.resources.memory_limit: expected"),
+    ({"resources": {"memory_limit": "8Gi"}}, "deployment.resources.memory_limit: give "
+     "memory_request and memory_limit both, or neither (computed from the engine)"),
+    ({"resources": {"memory_request": "3Gi", "memory_limit": "3Gi"}},
+     "deployment.resources.memory_limit: 3Gi is under 4096 MiB, the engine's need with 25% "
+     "headroom (weights 257 + KV cache 1024 + runtime 1664 + peak under load 322 = 3266 MiB)"),
+    ({"resources": {"memory_request": "3Gi", "memory_limit": "5Gi"}},
+     "deployment.resources.memory_request: 3Gi is under 3266 MiB, the engine's need (weights"),
     ({"model_source": "volume"}, "deployment.volume_claim: required"),
     ({"triton_ports": "world"}, "deployment.triton_ports: must be one of"),
     ({"image": None}, "deployment.image: required"),
