@@ -40,16 +40,17 @@ lora-demo: setup
 KERNEL_TESTS ?= tests/engine/test_kernels.py tests/engine/test_parity.py tests/engine/test_inflight.py \
 	tests/engine/test_prefix_cache.py tests/engine/test_speculative.py tests/engine/test_quant_runtime.py \
 	tests/engine/test_lora_engines.py tests/engine/test_int8_activation_kernels.py \
-	tests/engine/test_greedy_pick_kernel.py
+	tests/engine/test_greedy_pick_kernel.py tests/engine/test_prefill_attention.py
 # The int8-activation kernels' portable loop (CPUs without AVX2) against the same exact reference,
-# and the greedy pick's generic vectors built without AVX2.
-PORTABLE_TESTS ?= tests/engine/test_int8_activation_kernels.py tests/engine/test_greedy_pick_kernel.py
+# the greedy pick's generic vectors and the prefill attention's portable tiles built without AVX2.
+PORTABLE_TESTS ?= tests/engine/test_int8_activation_kernels.py tests/engine/test_greedy_pick_kernel.py \
+	tests/engine/test_prefill_attention.py
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "[test] kernel tests again on an AVX2 build (LLM_FORGE_KERNEL_MARCH=x86-64-v3, LLM_FORGE_GEMM_PLAN=tiles)"; \
 		LLM_FORGE_KERNEL_MARCH=x86-64-v3 LLM_FORGE_GEMM_PLAN=tiles $(PY) -m pytest -q $(KERNEL_TESTS) && \
-		echo "[test] int8-activation and greedy-pick kernels on a build without AVX2 (LLM_FORGE_KERNEL_MARCH=x86-64-v2)" && \
+		echo "[test] int8-activation, greedy-pick and prefill-attention kernels on a build without AVX2 (LLM_FORGE_KERNEL_MARCH=x86-64-v2)" && \
 		LLM_FORGE_KERNEL_MARCH=x86-64-v2 LLM_FORGE_GEMM_PLAN=tiles $(PY) -m pytest -q $(PORTABLE_TESTS); \
 	fi
 

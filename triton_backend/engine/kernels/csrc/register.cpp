@@ -27,6 +27,10 @@ TORCH_LIBRARY(llm_forge, m) {
         "Tensor seq_lens, Tensor query_start, int tokens_per_block, float scale, "
         "float k_scale=1.0, float v_scale=1.0) -> Tensor",
         &llm_forge::paged_attention);
+  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start, int tokens_per_block, "
+        "float scale, float k_scale=1.0, float v_scale=1.0) -> ()",
+        &llm_forge::prefill_attention);
   m.def("greedy_pick(Tensor logits, int[] masked_rows, int[] masked_ids) -> (Tensor, Tensor)",
         &llm_forge::greedy_pick);
   m.def("lora_add_rows(Tensor(a!) out, Tensor x, Tensor a, Tensor b) -> ()",

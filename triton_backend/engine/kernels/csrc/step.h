@@ -114,5 +114,33 @@ void attend_item(AttentionPlan& plan, const T* q, const C* k_cache, const C* v_c
 template <typename T>
 void merge_group(const AttentionPlan& plan, int64_t gi, T* out);
 
+// ---- prefill attention (prefill_attention.cpp) ----
+
+// A block of a sequence's query rows (relative to its first), for one kv head.
+struct PrefillWork {
+  int64_t seq, kv_head, row_begin, row_end;
+  int64_t cost;  // lanes x keys, to hand out the dearest first
+};
+// A step's prefill chunks: sequence b owns rows [starts[b], starts[b+1]) of q and out, its keys
+// are the first seq_lens[b] named by its block table. Depends on the chunks only, so every layer
+// shares it.
+struct PrefillPlan {
+  Geometry g;
+  const int32_t* tables;
+  const int32_t* seq_lens;
+  const int32_t* starts;
+  std::vector<PrefillWork> work;
+};
+// Checks the tables' dtypes and shapes, the head geometry, every chunk's rows and keys against
+// its block table and every block against the cache's num_slots (TORCH_CHECK, naming them).
+PrefillPlan plan_prefill(const Geometry& g, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, const at::Tensor& query_start,
+                         int64_t num_slots, int64_t num_rows, int64_t threads);
+// Work i of the plan: its rows' outputs written into out [rows, Hq, D] (contiguous), q and out
+// from the plan's first row; a one-byte cache's k_scale and v_scale (else 1).
+template <typename T, typename C>
+void prefill_work(const PrefillPlan& plan, const T* q, const C* k_cache, const C* v_cache,
+                  T* out, int64_t i, float k_scale, float v_scale);
+
 }  // namespace step
 }  // namespace llm_forge
