@@ -461,11 +461,12 @@ def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
             assert runner.decode_forward.supported is declared
 
 
-def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None):
+def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None):
     """decode_forward's arguments for a two-layer Llama layer of made-up weights: per layer the
     projections are INT4 (qkv with an AWQ scale, gate_up with zero points) and bf16 tiles (dense
     with a bias, down), over sequences of 20 + i cached tokens each adding `rows_per_seq[i]` rows;
-    the cache in `dtype`, or of one byte per element (`kv_dtype`) with a scale per layer."""
+    the cache in `dtype`, or of one byte per element (`kv_dtype`) with a scale per layer. The
+    sequences from `prefill_from` on are the prefill kernel's (after the paged kernel's rows)."""
     from triton_backend.engine.quant import int4
     from triton_backend.engine.kernels.linear import pack_int4_dot
 
@@ -489,7 +490,8 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None):
     weights.append(1 + 0.1 * torch.randn(hidden, dtype=dtype))
     cached = [20 + i for i in range(len(rows_per_seq))]
     lens = [c + r for c, r in zip(cached, rows_per_seq)]
-    tables = [[b * 4 + j for j in range(-(-n // block))] for b, n in enumerate(lens)]
+    per_seq = max(4, *(-(-n // block) for n in lens))  # blocks of the cache each sequence owns
+    tables = [[b * per_seq + j for j in range(-(-n // block))] for b, n in enumerate(lens)]
     positions = [p for c, r in zip(cached, rows_per_seq) for p in range(c, c + r)]
     slots = [tables[b][p // block] * block + p % block
              for b, (c, r) in enumerate(zip(cached, rows_per_seq)) for p in range(c, c + r)]
@@ -498,33 +500,47 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None):
         starts.append(starts[-1] + r)
     angles = torch.arange(64)[:, None] * torch.rand(d // 2)[None]
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    cache = lambda: torch.randn(layers, 4 * len(lens) * block, kv_heads, d).to(dtype)  # noqa: E731
+    num_slots = per_seq * len(lens) * block
+    cache = lambda: torch.randn(layers, num_slots, kv_heads, d).to(dtype)  # noqa: E731
     kv_scales = None
     if kv_dtype is not None:
         kv_scales = torch.tensor([[0.02, 0.03], [0.025, 0.015]])
-        cache = lambda: _one_byte(torch.randn(layers, 4 * len(lens) * block, kv_heads, d),  # noqa: E731
+        cache = lambda: _one_byte(torch.randn(layers, num_slots, kv_heads, d),  # noqa: E731
                                   0.02, kv_dtype)
+    split = len(lens) if prefill_from is None else prefill_from
+    attention = dict(block_tables=_padded_tables(tables[:split] or [[0]])[:split],
+                     seq_lens=_int32(lens[:split]), query_start=_int32(starts[:split + 1]))
+    if split < len(lens):
+        attention.update(prefill_block_tables=_padded_tables(tables[split:]),
+                         prefill_seq_lens=_int32(lens[split:]),
+                         prefill_query_start=_int32([r - starts[split] for r in starts[split:]]))
     return dict(hidden=torch.randn(len(positions), hidden).to(dtype),
-                positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
-                block_tables=_padded_tables(tables), seq_lens=_int32(lens),
-                query_start=_int32(starts), cos=cos, sin=sin, k_cache=cache(), v_cache=cache(),
+                positions=torch.tensor(positions), slot_mapping=torch.tensor(slots), **attention,
+                cos=cos, sin=sin, k_cache=cache(), v_cache=cache(),
                 weights=weights, kinds=[1, 0, 1, 0] * layers,
                 out_features=[n for n, _ in shapes] * layers, group_sizes=[32, 0, 32, 0] * layers,
                 num_heads=heads, num_kv_heads=kv_heads, head_dim=d, tokens_per_block=block,
                 eps=1e-5, scale=d ** -0.5, lora=[], lora_runs=[], kv_scales=kv_scales)
 
 
-@pytest.mark.parametrize("rows_per_seq, dtype, threads, kv_dtype", [
-    *[(rows, dtype, threads, None) for rows in ([1], [1, 1, 1], [5, 1], [1] * 9, [12, 1, 3])
+@pytest.mark.parametrize("rows_per_seq, dtype, threads, kv_dtype, prefill_from", [
+    *[(rows, dtype, threads, None, None) for rows in ([1], [1, 1, 1], [5, 1], [1] * 9, [12, 1, 3])
       for dtype in DTYPES for threads in (1, 2)],
-    *[(rows, dtype, 2, kv) for rows in ([1], [1] * 9) for dtype in DTYPES for kv in ("int8", "fp8")],
+    *[(rows, dtype, 2, kv, None) for rows in ([1], [1] * 9) for dtype in DTYPES
+      for kv in ("int8", "fp8")],
+    # Rows of the prefill kernel after the paged kernel's, or alone (a verify step at c=1).
+    *[(rows, dtype, threads, None, split) for rows, split in (([1, 1, 5, 12], 2), ([5], 0),
+                                                              ([1] * 9 + [3, 24], 9))
+      for dtype in DTYPES for threads in (1, 2)],
+    *[([1, 1, 6], dtype, 2, kv, 2) for dtype in DTYPES for kv in ("int8", "fp8")],
 ])
 def test_the_one_region_decode_step_computes_the_op_by_op_steps_values(rows_per_seq, dtype,
-                                                                       threads, kv_dtype):
+                                                                       threads, kv_dtype,
+                                                                       prefill_from):
     """decode_forward in one parallel region (row phases on one thread below 8 rows, split at 8
     and more) returns the op-by-op path's hidden states and writes its cache, bit for bit; with
-    a one-byte cache too."""
-    args = _decode_step_arguments(rows_per_seq, dtype, kv_dtype)
+    a one-byte cache too, and with rows of the prefill kernel."""
+    args = _decode_step_arguments(rows_per_seq, dtype, kv_dtype, prefill_from)
     results = []
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -156,3 +156,55 @@ def test_keys_outside_the_cache_or_the_block_table_are_refused_with_the_field_na
         torch.ops.llm_forge.prefill_attention(
             torch.empty(9, 4, 16), q, k, v, _int32(tables), _int32([30]), _int32([0, 10]), 4, 0.25)
 
+
+def _record_prefill_chunks(runner) -> set[int]:
+    """How many keys came before each chunk the runner sends to the prefill kernel (in the
+    one-call path or op by op), gathered as it prepares each step."""
+    keys_before: set[int] = set()
+    prepare = runner._prepare
+
+    def recording(chunks):
+        prepared = prepare(chunks)
+        for run in prepared[2].prefill_runs:
+            rows = (run.query_start[1:] - run.query_start[:-1]).tolist()
+            keys_before.update(n - r for n, r in zip(run.seq_lens.tolist(), rows))
+        return prepared
+
+    runner._prepare = recording
+    return keys_before
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_long_prompts_give_the_torch_paths_tokens(tmp_path, monkeypatch, kv_dtype):
+    """An fp32 engine whose prompts are prefilled in chunks of up to 80 rows: first chunks, a
+    chunk deep in a prompt and one after a prefix-cache hit take the prefill kernel, and give
+    the torch reference's greedy tokens and log probs (a one-byte cache: first chunks attend
+    their keys as computed, the rest as stored, on both paths)."""
+    import tiny
+    from triton_backend.engine import Request, model_runner
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate
+    from triton_backend.engine.ops import TorchOps
+
+    engine_dir = tiny.build_engine(tmp_path, "llama_gqa", limits={
+        "max_num_tokens": 80, "max_input_len": 240, "max_seq_len": 256})
+    if kv_dtype:
+        engine_dir = tiny.one_byte_kv_engine(engine_dir, tmp_path, kv_dtype)
+    shared = [7 + (5 * i) % 300 for i in range(96)]  # 12 whole blocks
+    prompts = [shared + [11, 12, 13] * 30, [3 + (7 * i) % 350 for i in range(200)],
+               shared + [21, 22] * 40]
+
+    def run(engine):  # one at a time: each chunk as long as max_num_tokens allows
+        results = [generate(engine, [Request(p, 8, ignore_eos=True)])[0] for p in prompts]
+        return [(r.output_ids, r.log_probs) for r in results]
+
+    engine = LLMEngine(engine_dir, enable_prefix_caching=True)
+    keys_before = _record_prefill_chunks(engine.runner)
+    ours = run(engine)
+    assert {0, 80, 96} <= keys_before  # first chunks, deep ones, after the hit
+    monkeypatch.setattr(model_runner, "select_ops", lambda device: TorchOps())
+    reference = run(LLMEngine(engine_dir, enable_prefix_caching=True))
+    for (ids, log_probs), (ref_ids, ref_log_probs) in zip(ours, reference):
+        assert ids == ref_ids
+        torch.testing.assert_close(torch.tensor(log_probs), torch.tensor(ref_log_probs),
+                                   atol=1e-4, rtol=0)

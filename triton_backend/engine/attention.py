@@ -4,8 +4,9 @@ All tokens of a step are packed into one flat tensor [T, ...]. This is the pure-
 decodes (one new token each) are attended in one batched call over their gathered keys; prefill
 chunks one sequence at a time with a causal mask offset by the tokens already in the cache. The C++
 backend (`ops.CppOps`) attends the first `kernel_rows` packed rows (short queries: decodes) with a
-kernel that reads the paged cache in place, and the prefill chunks as here. The metadata is built
-once per step by the model runner and passed explicitly (no hidden global context).
+kernel that reads the paged cache in place, and the longer chunks after them (`prefill_runs`) with
+a prefill kernel that reads it in place too. The metadata is built once per step by the model
+runner and passed explicitly (no hidden global context).
 """
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefillRun:
+    """Prefill chunks the C++ prefill kernel attends in one call: packed rows [row_begin, row_end),
+    each chunk's keys named by its block table (of `tokens_per_block`), in the cache or, when
+    `keys_as_computed`, among the run's own new rows (a prompt's first chunk over a one-byte
+    cache attends its keys as computed, not as stored)."""
+
+    row_begin: int
+    row_end: int
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (0-padded)
+    seq_lens: torch.Tensor      # [B] int32 keys per chunk, new ones included
+    query_start: torch.Tensor   # [B + 1] int32 row offsets from row_begin
+    tokens_per_block: int
+    keys_as_computed: bool = False
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                  # [T] where each new token's K/V is written
     prefills: list[PrefillChunk] = field(default_factory=list)
@@ -43,6 +60,8 @@ class AttentionMetadata:
     # Host-side bounds of the same sequences, for kernels that must not read the device.
     max_query_len: int = 0
     max_seq_len: int = 0
+    # The prefill kernel's chunks, packed after the paged kernel's rows.
+    prefill_runs: list[PrefillRun] = field(default_factory=list)
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from triton_backend.engine.attention import AttentionMetadata, PrefillChunk
+from triton_backend.engine.attention import AttentionMetadata, PrefillChunk, PrefillRun
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.kv_pool import free_memory_blocks, make_kv_cache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
@@ -33,6 +34,9 @@ from triton_backend.engine.weights import load_model, runtime_dtype
 CUDA_GRAPHS_ENV = "LLM_FORGE_CUDA_GRAPHS"  # "0": every GPU step eagerly
 
 
+# Which attention a chunk takes: the backend's paged kernel in place (packed first), its prefill
+# kernel in place (packed after: `PrefillRun`s), or the torch path (`PrefillChunk`s, decodes).
+PAGED, PREFILL, TORCH = "paged", "prefill", "torch"
 # The one-call decode path runs a whole step inside one C++ call, where the engine's progress
 # count (progress.py) cannot move; what it saves is per-op dispatch, which matters only in short
 # steps. So only steps of at most this much work (rows x projection weights) take it: 256 rows
@@ -205,19 +209,36 @@ class ModelRunner:
         return (request.sampling.greedy and not request.top_log_probs
                 and self.device_sampler.takes(chunk) and not below_min_tokens(chunk, eos))
 
-    def _for_kernel(self, chunk: ScheduledChunk) -> bool:
-        return self.kernel_attention and self.ops.attends_in_place(
-            len(chunk.new_token_ids), chunk.num_computed_tokens, self.one_byte_cache)
+    def _route(self, chunk: ScheduledChunk) -> str:
+        """PAGED, PREFILL or TORCH, as the backend attends a chunk of this shape."""
+        if not self.kernel_attention:
+            return TORCH
+        shape = (len(chunk.new_token_ids), chunk.num_computed_tokens, self.one_byte_cache)
+        if self.ops.attends_in_place(*shape):
+            return PAGED
+        return PREFILL if self.ops.prefills_in_place(*shape) else TORCH
+
+    def _keys_as_computed(self, chunk: ScheduledChunk) -> bool:
+        """A prompt's first chunk over a one-byte cache attends its keys as computed, not as
+        stored (as the torch path does, and TensorRT-LLM's context phase)."""
+        return self.one_byte_cache and chunk.num_computed_tokens == 0
 
     def _packing_order(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Kernel-attended chunks first; within each group, the chunks of one adapter side by
-        side, so each adapter's rows are one run."""
+        """The paged kernel's chunks first, then the prefill kernel's (those reading their keys as
+        computed first, so each source is one run of rows); within each group, the chunks of one
+        adapter side by side, so each adapter's rows are one run."""
         if any(c.lora_task_id is not None for c in chunks):
             chunks = sorted(chunks, key=lambda c: -1 if c.lora_task_id is None else c.lora_task_id)
         if not self.kernel_attention:
             return chunks
-        return ([c for c in chunks if self._for_kernel(c)]
-                + [c for c in chunks if not self._for_kernel(c)])
+
+        def group(chunk: ScheduledChunk) -> int:
+            route = self._route(chunk)
+            if route == PREFILL:
+                return 1 if self._keys_as_computed(chunk) else 2
+            return 0 if route == PAGED else 3
+
+        return sorted(chunks, key=group)  # stable: adapters stay side by side
 
     def _lora_batch(self, chunks: list[ScheduledChunk]) -> LoRABatch | None:
         task_ids = [c.lora_task_id for c in chunks]
@@ -230,7 +251,7 @@ class ModelRunner:
     def _prepare(self, chunks: list[ScheduledChunk]):
         tpb = self.tokens_per_block
         ids, positions, slots, sample_rows = [], [], [], []
-        prefills, decodes, kernel_chunks = [], [], []
+        prefills, decodes, kernel_chunks, prefill_chunks = [], [], [], []
         for chunk in chunks:
             start, q_len = chunk.num_computed_tokens, len(chunk.new_token_ids)
             q_start = len(ids)
@@ -238,8 +259,11 @@ class ModelRunner:
             ids.extend(chunk.new_token_ids)
             positions.extend(range(start, start + q_len))
             slots.extend(table[p // tpb] * tpb + p % tpb for p in range(start, start + q_len))
-            if self._for_kernel(chunk):
+            route = self._route(chunk)
+            if route == PAGED:
                 kernel_chunks.append(chunk)
+            elif route == PREFILL:
+                prefill_chunks.append((q_start, chunk))
             elif q_len == 1 and start > 0:
                 decodes.append((q_start, chunk))
             else:
@@ -255,6 +279,8 @@ class ModelRunner:
             self._add_decodes(meta, decodes)
         if kernel_chunks:
             self._add_kernel_chunks(meta, kernel_chunks)
+        for as_computed, run in groupby(prefill_chunks, key=lambda c: self._keys_as_computed(c[1])):
+            meta.prefill_runs.append(self._prefill_run(list(run), as_computed))
         return self._long(ids), self._long(positions), meta, sample_rows
 
     def _long(self, values: list[int]) -> torch.Tensor:
@@ -274,6 +300,29 @@ class ModelRunner:
         meta.query_start = as_int(query_start)
         meta.max_query_len = max(len(c.new_token_ids) for c in chunks)
         meta.max_seq_len = max(seq_lens)
+
+    def _prefill_run(self, chunks: list[tuple[int, ScheduledChunk]], as_computed: bool
+                     ) -> PrefillRun:
+        """One run of the prefill kernel's chunks (packed side by side from their first row):
+        block tables of the cache, or, for keys as computed, each chunk's own rows in the run
+        (blocks of one row)."""
+        begin = chunks[0][0]
+        query_start, tables, seq_lens = [0], [], []
+        for q_start, chunk in chunks:
+            q_len = len(chunk.new_token_ids)
+            query_start.append(q_start + q_len - begin)
+            if as_computed:
+                tables.append(list(range(q_start - begin, q_start - begin + q_len)))
+                seq_lens.append(q_len)
+            else:
+                tables.append(chunk.block_table)
+                seq_lens.append(chunk.num_computed_tokens + q_len)
+        width = max(len(t) for t in tables)
+        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+        return PrefillRun(begin, begin + query_start[-1],
+                          as_int([t + [0] * (width - len(t)) for t in tables]),
+                          as_int(seq_lens), as_int(query_start),
+                          1 if as_computed else self.tokens_per_block, as_computed)
 
     def _add_decodes(self, meta: AttentionMetadata, decodes: list[tuple[int, ScheduledChunk]]) -> None:
         """Padded key slots [n, max_k] and a mask of the real keys for all decodes at once."""

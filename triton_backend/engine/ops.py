@@ -6,6 +6,9 @@ rotary + KV-cache write, paged decode attention that reads the cache in place), 
 where torch needs several. Both round where the other rounds, so they agree up to fp32 summation
 order; tests hold them to that.
 
+Attention in `CppOps` is two kernels over the cache in place: the paged decode kernel for one-row
+queries (`meta.kernel_rows`), the prefill kernel for longer ones (`meta.prefill_runs`).
+
 The model calls `ops.<op>(...)`; which backend it gets is decided once at load
 (`backend.select_ops`): the GPU backend (`gpu/ops.py`) on CUDA, the C++ one on a CPU when the
 kernels built, the torch one otherwise (or when `LLM_FORGE_KERNELS=torch`).
@@ -18,14 +21,6 @@ import torch.nn.functional as F
 from triton_backend.engine.attention import AttentionMetadata, paged_attention, prefill_attention
 from triton_backend.engine.kv_cache import PagedKVCache
 
-# Chunks of at most this many new tokens are attended by the paged kernel (decodes, short
-# chunks); longer prefill chunks by torch's flash attention, which is faster for them. 64, not
-# 8: the chunks the scheduler cuts beside decodes (about 10 rows beside 8 decodes here) then
-# stay in the one-call decode path, instead of sending the whole step through the Python model
-# (ITL p99 while a 256-token prompt is chunked in: 2.29x the steady p50 with 8, 1.96x with 64).
-KERNEL_MAX_QUERY = 64
-
-
 class TorchOps:
     name = "torch"
 
@@ -36,6 +31,11 @@ class TorchOps:
     def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
         """Whether a chunk of `num_new` tokens after `num_computed` goes to the in-place kernel
         (packed first, `AttentionMetadata.kernel_rows`) rather than the prefill path."""
+        return False
+
+    def prefills_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
+        """Whether a chunk the in-place kernel does not take goes to an in-place prefill kernel
+        (packed after it, `AttentionMetadata.prefill_runs`) rather than the torch path."""
         return False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,10 +79,18 @@ class CppOps(TorchOps):
         return cache.kernel_reads(dtype)
 
     def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
-        # Over a one-byte cache a prompt's first chunk attends its keys as computed, not as
-        # stored (as the torch path does, and TensorRT-LLM's context phase); later chunks and
-        # decodes read every key as stored, on either path.
-        return num_new <= KERNEL_MAX_QUERY and not (one_byte_cache and num_computed == 0)
+        # One new row (a decode) takes the paged kernel, which splits a long context over the
+        # threads; two or more (a chunk of a prompt, a decode with its draft tokens) the prefill
+        # kernel, which reads each key once for all of them where the paged kernel reads it once
+        # per row (bf16, 9 query heads over 3 kv heads, one thread of a Zen 5 EPYC: 2 rows over
+        # 2,048 keys 1.7x as fast, 5 rows 4.5x, 64 rows 7.9x). Both run in the one-call decode
+        # path (kernels/forward.py). Over a one-byte cache a prompt's first chunk attends its keys
+        # as computed, not as stored (as the torch path does, and TensorRT-LLM's context phase):
+        # the prefill kernel reads them from the step's own rows.
+        return num_new == 1 and not (one_byte_cache and num_computed == 0)
+
+    def prefills_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
+        return True
 
     def rms_norm(self, x, weight, eps):
         return self._ops.rms_norm(x.contiguous(), weight, eps)
@@ -113,7 +121,17 @@ class CppOps(TorchOps):
             out[:rows] = self._ops.paged_attention(
                 q[:rows], cache.k[layer], cache.v[layer], meta.block_tables, meta.seq_lens,
                 meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale)
-        if meta.prefills:  # long chunks: torch's flash attention over the rotated q, k, v
+        for run in meta.prefill_runs:  # long chunks: the prefill kernel, written into out
+            span = slice(run.row_begin, run.row_end)
+            keys, values, scales = cache.k[layer], cache.v[layer], (k_scale, v_scale)
+            if run.keys_as_computed:  # the run's own rotated rows, in the activations' dtype
+                keys = qkv[span, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
+                values = qkv[span, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
+                scales = (1.0, 1.0)
+            self._ops.prefill_attention(out[span], q[span], keys, values, run.block_tables,
+                                        run.seq_lens, run.query_start, run.tokens_per_block,
+                                        scale, *scales)
+        if meta.prefills:  # chunks routed to torch's flash attention over the rotated q, k, v
             k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
             for chunk in meta.prefills:

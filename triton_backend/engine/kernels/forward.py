@@ -3,8 +3,9 @@
 A decode step runs about ten kernels per layer; called one by one from Python each costs a few
 microseconds of dispatch, a few milliseconds per step on a small model. `DecodeForward` gathers
 the loaded model's weights once, in the order the C++ side reads them, and runs a step there when
-the step is one it covers: every row attended by the paged kernel (no long prefill chunk), a cache
-the kernel reads (in the activation dtype, or one byte per element), and projections that are
+the step is one it covers: every row attended by the paged kernel (decodes) or, after them, by the
+prefill kernel over the cache (chunks of several rows, verify steps), a cache the kernels read (in
+the activation dtype, or one byte per element), and projections that are
 packed bf16, packed INT4 (our kernel) or dense in the activation dtype (below the row count where
 bf16 projections switch to torch's GEMM).
 Rows with LoRA adapters run there too: each projection adds its runs' deltas as the Python
@@ -79,10 +80,14 @@ class DecodeForward:
         return True
 
     def covers(self, meta: AttentionMetadata, num_rows: int) -> bool:
-        """True when every row of the step is the paged kernel's and no projection would
-        switch to torch's GEMM at this many rows."""
-        return (self.supported and meta.kernel_rows == num_rows and not meta.prefills
-                and meta.decode_token_index is None
+        """True when every row of the step is the paged kernel's or, after them, the prefill
+        kernel's over the cache (one run), and no projection would switch to torch's GEMM at
+        this many rows."""
+        runs = meta.prefill_runs
+        prefill_rows = sum(r.row_end - r.row_begin for r in runs)
+        return (self.supported and meta.kernel_rows + prefill_rows == num_rows
+                and not meta.prefills and meta.decode_token_index is None
+                and len(runs) <= 1 and not any(r.keys_as_computed for r in runs)
                 and (self.upcast_min_rows is None or num_rows < self.upcast_min_rows))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -92,9 +97,17 @@ class DecodeForward:
         rotary = self.model.rotary
         lora_slots, lora_runs = ([], []) if lora is None else lora.kernel_arguments(
             len(self.model.transformer.layers))
+        paged = (meta.block_tables, meta.seq_lens, meta.query_start)
+        if not meta.kernel_rows:  # every row is the prefill kernel's
+            device = meta.slot_mapping.device
+            paged = (torch.zeros(0, 1, dtype=torch.int32, device=device),
+                     torch.zeros(0, dtype=torch.int32, device=device),
+                     torch.zeros(1, dtype=torch.int32, device=device))
+        run = meta.prefill_runs[0] if meta.prefill_runs else None
+        prefill = (None, None, None) if run is None else (run.block_tables, run.seq_lens,
+                                                          run.query_start)
         return torch.ops.llm_forge.decode_forward(
-            hidden, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            meta.query_start, rotary.cos, rotary.sin, self.cache.k, self.cache.v, self.weights,
-            self.kinds, self.out_features, self.group_sizes, *self.dims,
-            self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs,
-            self.single_region, self.cache.kernel_scales())
+            hidden, positions, meta.slot_mapping, *paged, rotary.cos, rotary.sin, self.cache.k,
+            self.cache.v, self.weights, self.kinds, self.out_features, self.group_sizes,
+            *self.dims, self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs,
+            self.single_region, self.cache.kernel_scales(), *prefill)

@@ -1,7 +1,8 @@
 // All decoder layers of a decode step in one call: the same kernels the Python model calls one by
-// one (norms, projections, rotary + KV write, paged attention, SiLU * up), without a Python
-// round trip per op. It covers steps whose every row is attended by the paged kernel (decodes
-// and short chunks) over a cache in the activation dtype or of one byte per element (int8, FP8),
+// one (norms, projections, rotary + KV write, attention, SiLU * up), without a Python
+// round trip per op. It covers steps whose rows are attended by the paged kernel (decodes) and,
+// after them, by the prefill kernel (chunks of several rows: verify steps, a prompt's chunks),
+// over a cache in the activation dtype or of one byte per element (int8, FP8),
 // with projections of four kinds:
 // packed bf16, packed INT4 (ours, or torch's int4pack where the plan measured it faster), or a
 // dense weight in the activation dtype. LoRA adapters of the step's rows are added after each
@@ -240,9 +241,25 @@ RegionLinear region_linear(const Weights& weights, int64_t slot, int64_t kind, i
 }
 
 // decode_forward's arguments besides the hidden states and LoRA.
+// The step's rows after the paged kernel's (a verify step's drafts, chunks of a few rows): their
+// block tables, key counts and row offsets from the first of them, for the prefill kernel.
+struct PrefillRows {
+  c10::optional<at::Tensor> block_tables, seq_lens, query_start;
+  bool any() const { return block_tables.has_value(); }
+};
+
+// Rows [0, paged rows) of the step: the paged kernel's (query_start's last entry).
+int64_t paged_rows(const at::Tensor& seq_lens, const at::Tensor& query_start) {
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
+                  query_start.numel() == seq_lens.numel() + 1,
+              "query_start must be int32 with B + 1 entries");
+  return query_start.data_ptr<int32_t>()[seq_lens.numel()];
+}
+
 struct StepArgs {
   const at::Tensor &positions, &slot_mapping, &block_tables, &seq_lens, &query_start, &cos, &sin,
       &k_cache, &v_cache;
+  const PrefillRows& prefill;
   const Weights& weights;
   at::IntArrayRef kinds, out_features, group_sizes;
   int64_t num_heads, num_kv_heads, D, tokens_per_block;
@@ -324,6 +341,20 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
   step::AttentionPlan plan =
       step::plan_attention(g, block_tables, seq_lens, query_start, threads);
   const int64_t n_items = static_cast<int64_t>(plan.items.size());
+  // Rows past the paged kernel's: the prefill kernel's works, claimed after its items.
+  const int64_t first_prefill = paged_rows(seq_lens, query_start);
+  step::PrefillPlan prefill;
+  if (args.prefill.any())
+    prefill = step::plan_prefill({num_heads, num_kv_heads, D, args.tokens_per_block,
+                                  args.prefill.block_tables->size(1), qkv_t.stride(0), D,
+                                  kv_width, static_cast<float>(args.scale)},
+                                 *args.prefill.block_tables, *args.prefill.seq_lens,
+                                 *args.prefill.query_start, k_cache.size(1), M - first_prefill,
+                                 threads);
+  else
+    TORCH_CHECK(first_prefill == M, "decode_forward: query_start covers ", first_prefill,
+                " of the step's ", M, " rows");
+  const int64_t n_works = static_cast<int64_t>(prefill.work.size());
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
@@ -422,14 +453,20 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
                               num_kv_heads, D, kl + slots[m] * kv_width,
                               vl + slots[m] * kv_width, k_scale, v_scale);
       wait_fetching(&L[1], c + 6);
-      claim(c + 4, n_items, 1, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i)
-          step::attend_item(plan, static_cast<const T*>(qkv), static_cast<const C*>(kl),
-                            static_cast<const C*>(vl), i, k_scale, v_scale);
+      claim(c + 4, n_items + n_works, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          if (i < n_items)
+            step::attend_item(plan, static_cast<const T*>(qkv), static_cast<const C*>(kl),
+                              static_cast<const C*>(vl), i, k_scale, v_scale);
+          else
+            step::prefill_work(prefill, static_cast<const T*>(qkv) + first_prefill * L[0].N,
+                               static_cast<const C*>(kl), static_cast<const C*>(vl),
+                               ob + first_prefill * q_size, i - n_items, k_scale, v_scale);
+        }
       });
       wait_fetching(&L[1], c + 6);
       for (int64_t m = r_begin; m < r_end; ++m) {
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
+        for (int64_t kvh = 0; m < first_prefill && kvh < num_kv_heads; ++kvh)
           step::merge_group(plan, m * num_kv_heads + kvh, ob);
         prepare(L[1], ob, m);
       }
@@ -471,7 +508,14 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
                           const Weights& lora, at::IntArrayRef lora_runs,
-                          bool single_region, const c10::optional<at::Tensor>& kv_scales) {
+                          bool single_region, const c10::optional<at::Tensor>& kv_scales,
+                          const c10::optional<at::Tensor>& prefill_block_tables,
+                          const c10::optional<at::Tensor>& prefill_seq_lens,
+                          const c10::optional<at::Tensor>& prefill_query_start) {
+  const PrefillRows prefill{prefill_block_tables, prefill_seq_lens, prefill_query_start};
+  TORCH_CHECK(prefill_block_tables.has_value() == prefill_seq_lens.has_value() &&
+                  prefill_seq_lens.has_value() == prefill_query_start.has_value(),
+              "decode_forward: the prefill rows need block tables, seq_lens and query_start");
   const int64_t layers = k_cache.size(0);
   // A one-byte cache comes with its scales: [2, layers] fp32, keys' then values'.
   const bool one_byte = k_cache.element_size() == 1;
@@ -494,9 +538,9 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
       region_supports(weights, kinds, layers)) {
     const at::Tensor x_in = hidden.contiguous();
     const StepArgs args{positions, slot_mapping, block_tables, seq_lens, query_start, cos, sin,
-                        k_cache, v_cache, weights, kinds, out_features, group_sizes, num_heads,
-                        num_kv_heads, head_dim, tokens_per_block, eps, scale, k_scales,
-                        v_scales};
+                        k_cache, v_cache, prefill, weights, kinds, out_features, group_sizes,
+                        num_heads, num_kv_heads, head_dim, tokens_per_block, eps, scale,
+                        k_scales, v_scales};
     at::Tensor out;
     auto run = [&](auto* activations) {
       using T = std::remove_pointer_t<decltype(activations)>;
@@ -509,6 +553,25 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     if (out.defined()) return out;
   }
   const int64_t q_size = num_heads * head_dim;
+  // The paged kernel's rows, then the prefill kernel's, written into one output.
+  const int64_t first_prefill = paged_rows(seq_lens, query_start);
+  auto attend = [&](const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
+                    double k_scale, double v_scale) {
+    if (!prefill.any())
+      return paged_attention(q, k_layer, v_layer, block_tables, seq_lens, query_start,
+                             tokens_per_block, scale, k_scale, v_scale);
+    at::Tensor o = at::empty({q.size(0), num_heads, head_dim}, q.options());
+    if (first_prefill > 0)
+      o.narrow(0, 0, first_prefill)
+          .copy_(paged_attention(q.narrow(0, 0, first_prefill), k_layer, v_layer, block_tables,
+                                 seq_lens, query_start, tokens_per_block, scale, k_scale,
+                                 v_scale));
+    const int64_t rest = q.size(0) - first_prefill;
+    prefill_attention(o.narrow(0, first_prefill, rest), q.narrow(0, first_prefill, rest), k_layer,
+                      v_layer, *prefill.block_tables, *prefill.seq_lens, *prefill.query_start,
+                      tokens_per_block, scale, k_scale, v_scale);
+    return o;
+  };
   at::Tensor x = hidden.contiguous();  // this step's own buffer: the residual stream lives in it
   at::Tensor residual = x;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -532,8 +595,7 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     rope_write_cache(qkv, positions, cos, sin, num_heads, num_kv_heads, k_layer, v_layer,
                      slot_mapping, k_scale, v_scale);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads, head_dim});
-    at::Tensor o = paged_attention(q, k_layer, v_layer, block_tables, seq_lens, query_start,
-                                   tokens_per_block, scale, k_scale, v_scale);
+    at::Tensor o = attend(q, k_layer, v_layer, k_scale, v_scale);
     h = add_rms_norm(proj(1, o.view({-1, q_size})), residual, required(weights, base + 1), eps);
     x = proj(3, silu_mul(proj(2, h)));
   }

@@ -70,7 +70,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
                            int64_t tokens_per_block, double scale, double k_scale = 1.0,
                            double v_scale = 1.0);
-
 // The same contract for chunks of many query rows, blocked like a GEMM (prefill_attention.cpp),
 // written into `out` (q's shape).
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -98,6 +97,9 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
                           const c10::List<c10::optional<at::Tensor>>& lora,
                           at::IntArrayRef lora_runs, bool single_region,
-                          const c10::optional<at::Tensor>& kv_scales);
+                          const c10::optional<at::Tensor>& kv_scales,
+                          const c10::optional<at::Tensor>& prefill_block_tables,
+                          const c10::optional<at::Tensor>& prefill_seq_lens,
+                          const c10::optional<at::Tensor>& prefill_query_start);
 
 }  // namespace llm_forge
