@@ -41,11 +41,55 @@ void add_rms_norm(const T* x, T* residual, const T* w, T* out, int64_t H, float 
   rms_norm(residual, w, out, H, eps);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// 16 bf16 lanes: widened exactly, rounded to bf16 by vcvtneps2bf16 (round to nearest even, as
+// c10::BFloat16), where the 8-lane generic vectors spend about ten integer instructions.
+inline __m512 widen16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const bf16* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+// exp(x), 16 lanes: vexp's reduction and polynomial, 2^n applied by vscalefps.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
+                    _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r),
+                    _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
 // out[0, I) = silu(gate) * up for one row of gate_up ([gate | up], 2 I wide).
 template <typename T>
 void silu_mul(const T* g, T* o, int64_t I) {
   const T* u = g + I;
   int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  // bf16 rows 16 lanes at a time: a 1024-row prefill's silu_mul took 3.2x torch's silu and mul
+  // on 8-lane vectors (one thread of a Zen 5 EPYC).
+  if constexpr (std::is_same<T, bf16>::value) {
+    for (; i + 16 <= I; i += 16) {
+      const __m512 gv = load16(g + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      const __m512 s = widen16(round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                          round16(_mm512_mul_ps(s, load16(u + i))));
+    }
+  }
+#endif
   for (; i + kLanes <= I; i += kLanes) {
     vf gv = load(g + i);
     vf s = round_to<T>(gv / (splat(1.f) + vexp(-gv)));  // F.silu rounds its output
