@@ -94,11 +94,14 @@ def steps_command(engines, concurrency, prompt_len, steps, repeats, neighbour, t
               help="Run this closed loop in-process instead (vllm bench serve's, no server).")
 @click.option("--target-itl-ms", default=None,
               help="--shape: the scheduler's target (auto, 0, or ms) instead of the engine's.")
+@click.option("--torch-prefill-attention", is_flag=True,
+              help="--prefill: time each prefill again with torch's SDPA for its attention (the "
+                   "path before the prefill kernel), in turns.")
 @repeats_option(3)
 @threads_option
 @out_option("bench/profile")
 def profile_command(engine, concurrency, prompt_len, steps, top, prefill, shape, target_itl_ms,
-                    repeats, threads, out_dir) -> None:
+                    torch_prefill_attention, repeats, threads, out_dir) -> None:
     """Where one engine's time goes: the ops of a decode step at CONCURRENCY, or of one prefill
     of PREFILL tokens beside this CPU's GEMM rate, or a closed loop of SHAPE on the engine's own
     scheduler (tok/s, TTFT, ITL and the step cost it learnt)."""
@@ -111,7 +114,7 @@ def profile_command(engine, concurrency, prompt_len, steps, top, prefill, shape,
         if shape:
             doc = profile.shape_loop(engine, shape, target_itl_ms)
         elif prefill:
-            doc = profile.prefill(engine, prefill, repeats, top)
+            doc = profile.prefill(engine, prefill, repeats, top, torch_prefill_attention)
         else:
             doc = profile.decode(engine, concurrency, prompt_len, steps, top)
     finish(doc, out_dir)

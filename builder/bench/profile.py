@@ -94,13 +94,34 @@ def gemm_rates(engine: Any, rows: int) -> dict[str, float]:
     return rates
 
 
-def prefill(engine_dir: str, tokens: int, repeats: int, top: int) -> dict:
+def op_rates(rows: list[dict], gemm: float, attention: float) -> dict:
+    """GFLOP/s of the profiled prefill's GEMMs and attention, by their ops' self time."""
+    def seconds(*names: str) -> float:
+        return sum(r["self_ms_per_run"] for r in rows if any(n in r["op"] for n in names)) / 1e3
+
+    total = sum(r["self_ms_per_run"] for r in rows) / 1e3
+    attention_s = seconds("prefill_attention", "scaled_dot_product")
+    return {"gemm_gflops": gemm / max(seconds("linear", "addmm", "aten::mm"), 1e-9) / 1e9,
+            "attention_gflops": attention / max(attention_s, 1e-9) / 1e9,
+            "attention_share": attention_s / max(total, 1e-9)}
+
+
+def prefill(engine_dir: str, tokens: int, repeats: int, top: int,
+            torch_attention: bool = False) -> dict:
+    """`torch_attention`: each timed prefill again with torch's SDPA attending its long chunks
+    (the path before the prefill kernel), in turns."""
     engine = inprocess.load(engine_dir, **ENGINE_OPTIONS)
     engine.scheduler.target_itl_ms = 0
     inprocess.prefill_alone(engine, min(tokens, 256))  # warm-up
     with torch.inference_mode():
         rates = gemm_rates(engine, tokens)
-    timed = [inprocess.prefill_alone(engine, tokens, seed=i + 1) for i in range(repeats)]
+    timed, baseline = [], []
+    for i in range(repeats):
+        timed.append(inprocess.prefill_alone(engine, tokens, seed=i + 1))
+        if torch_attention:
+            engine.runner.kernel_attention = False
+            baseline.append(inprocess.prefill_alone(engine, tokens, seed=i + 1)[0])
+            engine.runner.kernel_attention = True
     seconds = statistics.median(t for t, _ in timed)
     gemm, attention = linear_flops(engine, tokens)
     peak, achieved = max(rates.values()), (gemm + attention) / seconds / 1e9
@@ -118,12 +139,21 @@ def prefill(engine_dir: str, tokens: int, repeats: int, top: int) -> dict:
              + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
              + f" GFLOP/s; peak {peak:.1f}",
              f"prefill at {achieved / peak:.0%} of the measured GEMM peak"]
+    ops = op_rates(rows, gemm, attention)
+    notes.append(f"in the profiled prefill: GEMMs {ops['gemm_gflops']:.1f} GFLOP/s, attention "
+                 f"{ops['attention_gflops']:.1f} GFLOP/s ({ops['attention_gflops'] / peak:.0%} of "
+                 f"the GEMM peak, {ops['attention_share']:.0%} of the profiled time)")
+    if baseline:
+        before = statistics.median(baseline)
+        notes.append(f"with torch's SDPA for attention, in turns: {before * 1e3:.0f} ms median; "
+                     f"the prefill kernel's prefill is {before / seconds:.2f}x faster")
     return document("forge bench profile", {
         "engine": engine_dir, "mode": "prefill", "prefill_tokens": tokens, "repeats": repeats,
         "torch_threads": torch.get_num_threads()}, [table], notes,
         prefill_ms=seconds * 1e3, runs=timed, gemm_gflop=gemm / 1e9,
         attention_gflop=attention / 1e9, achieved_gflops=achieved, gemm_gflops_by_layer=rates,
-        peak_gflops=peak, share_of_peak=achieved / peak, ops=rows)
+        peak_gflops=peak, share_of_peak=achieved / peak, torch_attention_runs=baseline, **ops,
+        ops=rows)
 
 
 def shape_loop(engine_dir: str, text: str, target_itl_ms: str | None) -> dict:
