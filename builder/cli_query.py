@@ -47,7 +47,9 @@ def query_command(prompt, url, protocol, stream, model, max_tokens, temperature,
         if not printed and not chat:  # an instruct model ends a bare question at once
             click.echo("(the answer is empty: the model ended at once; a chat model answers "
                        "questions asked as a chat turn: --chat)", err=True)
+    except ConnectionError as exc:  # the same words for gRPC and HTTP
+        fail(f"{exc}; start one (`make serve`) or name its port with --url", code=EXIT_INTERNAL)
     except RuntimeError as exc:
         fail(str(exc))
-    except Exception as exc:  # connection refused and friends
+    except Exception as exc:
         fail(f"{url}: {type(exc).__name__}: {exc}", code=EXIT_INTERNAL)

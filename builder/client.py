@@ -80,8 +80,14 @@ def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id:
         stream.close(cancel=not finished)
 
 
+def not_reachable(url: str, reason: object) -> ConnectionError:
+    """The one wording of every protocol's "nothing answers at `url`" (gRPC's is in grpc_stream)."""
+    return ConnectionError(f"{url}: server not reachable ({reason})")
+
+
 def infer_http(url: str, model: str, inputs: dict[str, np.ndarray], timeout: float = 120.0) -> dict:
-    """One non-streaming request over HTTP (tritonclient); raises with the server's message."""
+    """One non-streaming request over HTTP (tritonclient); raises with the server's message, or
+    `ConnectionError` when nothing answers at `url`."""
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(url, network_timeout=timeout,
@@ -90,13 +96,16 @@ def infer_http(url: str, model: str, inputs: dict[str, np.ndarray], timeout: flo
         result = client.infer(model, infer_inputs(inputs, httpclient))
         return {o["name"]: result.as_numpy(o["name"])
                 for o in result.get_response()["outputs"]}
+    except OSError as exc:  # refused, no route, reset before an answer
+        raise not_reachable(url, exc.strerror or exc) from None
     finally:
         client.close()
 
 
 def generate_http(url: str, model: str, payload: dict, stream: bool = False,
                   timeout: float = 120.0) -> list[dict]:
-    """POST to /generate (one JSON object) or /generate_stream (server-sent events)."""
+    """POST to /generate (one JSON object) or /generate_stream (server-sent events); raises
+    `RuntimeError` with the server's message, or `ConnectionError` when nothing answers."""
     endpoint = "generate_stream" if stream else "generate"
     request = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}",
                                      data=json.dumps(payload).encode(),
@@ -106,6 +115,9 @@ def generate_http(url: str, model: str, payload: dict, stream: bool = False,
             body = reply.read().decode("utf-8")
     except urllib.error.HTTPError as exc:
         raise RuntimeError(exc.read().decode("utf-8", errors="replace")) from None
+    except urllib.error.URLError as exc:  # no answer at all: refused, unknown host, timeout
+        reason = exc.reason.strerror if isinstance(exc.reason, OSError) else exc.reason
+        raise not_reachable(url, reason or exc.reason) from None
     if not stream:
         return [json.loads(body)]
     events = [json.loads(line[len("data:"):]) for line in body.splitlines()
