@@ -57,11 +57,21 @@ def comparison_table(result: dict[str, Any]) -> Table:
     return table
 
 
+def token_range(summary: dict | None) -> str:
+    """A workload's token range (`Workload.describe`) in words; None: prompts were not tokenized."""
+    if summary is None:
+        return "not counted (no tokenizer: --engine DIR or --tokenizer DIR counts them)"
+    if summary["min"] == summary["max"]:
+        return str(summary["min"])
+    return f"{summary['min']}-{summary['max']} (mean {summary['mean']:g})"
+
+
 def workload_line(result: dict[str, Any]) -> str:
     wl, settings = result["workload"], result["settings"]
     return (f"workload {wl['name']} (seed {wl['seed']}, scale {wl['scale']}; input tokens "
-            f"{wl['input_tokens']}, max_tokens {wl['max_tokens']}, stream {wl['stream']}), fixed "
-            f"output {settings['fixed_output']}, requests per level {settings.get('requests')}")
+            f"{token_range(wl['input_tokens'])}; max_tokens {token_range(wl['max_tokens'])}; "
+            f"stream {wl['stream']}), fixed output {settings['fixed_output']}, requests per "
+            f"level {settings.get('requests')}")
 
 
 def refresh(result: dict[str, Any]) -> dict[str, Any]:

@@ -232,6 +232,21 @@ def test_comparison_ratios_report_and_plots(tmp_path):
         assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_says_when_input_tokens_were_not_counted():
+    """Without a tokenizer the prompts' lengths are unknown: the report says so and how to count
+    them, never `input tokens None`; counted ranges read as ranges."""
+    from builder.bench.report import workload_line
+
+    result = _result()
+    line = workload_line(result)
+    assert "None" not in line.split("requests per level")[0]
+    assert "input tokens not counted (no tokenizer: --engine DIR or --tokenizer DIR" in line
+    assert "input tokens not counted" in markdown(refresh(result))
+    result["workload"].update(input_tokens={"min": 12, "max": 40, "mean": 20.5},
+                              max_tokens={"min": 16, "max": 16, "mean": 16.0})
+    assert "input tokens 12-40 (mean 20.5); max_tokens 16;" in workload_line(result)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--concurrency", "1,x"], "--concurrency"),
     (["--concurrency", "0"], "--concurrency"),
