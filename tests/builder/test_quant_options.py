@@ -41,3 +41,16 @@ def test_from_a_spec_dataclass_like_section():
 def test_errors_name_the_field(section, message):
     with pytest.raises(ValueError, match=message):
         QuantizeOptions.from_spec(section)
+
+
+def test_modelopt_advice_to_reinstall_it_is_not_shown():
+    """ModelOpt's import warns about the pinned transformers and advises `pip install -U
+    nvidia-modelopt[hf]`, which would replace the pinned packages: the builder does not show it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import builder.quantize\n"
+                           "import modelopt.torch.quantization"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "pip install -U nvidia-modelopt" not in done.stderr + done.stdout
