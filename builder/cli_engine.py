@@ -63,6 +63,12 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
                 "parallelism": {"tp": tp, "pp": pp}}
     with cli_errors():
         data, source = spec_data(spec_path, overrides, sections)
+        as_written = spec_data(spec_path, {**overrides, "dtype": None, "output": None}, {})[0]
+        variant = None if name else variant_name(as_written, data)
+        if variant is not None:
+            click.echo(f"a variant of {data['name']}: named {variant} (its engine directory, "
+                       f"repository and served model; --name sets another)", err=True)
+            data["name"] = variant
         if quick_gate:
             quick_gate_spec(data)
         engine_dir = Path(data["output"]) if data.get("output") else Path("engines") / str(data["name"])
@@ -102,6 +108,40 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
         engine_dir = build_engine(spec, emit_repository=not no_repository,
                                   repository_dir=repository, build_key=key)
         click.echo(f"engine: {engine_dir}")
+
+
+# The flags that change what an engine computes, and the word each value adds to a variant's name.
+VARIANT_WORDS = (
+    ("quantization", "weights", lambda v: "w16" if v == "none" else v.replace("_", "-")),
+    ("quantization", "group_size", lambda v: f"g{v}"),
+    ("quantization", "lm_head", lambda v: {"int8": "head8"}.get(v, "head16")),
+    ("quantization", "kv_cache", lambda v: {"int8": "kv8", "fp8": "kvfp8"}.get(v, "kv16")),
+    (None, "dtype", lambda v: {"float32": "fp32", "bfloat16": "bf16"}.get(v, "fp16")),
+)
+
+
+def variant_name(base: dict, data: dict) -> str | None:
+    """The name of a variant: `data` (the spec with the command line's flags) computes something
+    else than `base` (the spec as written), e.g. `smollm2-135m-kv8`; None when it does not, or
+    when it is built into the spec's own engine directory (it replaces that engine).
+    A variant then gets its own engine directory, repository and served model name instead of
+    taking the spec's, which name the engine it varies."""
+    from builder.spec import BuildSpec, QuantizationSpec
+
+    own_dir = Path(base.get("output") or Path("engines") / str(base["name"]))
+    if data.get("output") and Path(data["output"]).resolve() == own_dir.resolve():
+        return None
+
+    defaults = {"quantization": QuantizationSpec().__dict__,
+                None: {"dtype": BuildSpec.__dataclass_fields__["dtype"].default}}
+    words = []
+    for section, key, word in VARIANT_WORDS:
+        before = (base.get(section) or {}) if section else base
+        after = (data.get(section) or {}) if section else data
+        default = defaults[section][key]
+        if after.get(key, default) != before.get(key, default):
+            words.append(word(after[key]))
+    return "-".join([str(data["name"]), *words]) if words else None
 
 
 def quick_gate_spec(data: dict) -> None:

@@ -46,3 +46,28 @@ def test_engine_builds_naive_target(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["target"] == "naive" and (out / "hf" / "model.safetensors").is_file()
     assert (out / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_a_variant_is_served_under_its_own_name(tmp_path, monkeypatch):
+    """A flag that changes what the engine computes (here --dtype) makes a variant: its engine,
+    repository and served model take the spec's name plus the flag's word, unless --name says
+    otherwise; a variant the spec's own engine directory receives keeps the spec's name."""
+    from builder.serving.openai.config import OpenAIServerConfig
+
+    monkeypatch.chdir(tmp_path)  # engines/<name> lands here
+    checkpoint = tiny.make_checkpoint(tmp_path / "hf", "llama_gqa")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: tiny\ncheckpoint: {checkpoint}\ndtype: float32\nlimits: "
+                    "{max_batch_size: 4, max_num_tokens: 64, max_input_len: 32, max_seq_len: 64}\n")
+
+    def served(*flags):
+        repository = tmp_path / "repos" / str(len(list(tmp_path.glob("repos/*"))))
+        result = forge("engine", "--spec", spec, "--repository", repository, *flags)
+        assert result.exit_code == 0, result.output
+        return OpenAIServerConfig.from_repository(repository, "127.0.0.1:1").model_name
+
+    assert served("--dtype", "bfloat16", "--output", tmp_path / "e" / "bf16") == "tiny-bf16"
+    assert served("--dtype", "bfloat16", "--output", tmp_path / "e" / "mine",
+                  "--name", "mine") == "mine"
+    assert served("--output", tmp_path / "e" / "copy") == "tiny"  # the same engine elsewhere
+    assert served("--dtype", "bfloat16", "--output", "engines/tiny") == "tiny"  # replaces it
