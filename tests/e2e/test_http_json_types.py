@@ -1,5 +1,5 @@
-"""What Triton 2.51's HTTP `generate` answers to JSON of the wrong type, and the log-prob
-outputs through the ensemble, on a real server.
+"""What Triton 2.51's HTTP `generate` answers to JSON of the wrong type, a request without
+`max_tokens` on every protocol, and the log-prob outputs through the ensemble, on a real server.
 
 A JSON value that does not convert to an input's datatype never reaches our models: Triton's
 HTTP frontend refuses it itself, with status 400 or 500 and a message of its own that may not
@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from builder.client import generate_http
+from builder.client import generate_http, stream_grpc, text_inputs
 from builder.repository import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 
@@ -53,6 +53,21 @@ def test_wrong_json_types_are_refused_by_triton_and_the_server_serves_on(server,
     status, text = _post(server.http_url, body)
     assert (status, json.loads(text)) == (500, {"error": error})
     reply = generate_http(server.http_url, "ensemble", {"text_input": "The quick", "max_tokens": 2})
+    assert reply[0]["text_output"]
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_request_without_max_tokens_is_told_so_on_http_and_grpc(server, model):
+    """`max_tokens` is declared optional so that Triton lets the request reach the model that
+    names it: not Triton's "expected number of inputs between 2 and 31" (BLS), nor an ensemble
+    stream that ends without a response."""
+    for stream in (False, True):
+        with pytest.raises(RuntimeError, match="max_tokens is required"):
+            generate_http(server.http_url, model, {"text_input": "The quick"}, stream=stream)
+        with pytest.raises(RuntimeError, match="max_tokens is required"):
+            list(stream_grpc(server.grpc_url, model, text_inputs(text_input="The quick",
+                                                                  stream=stream)))
+    reply = generate_http(server.http_url, model, {"text_input": "The quick", "max_tokens": 2})
     assert reply[0]["text_output"]
 
 
