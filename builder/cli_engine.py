@@ -42,11 +42,14 @@ EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
 @click.option("--quick-gate", is_flag=True,
               help="Run a quick quality gate (a fraction of its text and questions, reported as "
                    "such; sets quantization.quality.quick, so a build without it rebuilds).")
+@click.option("--keep-rejected", is_flag=True,
+              help="Keep an engine the quality gate rejects, whole, in <output>.rejected/ "
+                   "(to run forge check or forge generate on it); default: its report only.")
 @click.option("--check", "check_only", is_flag=True,
               help="Exit 0 if the engine is up to date, 4 (with the reason) if it needs a rebuild.")
 def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware, tp, pp,
                    quantization, kv_cache_quantization, group_size, lm_head, repository_dir,
-                   no_repository, dry_run, force, quick_gate, check_only) -> None:
+                   no_repository, dry_run, force, quick_gate, keep_rejected, check_only) -> None:
     """Build an engine from a spec; command-line flags override the spec.
 
     An engine whose build key (spec, checkpoint files, quantization data, toolchain, llm-forge
@@ -106,7 +109,8 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
 
         spec = spec_from_dict(data, source=source)
         engine_dir = build_engine(spec, emit_repository=not no_repository,
-                                  repository_dir=repository, build_key=key)
+                                  repository_dir=repository, build_key=key,
+                                  keep_rejected=keep_rejected)
         click.echo(f"engine: {engine_dir}")
 
 

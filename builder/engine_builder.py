@@ -68,10 +68,13 @@ def trtllm_command(spec: BuildSpec, console: Console | None = None) -> str:
 
 
 def build_engine(spec: BuildSpec, console: Console | None = None, emit_repository: bool = True,
-                 repository_dir: Path | None = None, build_key=None) -> Path:
+                 repository_dir: Path | None = None, build_key=None,
+                 keep_rejected: bool = False) -> Path:
     """Build `spec` into its engine directory and (unless told not to) its Triton repository at
     `repository_dir` (default model_repository/<name>); returns the engine directory.
-    `build_key` (a builder.build_key.BuildKey) is saved into the engine once it is complete."""
+    `build_key` (a builder.build_key.BuildKey) is saved into the engine once it is complete.
+    `keep_rejected`: an engine its quality gate rejects is kept whole in `<output>.rejected/`
+    (torch target; otherwise only its report is)."""
     check_replaceable(spec.output_dir)  # before any long work
     steps = BuildSteps(total=_step_count(spec) + emit_repository, console=console)
     hf_dir, config = _resolve(spec, steps)
@@ -86,7 +89,7 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
         plan = plan_engine(spec, config)  # sizing errors before any long work
         engine_dir = build_trtllm_engine(spec, config, hf_dir, steps, plan)
     else:
-        engine_dir = _build_torch_engine(spec, config, hf_dir, steps)
+        engine_dir = _build_torch_engine(spec, config, hf_dir, steps, keep_rejected)
     if build_key is not None:
         build_key.save(engine_dir)
     if emit_repository:
@@ -97,16 +100,17 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
 
 
 def _build_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path,
-                        steps: BuildSteps) -> Path:
+                        steps: BuildSteps, keep_rejected: bool = False) -> Path:
     engine_dir = spec.output_dir
     check_replaceable(engine_dir)
     tmp_dir = staging_dir(engine_dir)
     try:
         _stage_torch_engine(spec, config, hf_dir, steps, tmp_dir, engine_dir)
     except QualityGateError as exc:  # rejected: the previous engine stays, the report is kept
-        report = keep_rejected_report(tmp_dir, engine_dir)
+        kept = keep_rejected_build(tmp_dir, engine_dir, whole=keep_rejected)
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise QualityGateError(f"{exc} (report: {report})" if report else str(exc)) from None
+        raise QualityGateError(f"{exc} ({rejected_note(kept, keep_rejected)})" if kept
+                               else str(exc)) from None
     except BaseException:  # a failed build leaves the previous engine as it was
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -188,19 +192,34 @@ def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> Non
             f"on this CPU){widened}")
 
 
-def keep_rejected_report(staged: Path, engine_dir: Path) -> Path | None:
-    """Move a rejected build's quality.json to `<engine_dir>.rejected/` (replacing an older one)
-    so CI can archive it; returns its path, or None when the gate wrote none."""
+def keep_rejected_build(staged: Path, engine_dir: Path, whole: bool = False) -> Path | None:
+    """A rejected build's report, or with `whole` the rejected engine itself, in
+    `<engine_dir>.rejected/` (replacing what an earlier rejection left there), so CI can archive
+    it and a user can check or try it; its path, or None when the gate wrote no report."""
     from builder.quality import QUALITY_FILE
 
     source = staged / QUALITY_FILE
     if not source.is_file():
         return None
     target_dir = engine_dir.with_name(engine_dir.name + ".rejected")
-    target_dir.mkdir(parents=True, exist_ok=True)
-    target = target_dir / QUALITY_FILE
-    shutil.move(str(source), target)
-    return target
+    if target_dir.exists():
+        if not (target_dir / QUALITY_FILE).is_file() and any(target_dir.iterdir()):
+            raise ValueError(f"{target_dir}: not a rejected build's directory; not replaced")
+        shutil.rmtree(target_dir)
+    if whole:
+        shutil.move(str(staged), target_dir)
+        return target_dir
+    target_dir.mkdir(parents=True)
+    shutil.move(str(source), target_dir / QUALITY_FILE)
+    return target_dir / QUALITY_FILE
+
+
+def rejected_note(kept: Path, whole: bool) -> str:
+    """Where a rejected build went and what can be done with it."""
+    if whole:
+        return (f"rejected engine kept: {kept}; `forge check --engine {kept}` measures it "
+                f"again, `forge generate --engine {kept}` tries it")
+    return f"report: {kept}; --keep-rejected keeps the whole engine to check or try"
 
 
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from builder.errors import QualityGateError
 from builder.progress import Eta
+from builder.quality_report import QUICK_NOTE, estimate_line, format_table, short, verdict
 from builder.task_check import QUICK_TASK_ITEMS, TASK_ITEMS, chat_prompt_ids, run_task_check
 from builder.quantize import calibration
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
@@ -146,13 +148,8 @@ def _check(report: QualityReport, thresholds: QualityThresholds) -> list[str]:
         for item in report.task_changed_answers:
             if item["must_keep"] and item["change"] == "lost":
                 failures.append(f"must_keep: {item['question']!r} is answered right by the "
-                                f"reference, not by the engine ({_short(item['engine_reply'])!r})")
+                                f"reference, not by the engine ({short(item['engine_reply'])!r})")
     return failures
-
-
-def _short(text: str, limit: int = 60) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def evaluation_windows(tokenizer, thresholds: QualityThresholds, max_len: int) -> torch.Tensor:
@@ -164,11 +161,13 @@ def evaluation_windows(tokenizer, thresholds: QualityThresholds, max_len: int) -
 
 
 def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresholds,
-            progress: Progress) -> dict:
-    """The four metrics of `engine` against `reference` (both with .logits(ids) and .greedy)."""
+            progress: Progress, first_window: Callable[[float], None] | None = None) -> dict:
+    """The four metrics of `engine` against `reference` (both with .logits(ids) and .greedy);
+    `first_window` is told the first window's seconds (the unit of the gate's estimate)."""
     nll_ref = nll_eng = 0.0
     agree = cosine = count = 0.0
     eta = Eta("evaluation window", len(windows), progress)
+    start = time.monotonic()
     for window in windows.tolist():
         ref, eng = reference.logits(window), engine.logits(window)
         targets = torch.tensor(window[1:])
@@ -177,6 +176,8 @@ def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresho
         agree += (ref.argmax(-1) == eng.argmax(-1)).sum().item()
         cosine += F.cosine_similarity(ref, eng, dim=-1).sum().item()
         count += len(window)
+        if eta.done == 0 and first_window is not None:
+            first_window(time.monotonic() - start)
         eta.tick()
     predicted = count - len(windows)
     greedy = []
@@ -218,7 +219,13 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     engine = EngineModel(engine_dir, max(windows.shape[1] + thresholds.greedy_tokens,
                                          longest_question + thresholds.task_tokens))
     reference = reference or ReferenceModel(reference_hf_dir)
-    metrics = compare(reference, engine, windows, thresholds, progress)
+    questions = len(task_items) if longest_question else 0
+    quick = None if full.quick else (min(full.windows, QUICK_WINDOWS),
+                                     min(full.prompts, QUICK_PROMPTS),
+                                     len(QUICK_TASK_ITEMS) if questions else 0)
+    prompts = min(thresholds.prompts, len(windows))
+    metrics = compare(reference, engine, windows, thresholds, progress, lambda seconds: progress(
+        estimate_line(seconds, thresholds, len(windows), prompts, questions, quick)))
     task = run_task_check(reference, engine, tokenizer, frozenset(config.tokenizer.eos_token_ids),
                           thresholds.task_tokens, thresholds.task_agreement_tokens, progress,
                           task_items)
@@ -235,66 +242,6 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     return report
 
 
-def format_table(report: QualityReport, thresholds: QualityThresholds) -> str:
-    """A plain-text table of the metrics, their thresholds and pass/fail."""
-    rows = [("perplexity (reference)", f"{report.reference_perplexity:.3f}", "", ""),
-            ("perplexity (engine)", f"{report.engine_perplexity:.3f}", "", "")]
-    for metric, limit, op in (
-            ("perplexity_increase_pct", thresholds.max_perplexity_increase_pct, "<="),
-            ("top1_agreement", thresholds.min_top1_agreement, ">="),
-            ("logit_cosine", thresholds.min_logit_cosine, ">="),
-            ("greedy_agreement", thresholds.min_greedy_agreement, ">=")):
-        failed = any(f.startswith(metric + " ") for f in report.failures)
-        rows.append((metric, f"{getattr(report, metric):.4f}",
-                     "" if limit is None else f"{op} {limit:g}",
-                     "" if limit is None else ("FAIL" if failed else "ok")))
-    if report.task_engine_score is not None:
-        limit = thresholds.min_task_retention
-        failed = any(f.startswith("task_retention ") for f in report.failures)
-        retention = "n/a" if report.task_retention is None else f"{report.task_retention:.4f}"
-        rows += [("task score (reference)", f"{report.task_reference_score:.4f}", "", ""),
-                 ("task score (engine)", f"{report.task_engine_score:.4f}", "", ""),
-                 ("task_retention", retention, "" if limit is None else f">= {limit:g}",
-                  "" if limit is None or report.task_retention is None
-                  else ("FAIL" if failed else "ok")),
-                 ("task first tokens agree", f"{report.task_first_tokens_agreement:.4f}", "", "")]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'metric':<{width}}  {'value':>10}  {'threshold':>10}  result",
-             f"{'-' * width}  {'-' * 10}  {'-' * 10}  ------"]
-    lines += [f"{a:<{width}}  {b:>10}  {c:>10}  {d}" for a, b, c, d in rows]
-    lines.append(f"({report.num_tokens} held-out tokens of {report.dataset!r})")
-    if report.task_engine_score is not None:
-        lines += changed_answers_lines(report)
-    if report.mode == "quick":
-        lines.insert(0, quick_banner(report))
-    return "\n".join(lines)
-
-
-def quick_banner(report: QualityReport) -> str:
-    scope = ", ".join(f"{value} {name.replace('_', ' ')}" for name, value in report.scope.items())
-    return (f"QUICK GATE ({scope}): not the full gate; `forge check --engine DIR` or a build "
-            f"without --quick-gate runs it")
-
-
-def changed_answers_lines(report: QualityReport) -> list[str]:
-    """The questions whose verdict changed vs the reference, lost ones first."""
-    changed = sorted(report.task_changed_answers, key=lambda x: (x["change"] != "lost",
-                                                                  not x["must_keep"]))
-    lost = sum(x["change"] == "lost" for x in changed)
-    asked = len(report.task_items)
-    if not changed:
-        return [f"answers changed vs the reference: none of {asked} questions"]
-    lines = [f"answers changed vs the reference: {lost} lost, {len(changed) - lost} gained "
-             f"(of {asked} questions)"]
-    for item in changed:
-        tag = item["change"] + (", must keep" if item["must_keep"] else "")
-        # No square brackets: the build's console (rich) would read them as markup.
-        lines += [f"  {tag}: {item['question']}",
-                  f"      reference: {_short(item['reference_reply'], 70)}",
-                  f"      engine:    {_short(item['engine_reply'], 70)}"]
-    return lines
-
-
 def run_quality_gate(engine_dir: str | Path, reference_hf_dir: str | Path,
                      thresholds: QualityThresholds, progress: Progress | None = None,
                      echo: Callable[[str], None] = print) -> QualityReport:
@@ -304,8 +251,8 @@ def run_quality_gate(engine_dir: str | Path, reference_hf_dir: str | Path,
     payload = {"passed": report.passed, "thresholds": dataclasses.asdict(thresholds),
                **dataclasses.asdict(report)}
     (Path(engine_dir) / QUALITY_FILE).write_text(json.dumps(payload, indent=2) + "\n")
-    quick = " (QUICK: a fraction of the gate, not the full one)" if report.mode == "quick" else ""
     if not report.passed:
+        quick = f" ({QUICK_NOTE})" if report.mode == "quick" else ""
         raise QualityGateError("; ".join(report.failures) + quick)
-    echo(f"quality gate: passed{quick}")
+    echo(verdict(report))  # first and last: the changed answers may push the table's top away
     return report

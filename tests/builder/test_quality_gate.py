@@ -130,7 +130,9 @@ def test_unknown_quality_key_is_named():
 
 def test_a_rejected_build_keeps_its_report_where_the_message_says(tmp_path):
     """The gate rejects a build (exit 3): the previous engine stays as it was and the report
-    lands in <output>.rejected/quality.json, whose path the error names."""
+    lands in <output>.rejected/quality.json, whose path the error names; the report's first
+    line is the verdict, and the gate said up front how long it would take. With
+    --keep-rejected the whole rejected engine is kept there, and forge check takes it."""
     checkpoint = tiny.make_checkpoint(tmp_path / "hf", "llama_gqa")
     output = tmp_path / "engine"
     spec = tmp_path / "spec.yaml"
@@ -145,10 +147,30 @@ def test_a_rejected_build_keeps_its_report_where_the_message_says(tmp_path):
     result = CliRunner().invoke(main, ["engine", "--spec", str(spec), "--no-repository"])
     assert result.exit_code == 3, result.output
     report = output.with_name("engine.rejected") / "quality.json"
-    assert f"(report: {report})" in result.output
+    assert f"(report: {report}; " in result.output
     quality = json.loads(report.read_text())
     assert quality["passed"] is False and quality["failures"][0].startswith("logit_cosine")
     assert not output.exists()  # nothing was installed in its place
+    assert "--keep-rejected keeps the whole engine to check or try" in result.output
+    said = " ".join(result.output.split())  # the console wraps long lines
+    assert "quality gate: 2 held-out windows, 1 greedy prompts, " in said
+    assert "questions, each through the reference and the engine: about " in said
+    verdict = "quality gate: FAILED: logit_cosine = "
+    assert verdict in said and said.index(verdict) < said.index("perplexity_increase_pct")
+
+    kept = CliRunner().invoke(main, ["engine", "--spec", str(spec), "--no-repository",
+                                     "--keep-rejected"])
+    assert kept.exit_code == 3, kept.output
+    rejected = output.with_name("engine.rejected")
+    assert f"rejected engine kept: {rejected}; `forge check --engine {rejected}`" in kept.output
+    assert {"config.json", "model.safetensors", "quality.json"} <= {p.name for p in
+                                                                    rejected.iterdir()}
+    assert not output.exists()
+    check = CliRunner().invoke(main, ["check", "--engine", str(rejected), "--reference",
+                                      str(checkpoint), "--threshold", "min_logit_cosine=0.5"])
+    assert check.exit_code == 0, check.output
+    assert check.output.lstrip().startswith("quality gate: passed") or \
+        "\nquality gate: passed\n" in check.output
 
 
 def test_check_with_too_little_text_names_the_minimum(engines, tmp_path):
@@ -161,3 +183,12 @@ def test_check_with_too_little_text_names_the_minimum(engines, tmp_path):
     assert ("fewer than one window of 32 tokens (quantization.quality.seq_len; forge check "
             "--threshold seq_len=N lowers it)") in result.output
     assert "error: evaluation text has" in result.output
+
+
+def test_the_gate_estimate_reproduces_the_measured_demo_gate():
+    """The estimate's unit is one window; its ratios come from the demo model's gate (8 windows
+    53 s, 8 greedy prompts 124 s, 46 questions 444 s)."""
+    from builder.quality_report import gate_seconds
+
+    assert gate_seconds(53 / 8, 8, 8, 16, 46, 24) == pytest.approx(53 + 124 + 444, rel=0.02)
+    assert gate_seconds(53 / 8, 2, 2, 16, 12, 24) < gate_seconds(53 / 8, 8, 8, 16, 46, 24) / 3

@@ -156,8 +156,10 @@ def test_a_quick_gate_says_so_in_its_table_verdict_and_report(tmp_path, monkeypa
     monkeypatch.setattr(quality, "evaluate", lambda *args, **kwargs: report)
     said: list[str] = []
     quality.run_quality_gate(tmp_path, tmp_path, QualityThresholds(quick=True), echo=said.append)
-    assert said[0].startswith("QUICK GATE (2 of 8 windows, 2 of 8 greedy prompts, "
-                              f"{len(QUICK_TASK_ITEMS)} of 46 task items): not the full gate")
+    table = said[0].splitlines()
+    assert table[0] == "quality gate: passed (QUICK: a fraction of the gate, not the full one)"
+    assert table[1].startswith("QUICK GATE (2 of 8 windows, 2 of 8 greedy prompts, "
+                               f"{len(QUICK_TASK_ITEMS)} of 46 task items): not the full gate")
     assert said[-1] == "quality gate: passed (QUICK: a fraction of the gate, not the full one)"
     written = json.loads((tmp_path / "quality.json").read_text())
     assert written["mode"] == "quick" and written["thresholds"]["quick"] is True
