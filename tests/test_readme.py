@@ -1,8 +1,11 @@
 """The README's promises to a newcomer, checked without running anything heavy: short, an
-OpenAI request early, the test command CI runs, and every `make` target, `forge` command and
-flag, link and marked block it shows exists. scripts/check_readme.py runs the commands."""
+OpenAI request early, the test command CI runs, every `make` target, `forge` command and flag,
+link and marked block it shows exists, and its servers (and the docs pages' ones) never start
+over a running one. scripts/check_readme.py runs the commands; its own behaviour is tested here
+on small pages."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -17,6 +20,9 @@ LINES = README.splitlines()
 # The Kubernetes paragraph points at `forge deploy` and docs/deploy.md, which land together:
 # they are checked once the page is in the tree.
 LANDING_WITH_DEPLOY_DOC = {"deploy"} if not (ROOT / "docs" / "deploy.md").is_file() else set()
+
+
+CHECKED_DOCS = ("docs/deploy.md", "docs/guided-decoding.md")
 
 
 def _check_readme_module():
@@ -42,6 +48,20 @@ def test_the_test_command_is_the_one_ci_runs():
     assert ci == "make test"
     assert re.search(r"^\$ make test\s", README, re.M)
     assert re.search(r"^\$ make engine\s", README, re.M)
+
+
+def test_make_serve_moves_every_port_it_is_told():
+    """The README offers `make serve` other ports so it can run beside the first server."""
+    import subprocess
+
+    ports = {"HTTP_PORT": 8100, "GRPC_PORT": 8101, "METRICS_PORT": 8102, "HEALTH_PORT": 8103}
+    done = subprocess.run(["make", "-n", "serve", *(f"{k}={v}" for k, v in ports.items())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    command = " ".join(done.stdout.replace("\\\n", " ").split())
+    assert ("serve --repository model_repository/smollm2-135m --http-port 8100 --grpc-port 8101 "
+            "--metrics-port 8102 --health-port 8103") in command, done.stdout + done.stderr
+    for name in ports:
+        assert f"`{name}=`" in README
 
 
 def _make_targets() -> set[str]:
@@ -97,7 +117,7 @@ def test_marked_blocks_parse_and_cover_both_servers():
     commands = [c.text for b in blocks for c in b.commands]
     assert any(c.startswith("make engine") for c in commands)
     assert any(c.startswith("make lora-demo") for c in commands)
-    assert all(b.kind in ("run", "server", "python") for b in blocks)
+    assert all(b.kind in ("run", "server", "python", "stop") for b in blocks)
 
 
 def test_output_pieces_between_ellipses_are_matched():
@@ -108,3 +128,60 @@ def test_output_pieces_between_ellipses_are_matched():
                                               '"x":1,"choices":[{"content":"Paris."}]}') == []
     assert check_readme.missing_output(shown, '{"content":"Lyon."}') != []
     assert check_readme.without_comment("make serve    # until Ctrl-C") == "make serve"
+
+
+def test_read_in_order_no_server_starts_over_a_running_one():
+    """Each page's servers take the default ports: the page says to stop one (a `stop` marker)
+    before the next starts, as a reader in one terminal would have to."""
+    check_readme = _check_readme_module()
+    overlapping_servers = sys.modules[check_readme.parse.__module__].overlapping_servers
+    for name in ("README.md", *CHECKED_DOCS):
+        blocks = check_readme.parse((ROOT / name).read_text(), name)
+        assert blocks, f"{name} marks no commands"
+        assert overlapping_servers(blocks) == [], name
+    clash = check_readme.parse(
+        '<!-- readme-check: server ready="up" -->\n```\n$ a\n```\n'
+        '<!-- readme-check: server ready="up" -->\n```\n$ b\n```\n')
+    assert len(overlapping_servers(clash)) == 1
+
+
+SERVER = ("exec {python} -c \"import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: "
+          "sys.exit(0)); print('up', flush=True); time.sleep(60)\"")
+
+
+def _run_page(page: str, tmp_path, with_=()):
+    check_readme = _check_readme_module()
+    runner = check_readme.Runner(tmp_path, dict(os.environ), sys.executable, set(with_))
+    return runner.run_page(check_readme.parse(page.replace("{python}", sys.executable)))
+
+
+def test_a_server_started_over_a_running_one_fails_and_stop_ends_it(tmp_path):
+    server = f'<!-- readme-check: server ready="up" timeout=60 -->\n```console\n$ {SERVER}\n```\n'
+    clashing = _run_page(server + server, tmp_path)
+    assert [r.ok for r in clashing].count(False) == 1
+    assert "still runs; the page must say to stop it first" in next(r.status for r in clashing
+                                                                    if not r.ok)
+    stopped = _run_page(server + "<!-- readme-check: stop -->\n" + server, tmp_path)
+    assert all(r.ok for r in stopped), [r.status for r in stopped]
+    assert [r.command for r in stopped].count("Ctrl-C to the server") == 2
+
+
+def test_sessions_promises_exit_codes_and_needs(tmp_path):
+    """`session`: one shell for the block's lines; a python block's `# -> TEXT` is checked;
+    `exit=N` expects that code; `needs=WORD` skips a block unless the check runs --with WORD."""
+    lines = "```console\n$ X=41\n$ echo $((X + 1))\n42\n```\n"
+    one_shell = _run_page("<!-- readme-check: run session -->\n" + lines, tmp_path)
+    assert [r.status for r in one_shell] == ["ok"]
+    apart = _run_page("<!-- readme-check: run -->\n" + lines, tmp_path)
+    assert apart[1].status.startswith("output differs: no '42'")
+    promise = "<!-- readme-check: python -->\n```python\nprint('yes')  # -> {}\n```\n"
+    assert _run_page(promise.format("yes"), tmp_path)[0].status == "ok"
+    assert _run_page(promise.format("no"), tmp_path)[0].status.startswith("output differs")
+    refused = "<!-- readme-check: run exit=3 -->\n```console\n$ {}\n```\n"
+    assert _run_page(refused.format("exit 3"), tmp_path)[0].status == "ok"
+    assert _run_page(refused.format("true"), tmp_path)[0].status.startswith(
+        "FAILED (expected exit 3)")
+    cluster = "<!-- readme-check: run needs=cluster -->\n```console\n$ false\n```\n"
+    skipped = _run_page(cluster, tmp_path)
+    assert skipped[0].ok and skipped[0].status.startswith("skipped (needs cluster")
+    assert not _run_page(cluster, tmp_path, with_=["cluster"])[0].ok
