@@ -7,6 +7,11 @@ ENGINE ?= engines/smollm2-135m
 REPO ?= model_repository/smollm2-135m
 PROMPT ?= An inference server is a program that
 PYTEST_ARGS ?=
+# make serve's ports (forge serve's defaults); other values let it run beside another server.
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+HEALTH_PORT ?= 8003
 BENCH_OUT ?= bench/latest
 BENCH_ARGS ?=
 
@@ -23,7 +28,8 @@ $(REPO)/ensemble/config.pbtxt: | setup
 	$(FORGE) repository --engine $(ENGINE) --output $(REPO)
 
 serve: setup $(REPO)/ensemble/config.pbtxt
-	$(FORGE) serve --repository $(REPO)
+	$(FORGE) serve --repository $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT)
 
 demo: setup $(REPO)/ensemble/config.pbtxt
 	$(FORGE) serve --repository $(REPO) --http-port 0 --grpc-port 0 --metrics-port 0 --health-port 0 \
