@@ -1,5 +1,5 @@
 """The quality gate's words: the verdict first, the table, the changed answers, and how long
-the gate will take, said once its first window is timed."""
+the gate will take, said once a window is timed."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -35,7 +35,7 @@ def gate_seconds(window_seconds: float, windows: int, prompts: int, greedy_token
 
 def estimate_line(window_seconds: float, thresholds: "QualityThresholds", windows: int,
                   prompts: int, questions: int, quick: tuple[int, int, int] | None) -> str:
-    """Said once the first window is timed: the gate's work and its time on this machine now;
+    """Said once a window is timed: the gate's work and its time on this machine now;
     `quick`: the quick gate's (windows, prompts, questions), offered when this one is full."""
     from builder.progress import format_duration
 
