@@ -1,6 +1,7 @@
 """`forge engine` and `forge generate`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -66,8 +67,9 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
                 "parallelism": {"tp": tp, "pp": pp}}
     with cli_errors():
         data, source = spec_data(spec_path, overrides, sections)
-        as_written = spec_data(spec_path, {**overrides, "dtype": None, "output": None}, {})[0]
-        variant = None if name else variant_name(as_written, data)
+        flags = [dtype, quantization, kv_cache_quantization, group_size, lm_head]
+        variant = None if name or all(f is None for f in flags) else variant_name(
+            spec_data(spec_path, {**overrides, "dtype": None, "output": None}, {})[0], data)
         if variant is not None:
             click.echo(f"a variant of {data['name']}: named {variant} (its engine directory, "
                        f"repository and served model; --name sets another)", err=True)
@@ -136,8 +138,8 @@ def variant_name(base: dict, data: dict) -> str | None:
     if data.get("output") and Path(data["output"]).resolve() == own_dir.resolve():
         return None
 
-    defaults = {"quantization": QuantizationSpec().__dict__,
-                None: {"dtype": BuildSpec.__dataclass_fields__["dtype"].default}}
+    defaults = {"quantization": {f.name: f.default for f in dataclasses.fields(QuantizationSpec)},
+                None: {f.name: f.default for f in dataclasses.fields(BuildSpec)}}
     words = []
     for section, key, word in VARIANT_WORDS:
         before = (base.get(section) or {}) if section else base
