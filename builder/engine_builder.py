@@ -73,8 +73,8 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
     """Build `spec` into its engine directory and (unless told not to) its Triton repository at
     `repository_dir` (default model_repository/<name>); returns the engine directory.
     `build_key` (a builder.build_key.BuildKey) is saved into the engine once it is complete.
-    `keep_rejected`: an engine its quality gate rejects is kept whole in `<output>.rejected/`
-    (torch target; otherwise only its report is)."""
+    `keep_rejected` (torch target): an engine its quality gate rejects is kept whole in
+    `<output>.rejected/`, not only its report."""
     check_replaceable(spec.output_dir)  # before any long work
     steps = BuildSteps(total=_step_count(spec) + emit_repository, console=console)
     hf_dir, config = _resolve(spec, steps)
