@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from builder.errors import QualityGateError
 from builder.progress import Eta
-from builder.quality_report import QUICK_NOTE, estimate_line, format_table, short, verdict
+from builder.quality_report import (QUICK_NOTE, format_table, plan_line, record_gate_time,
+                                    short, verdict)
 from builder.task_check import QUICK_TASK_ITEMS, TASK_ITEMS, chat_prompt_ids, run_task_check
 from builder.quantize import calibration
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
@@ -161,17 +162,12 @@ def evaluation_windows(tokenizer, thresholds: QualityThresholds, max_len: int) -
 
 
 def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresholds,
-            progress: Progress, timed_window: Callable[[float], None] | None = None) -> dict:
-    """The four metrics of `engine` against `reference` (both with .logits(ids) and .greedy);
-    `timed_window` is told one window's seconds (the unit of the gate's estimate): the second's,
-    since the first also pays both models' first-call costs (the engine measures its GEMM plans
-    then), or the first's when there is one only."""
+            progress: Progress) -> dict:
+    """The four metrics of `engine` against `reference` (both with .logits(ids) and .greedy)."""
     nll_ref = nll_eng = 0.0
     agree = cosine = count = 0.0
     eta = Eta("evaluation window", len(windows), progress)
-    timed = min(1, len(windows) - 1)
     for window in windows.tolist():
-        start = time.monotonic()
         ref, eng = reference.logits(window), engine.logits(window)
         targets = torch.tensor(window[1:])
         nll_ref += F.cross_entropy(ref[:-1], targets, reduction="sum").item()
@@ -179,8 +175,6 @@ def compare(reference, engine, windows: torch.Tensor, thresholds: QualityThresho
         agree += (ref.argmax(-1) == eng.argmax(-1)).sum().item()
         cosine += F.cosine_similarity(ref, eng, dim=-1).sum().item()
         count += len(window)
-        if eta.done == timed and timed_window is not None:
-            timed_window(time.monotonic() - start)
         eta.tick()
     predicted = count - len(windows)
     greedy = []
@@ -209,6 +203,7 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     from builder.quality_eval import EngineModel, ReferenceModel
 
     progress = progress or (lambda message: None)
+    start = time.monotonic()
     config = EngineConfig.load(engine_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(engine_dir) / TOKENIZER_DIR))
     full = thresholds
@@ -222,13 +217,10 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     engine = EngineModel(engine_dir, max(windows.shape[1] + thresholds.greedy_tokens,
                                          longest_question + thresholds.task_tokens))
     reference = reference or ReferenceModel(reference_hf_dir)
-    questions = len(task_items) if longest_question else 0
-    quick = None if full.quick else (min(full.windows, QUICK_WINDOWS),
-                                     min(full.prompts, QUICK_PROMPTS),
-                                     len(QUICK_TASK_ITEMS) if questions else 0)
-    prompts = min(thresholds.prompts, len(windows))
-    metrics = compare(reference, engine, windows, thresholds, progress, lambda seconds: progress(
-        estimate_line(seconds, thresholds, len(windows), prompts, questions, quick)))
+    progress(plan_line(reference_hf_dir, full.quick, len(windows),
+                       min(thresholds.prompts, len(windows)),
+                       len(task_items) if longest_question else 0))
+    metrics = compare(reference, engine, windows, thresholds, progress)
     task = run_task_check(reference, engine, tokenizer, frozenset(config.tokenizer.eos_token_ids),
                           thresholds.task_tokens, thresholds.task_agreement_tokens, progress,
                           task_items)
@@ -241,6 +233,7 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
                                           f"{full.prompts}"}
         if task:  # no chat template, no task check
             report.scope["task_items"] = f"{len(task_items)} of {len(TASK_ITEMS)}"
+    record_gate_time(reference_hf_dir, full.quick, time.monotonic() - start)
     report.failures = _check(report, thresholds)
     return report
 

@@ -1,20 +1,23 @@
-"""The quality gate's words: the verdict first, the table, the changed answers, and how long
-the gate will take, said once a window is timed."""
+"""The quality gate's words: how long it took here last time (said before it starts), the
+verdict first, the table, the changed answers."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from builder.quality import QualityReport, QualityThresholds
 
 QUICK_NOTE = "QUICK: a fraction of the gate, not the full one"
-# A greedy prompt and a task question in evaluation windows (a window: one prefill of `seq_len`
-# tokens by the reference and by the engine), per token they generate: measured on the demo
-# model with the default thresholds (8 windows 53 s, 8 prompts of 16 tokens 124 s, 46 questions
-# of up to 24 tokens 444 s; a 2-vCPU AMD EPYC shared with other work). Decoding costs the same
-# relative to a prefill on any CPU to within the estimate's "about".
-WINDOWS_PER_GREEDY_TOKEN = 2.35 / 16
-WINDOWS_PER_TASK_TOKEN = 1.45 / 24
+# How long each model's gates took on this machine, in the cache (keyed by the reference
+# checkpoint's directory and the mode; entries of directories gone are dropped). A gate's time depends on the machine and on what else runs on
+# it far more than on any count (the demo model's full gate: 3m25s on a quiet 2-vCPU EPYC, 10 to
+# 37 minutes while other builds shared its cores, phases stretched unevenly), so the estimate up
+# front is the last measured time here, not one extrapolated from the work.
+GATE_TIMES_FILE = "gate_times.json"
+DEMO_GATE_NOTE = ("the demo model's full gate took 3m25s on a quiet 2-vCPU EPYC, 10 to 37 "
+                  "minutes while other builds shared it; its quick gate about a quarter of that")
 
 
 def verdict(report: "QualityReport") -> str:
@@ -25,30 +28,53 @@ def verdict(report: "QualityReport") -> str:
     return f"quality gate: FAILED{quick}: " + "; ".join(report.failures)
 
 
-def gate_seconds(window_seconds: float, windows: int, prompts: int, greedy_tokens: int,
-                 questions: int, task_tokens: int) -> float:
-    """The whole gate's time from one window's (see WINDOWS_PER_*)."""
-    units = (windows + prompts * greedy_tokens * WINDOWS_PER_GREEDY_TOKEN
-             + questions * task_tokens * WINDOWS_PER_TASK_TOKEN)
-    return window_seconds * units
+def _times_path() -> Path:
+    from triton_backend.engine.cache_dir import cache_root
+
+    return cache_root() / GATE_TIMES_FILE
 
 
-def estimate_line(window_seconds: float, thresholds: "QualityThresholds", windows: int,
-                  prompts: int, questions: int, quick: tuple[int, int, int] | None) -> str:
-    """Said once a window is timed: the gate's work and its time on this machine now;
-    `quick`: the quick gate's (windows, prompts, questions), offered when this one is full."""
+def _gate_times() -> dict[str, float]:
+    try:
+        times = json.loads(_times_path().read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: no estimate, never a failure
+        return {}
+    return times if isinstance(times, dict) else {}
+
+
+def _key(reference: str | Path, quick: bool) -> str:
+    return f"{Path(reference).resolve()}|{'quick' if quick else 'full'}"
+
+
+def plan_line(reference: str | Path, quick: bool, windows: int, prompts: int,
+              questions: int) -> str:
+    """Said before the gate starts: its work and how long it took here last time."""
     from builder.progress import format_duration
 
-    def total(w: int, p: int, q: int) -> str:
-        return format_duration(gate_seconds(window_seconds, w, p, thresholds.greedy_tokens, q,
-                                            thresholds.task_tokens))
-
-    line = (f"quality gate: {windows} held-out windows, {prompts} greedy prompts, {questions} "
-            f"questions, each through the reference and the engine: about "
-            f"{total(windows, prompts, questions)} on this machine now")
-    if quick is not None:
-        line += f" (--quick-gate: about {total(*quick)})"
+    times = _gate_times()
+    mode = "quick" if quick else "full"
+    line = (f"quality gate ({mode}): {windows} held-out windows, {prompts} greedy prompts, "
+            f"{questions} questions, each through the reference and the engine; ")
+    last, other = times.get(_key(reference, quick)), times.get(_key(reference, not quick))
+    if last is None:
+        return line + f"no earlier {mode} gate of this model here ({DEMO_GATE_NOTE})"
+    line += f"the last {mode} one of this model here took {format_duration(last)}"
+    if other is not None and not quick:
+        line += f" (the quick one {format_duration(other)}: --quick-gate)"
     return line
+
+
+def record_gate_time(reference: str | Path, quick: bool, seconds: float) -> None:
+    """Keep this gate's time for the next one's estimate (best effort: a read-only cache, as in
+    an image, keeps none)."""
+    times = {key: value for key, value in _gate_times().items()
+             if Path(key.rpartition("|")[0]).exists()}
+    times[_key(reference, quick)] = round(seconds, 1)
+    try:
+        _times_path().parent.mkdir(parents=True, exist_ok=True)
+        _times_path().write_text(json.dumps(times, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass
 
 
 def format_table(report: "QualityReport", thresholds: "QualityThresholds") -> str:
