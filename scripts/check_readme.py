@@ -174,7 +174,7 @@ class Runner:
         missing = missing_output(expected or [], output)
         status = "ok" if not missing else \
             f"output differs: no {missing[0]!r} in {output.strip()[:300]!r}"
-        return Result(block.where, shown, status, 0, seconds)
+        return Result(block.where, shown, status, done.returncode, seconds)
 
     def _start(self, block: Block) -> None:
         if self.server is not None:  # the reader would find the ports taken

@@ -22,7 +22,7 @@ LINES = README.splitlines()
 LANDING_WITH_DEPLOY_DOC = {"deploy"} if not (ROOT / "docs" / "deploy.md").is_file() else set()
 
 
-CHECKED_DOCS = ("docs/deploy.md", "docs/guided-decoding.md")
+CHECKED_DOCS = ("docs/deploy.md", "docs/quantization.md", "docs/guided-decoding.md")
 
 
 def _check_readme_module():
