@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -226,10 +227,14 @@ def _keep_log(block: Block, output: str) -> None:
 
 
 def setup_stamp(checkout: Path) -> str:
-    """What scripts/setup.sh records in .venv/.llm-forge-setup for this checkout."""
-    digest = hashlib.sha256()
-    for name in ("pyproject.toml", "scripts/setup.sh"):
-        digest.update((checkout / name).read_bytes())
+    """What scripts/setup.sh records in .venv/.llm-forge-setup for this checkout (its inputs and
+    what it is asked for: the default extras and torch pin, as `make setup` runs it)."""
+    script = (checkout / "scripts" / "setup.sh").read_text()
+    defaults = [re.search(r'"\$\{' + name + r':-([^}]*)\}"', script) for name in
+                ("SETUP_EXTRAS", "SETUP_TORCH_PIN")]
+    digest = hashlib.sha256((checkout / "pyproject.toml").read_bytes() + script.encode())
+    if all(defaults):  # setup.sh stamps "$EXTRAS $TORCH_PIN" too
+        digest.update(f"{defaults[0].group(1)} {defaults[1].group(1)}\n".encode())
     return digest.hexdigest()
 
 

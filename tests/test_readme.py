@@ -185,3 +185,18 @@ def test_sessions_promises_exit_codes_and_needs(tmp_path):
     skipped = _run_page(cluster, tmp_path)
     assert skipped[0].ok and skipped[0].status.startswith("skipped (needs cluster")
     assert not _run_page(cluster, tmp_path, with_=["cluster"])[0].ok
+
+
+def test_the_venv_stamp_is_the_one_setup_sh_writes():
+    """--venv accepts a venv only when setup.sh would leave it as it is: the stamp must be
+    computed as setup.sh computes it (its line, run by bash with its own defaults)."""
+    import subprocess
+
+    check_readme = _check_readme_module()
+    script = (ROOT / "scripts" / "setup.sh").read_text()
+    lines = [line for line in script.splitlines()
+             if re.match(r"(TORCH_PIN|EXTRAS|WANT)=", line)]
+    assert len(lines) == 3, lines
+    done = subprocess.run(["bash", "-c", "\n".join(lines) + '\necho "$WANT"'], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+    assert done.stdout.strip() == check_readme.setup_stamp(ROOT)
