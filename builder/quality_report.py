@@ -12,11 +12,11 @@ if TYPE_CHECKING:
 QUICK_NOTE = "QUICK: a fraction of the gate, not the full one"
 # How long each model's gates took on this machine, in the cache (keyed by the reference
 # checkpoint's directory and the mode; entries of directories gone are dropped). A gate's time depends on the machine and on what else runs on
-# it far more than on any count (the demo model's full gate: 3m25s on a quiet 2-vCPU EPYC, 10 to
+# it far more than on any count (the demo model's full gate: 68 s on a quiet 2-vCPU EPYC, 10 to
 # 37 minutes while other builds shared its cores, phases stretched unevenly), so the estimate up
 # front is the last measured time here, not one extrapolated from the work.
 GATE_TIMES_FILE = "gate_times.json"
-DEMO_GATE_NOTE = ("the demo model's full gate took 3m25s on a quiet 2-vCPU EPYC, 10 to 37 "
+DEMO_GATE_NOTE = ("the demo model's full gate took 68 s on a quiet 2-vCPU EPYC, 10 to 37 "
                   "minutes while other builds shared it; its quick gate about a quarter of that")
 
 
