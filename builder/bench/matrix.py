@@ -221,11 +221,12 @@ def medians(runs: list[dict], label: str, shape: Shape) -> dict | None:
 
 
 def verdicts(figures: dict, vllm: dict) -> list[str]:
-    """What the goodput issue asks of forge on one shape, each either met or not."""
+    """What the long-prompt issue asks of forge on one shape against `vllm serve`, each either
+    met or not (its ITL rule is vLLM's own p99, which replaced "p99 <= 4x our p50")."""
     checks = [("tok/s >= 1.2x", figures["output_throughput"] >= 1.2 * vllm["output_throughput"]),
               ("TTFT p50 <=", figures["median_ttft_ms"] <= vllm["median_ttft_ms"]),
               ("goodput >=", figures["request_goodput"] >= vllm["request_goodput"]),
-              ("ITL p99 <= 4x p50", figures["p99_itl_ms"] <= 4 * figures["median_itl_ms"])]
+              ("ITL p99 <=", figures["p99_itl_ms"] <= vllm["p99_itl_ms"])]
     return [f"{name} {'yes' if ok else 'NO'}" for name, ok in checks]
 
 

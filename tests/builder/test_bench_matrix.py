@@ -43,12 +43,14 @@ def test_fixed_shapes_force_lengths_and_every_shape_has_its_goodput_slo(tmp_path
 def test_the_checks_are_the_issues_acceptance():
     vllm = {"output_throughput": 100.0, "median_ttft_ms": 3000.0, "request_goodput": 1.0,
             "p99_itl_ms": 500.0, "median_itl_ms": 50.0}
-    good = dict(vllm, output_throughput=121.0, median_ttft_ms=2900.0, p99_itl_ms=200.0)
+    # ITL p99 against vLLM's own p99, not a multiple of ours: 10x our p50 passes at 500 ms.
+    good = dict(vllm, output_throughput=121.0, median_ttft_ms=2900.0, p99_itl_ms=500.0)
     assert verdicts(good, vllm) == ["tok/s >= 1.2x yes", "TTFT p50 <= yes", "goodput >= yes",
-                                    "ITL p99 <= 4x p50 yes"]
-    stalled = dict(good, output_throughput=119.0, p99_itl_ms=201.0, request_goodput=0.9)
+                                    "ITL p99 <= yes"]
+    stalled = dict(good, output_throughput=119.0, p99_itl_ms=501.0, request_goodput=0.9,
+                   median_itl_ms=400.0)
     assert verdicts(stalled, vllm) == ["tok/s >= 1.2x NO", "TTFT p50 <= yes", "goodput >= NO",
-                                       "ITL p99 <= 4x p50 NO"]
+                                       "ITL p99 <= NO"]
 
 
 def test_without_vllm_the_ratios_are_to_the_first_repository_and_nothing_is_checked():

@@ -351,3 +351,95 @@ def test_run_bench_sends_each_level_its_own_prompts(monkeypatch, tokenizer):
     levels = [{p for i, p in sent[n:n + 8] if i >= 0} for n in (2, 10)]  # after both warm-ups
     assert len(warmup) == 1 and all(len(level) == 4 for level in levels)  # both targets alike
     assert not levels[0] & levels[1] and not warmup & (levels[0] | levels[1])
+
+
+FAKE_VLLM = '''
+print("vLLM says hello on stdout")  # must not reach the answer pipe
+
+
+class EngineArgs:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class SamplingParams:
+    def __init__(self, max_tokens, min_tokens, **kwargs):
+        assert min_tokens == max_tokens
+        self.max_tokens = max_tokens
+'''
+FAKE_ENGINE = '''
+from types import SimpleNamespace
+
+
+class LLMEngine:
+    """One token a step for every request, cumulative outputs, like vLLM's default."""
+
+    @classmethod
+    def from_engine_args(cls, args):
+        assert args.kwargs["enable_prefix_caching"] is False
+        return cls()
+
+    def __init__(self):
+        self.requests = {}
+
+    def add_request(self, rid, prompt, params):
+        self.requests[rid] = [prompt["prompt_token_ids"], params.max_tokens, []]
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        outputs = []
+        for rid, (ids, n, out) in list(self.requests.items()):
+            out.append(len(ids))
+            outputs.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(
+                token_ids=list(out))]))
+            if len(out) == n:
+                del self.requests[rid]
+        return outputs
+'''
+
+
+def test_the_vllm_side_drives_vllms_engine_in_its_venv_over_a_pipe(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from builder.bench.engine_bench import ratio_notes
+    from builder.bench.engine_level import EngineProtocol
+    from builder.bench.vllm_engine_side import VllmEngineSide
+
+    package = tmp_path / "site" / "vllm"
+    (package / "v1" / "engine").mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_VLLM)
+    (package / "v1" / "__init__.py").write_text("")
+    (package / "v1" / "engine" / "__init__.py").write_text("")
+    (package / "v1" / "engine" / "llm_engine.py").write_text(FAKE_ENGINE)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, tmp_path / "venv" / "bin" / "python")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+
+    side = VllmEngineSide(tmp_path / "venv", "checkpoint", EngineProtocol(3, 4, 5))
+    try:
+        one = side.run_one([5, 6, 7, 8], "", max_tokens=1)
+        assert one.decode_tok_s == 0.0 and one.ttft_s > 0
+        every = side.run_all([[1] * 4, [2] * 4, [3] * 4], ["", "", ""])
+        assert 0 < every.prefill_s < every.total_s
+        assert every.tok_s == pytest.approx(15 / every.total_s)
+    finally:
+        side.close()
+    assert side.child.returncode == 0
+    with pytest.raises(FileNotFoundError, match="--vllm-venv: no .*bin/python"):
+        VllmEngineSide(tmp_path / "nowhere", "checkpoint", EngineProtocol())
+
+    # Ours over vLLM's: above 1 where ours is ahead.
+    def timings(prefill, tok_s, ttft, decode):
+        return {"c1": {"ttft_s": ttft, "decode_tok_s": decode},
+                "cN": {"prefill_s": prefill, "tok_s": tok_s}}
+
+    runs = {"engine": [timings(3.0, 180.0, 0.4, 120.0)] * 2,
+            "vllm": [timings(6.0, 90.0, 0.8, 60.0), timings(4.5, 90.0, 0.8, 60.0)]}
+    medians = {name: {f"{lv}.{key}": sum(r[lv][key] for r in rs) / len(rs)
+                      for lv in ("c1", "cN") for key in rs[0][lv]} for name, rs in runs.items()}
+    (line,) = ratio_notes(medians, runs)
+    assert line.startswith("engine vs vllm: prefill of all 1.75x as fast (repeat by repeat: "
+                           "2.00, 1.50), tok/s c=N 2.00x, decode c=1 2.00x, TTFT c=1 2.00x")
