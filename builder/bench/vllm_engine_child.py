@@ -33,15 +33,13 @@ def main() -> None:
             serial += 1
             rids.append(str(serial))
             engine.add_request(rids[-1], {"prompt_token_ids": ids}, params)
-        counts = {rid: 0 for rid in rids}
-        times = {rid: [] for rid in rids}
+        times: dict[str, list[float]] = {rid: [] for rid in rids}
         while engine.has_unfinished_requests():
             outputs = engine.step()
             now = time.perf_counter()
-            for output in outputs:
-                total = len(output.outputs[0].token_ids)
-                times[output.request_id].extend([now] * (total - counts[output.request_id]))
-                counts[output.request_id] = total
+            for output in outputs:  # cumulative: the tokens so far, not those new this step
+                seen = times[output.request_id]
+                seen.extend([now] * (len(output.outputs[0].token_ids) - len(seen)))
         out.write(json.dumps({"start": start, "times": [times[r] for r in rids]}) + "\n")
         out.flush()
 
