@@ -1,5 +1,5 @@
 """Hugging Face checkpoint -> the runtime's model shape and weight layout, through the model
-family of the checkpoint's `model_type` (triton_backend/engine/models/).
+family of the checkpoint's `model_type` (triton_backend/engine/families/).
 """
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from triton_backend.engine import models
+from triton_backend.engine import families
 from triton_backend.engine.config import ModelShape
 
 def model_shape_from_hf(hf_config: dict) -> ModelShape:
     """The model shape from an HF `config.json`, read by the family of its `model_type`."""
-    return models.for_model_type(hf_config.get("model_type")).shape_from_hf(hf_config)
+    return families.for_model_type(hf_config.get("model_type")).shape_from_hf(hf_config)
 
 
 def load_hf_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -30,7 +30,7 @@ def load_hf_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
 def convert_state_dict(hf_state: dict[str, torch.Tensor], shape: ModelShape,
                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Rename and fuse HF weights into the runtime layout (the family's table), cast to `dtype`."""
-    return models.get(shape.architecture).convert_state_dict(hf_state, shape, dtype)
+    return families.get(shape.architecture).convert_state_dict(hf_state, shape, dtype)
 
 
 def read_hf_config(hf_dir: Path) -> dict:

@@ -73,9 +73,9 @@ MAX_NUM_TOKENS = 8192     # TensorRT-LLM's default token budget per step
 
 def parameter_count(shape: ModelShape) -> int:
     """Weights of the model (its family's module tree: embedding, layers, untied lm_head)."""
-    from triton_backend.engine import models
+    from triton_backend.engine import families
 
-    return models.get(shape.architecture).parameter_count(shape)
+    return families.get(shape.architecture).parameter_count(shape)
 
 
 @dataclass(frozen=True)

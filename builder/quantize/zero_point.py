@@ -28,7 +28,7 @@ from builder.quantize.options import QuantizeOptions
 from builder.quantize.result import QuantizationResult, linear_bytes
 from builder.quantize.trtllm_checkpoint import KV_CACHE_QUANT_ALGOS
 from triton_backend.engine.config import WEIGHTS_FILE, QuantConfig
-from triton_backend.engine.models.llama import PROJECTIONS
+from triton_backend.engine.families.llama import PROJECTIONS
 from triton_backend.engine.quant import int4
 
 QUANT_ALGO = "W4A16_ZERO_POINT"

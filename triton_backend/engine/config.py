@@ -34,7 +34,7 @@ def _positive(name: str, value: Any) -> None:
 
 @dataclass
 class ModelShape:
-    """Shape of a decoder of one of the model families (`architecture`: engine/models/)."""
+    """Shape of a decoder of one of the model families (`architecture`: engine/families/)."""
 
     architecture: str
     vocab_size: int
@@ -54,7 +54,7 @@ class ModelShape:
     hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
-        # Which names exist is the family registry's (engine/models/), checked when a model is
+        # Which names exist is the family registry's (engine/families/), checked when a model is
         # built: reading a config stays free of torch.
         _require(isinstance(self.architecture, str) and self.architecture != "",
                  f"model.architecture must name a model family, got {self.architecture!r}")

@@ -1,4 +1,4 @@
-"""The Llama-family decoder over packed tokens; families (`engine/models/`) build it, swapping in
+"""The Llama-family decoder over packed tokens; families (`engine/families/`) build it, swapping in
 their own attention module where they differ (e.g. Qwen3's QK-norm).
 
 Weight names follow TensorRT-LLM's checkpoint layout, with the gate/up projections fused:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_backend.engine import models
+from triton_backend.engine import families
 from triton_backend.engine.config import ModelShape
 
 
@@ -38,7 +38,7 @@ class Projections:
 @functools.cache
 def projections(architecture: str) -> Projections:
     """The LoRA projections of the family an engine config's `model.architecture` names."""
-    parts = models.get(architecture).lora_parts()
+    parts = families.get(architecture).lora_parts()
     return Projections({name: (runtime.split(".")[1], index) for _, name, runtime, index in parts},
                        {name: parent for parent, name, _, _ in parts},
                        {runtime.split(".")[1]: runtime for _, _, runtime, _ in parts})

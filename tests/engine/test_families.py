@@ -1,4 +1,4 @@
-"""The model-family registry (triton_backend/engine/models/): which checkpoints it reads, the one
+"""The model-family registry (triton_backend/engine/families/): which checkpoints it reads, the one
 weight-name table, and the errors a checkpoint of the wrong family gets."""
 import json
 
@@ -9,23 +9,23 @@ from safetensors.torch import load_file, save_file
 import tiny
 from builder.convert import convert_state_dict, model_shape_from_hf, read_hf_config
 from builder.hardware import parameter_count
-from triton_backend.engine import models
+from triton_backend.engine import families
 
 
 def test_every_family_is_found_by_its_name_and_its_model_types():
-    assert models.architectures() == ["llama", "mistral", "qwen2", "qwen3"]
-    for name in models.architectures():
-        family = models.get(name)
-        assert all(models.for_model_type(t) is family for t in family.model_types)
+    assert families.architectures() == ["llama", "mistral", "qwen2", "qwen3"]
+    for name in families.architectures():
+        family = families.get(name)
+        assert all(families.for_model_type(t) is family for t in family.model_types)
 
 
 def test_an_unknown_family_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"checkpoint: model_type 'gpt2' is not supported "
                                          r"\(supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]\)"):
-        models.for_model_type("gpt2")
+        families.for_model_type("gpt2")
     with pytest.raises(ValueError, match=r"model.architecture must be one of \['llama', 'mistral', "
                                          r"'qwen2', 'qwen3'\], got 'gpt2'"):
-        models.get("gpt2")
+        families.get("gpt2")
 
 
 @pytest.mark.parametrize("shape", list(tiny.SHAPES))
@@ -41,7 +41,7 @@ def test_the_table_converts_every_checkpoint_tensor_and_counts_every_parameter(t
 
 
 def test_the_projections_runtime_names_come_from_the_table():
-    llama, qwen3 = models.get("llama"), models.get("qwen3")
+    llama, qwen3 = families.get("llama"), families.get("qwen3")
     assert llama.runtime_name("model.layers.3.mlp.up_proj") == "transformer.layers.3.mlp.gate_up"
     assert llama.runtime_name("model.layers.0.self_attn.v_proj") == "transformer.layers.0.attention.qkv"
     assert llama.runtime_name("lm_head") == "lm_head"

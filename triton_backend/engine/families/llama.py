@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from triton_backend.engine.config import EngineConfig, ModelShape
-from triton_backend.engine.models import register
+from triton_backend.engine.families import register
 
 # Tensors a checkpoint may hold that are not weights (older transformers saved rotary tables).
 _NOT_WEIGHTS = ("rotary_emb.inv_freq",)

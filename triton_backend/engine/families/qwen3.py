@@ -14,8 +14,8 @@ from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.layers import RMSNorm
 from triton_backend.engine.lora.batch import LoRABatch
 from triton_backend.engine.model import Attention
-from triton_backend.engine.models import register
-from triton_backend.engine.models.llama import LlamaFamily, Weight
+from triton_backend.engine.families import register
+from triton_backend.engine.families.llama import LlamaFamily, Weight
 from triton_backend.engine.ops import TorchOps
 
 

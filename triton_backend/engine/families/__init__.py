@@ -15,7 +15,7 @@ import pkgutil
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from triton_backend.engine.models.llama import LlamaFamily
+    from triton_backend.engine.families.llama import LlamaFamily
 
 _FAMILIES: dict[str, "LlamaFamily"] = {}
 _loaded = False
