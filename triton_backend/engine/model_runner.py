@@ -322,7 +322,8 @@ class ModelRunner:
         return PrefillRun(begin, begin + query_start[-1],
                           as_int([t + [0] * (width - len(t)) for t in tables]),
                           as_int(seq_lens), as_int(query_start),
-                          1 if as_computed else self.tokens_per_block, as_computed)
+                          1 if as_computed else self.tokens_per_block, as_computed,
+                          max(seq_lens))
 
     def _add_decodes(self, meta: AttentionMetadata, decodes: list[tuple[int, ScheduledChunk]]) -> None:
         """Padded key slots [n, max_k] and a mask of the real keys for all decodes at once."""

@@ -45,4 +45,4 @@ class Qwen3Family(LlamaFamily):
         return QKNormAttention
 
 
-QWEN3 = register(Qwen3Family("qwen3", ("qwen3",)))
+QWEN3 = register(Qwen3Family("qwen3", ("qwen3",), example=dict(num_key_value_heads=2)))
