@@ -1,8 +1,8 @@
 """`forge bench`, the one benchmark tool. Without a subcommand it measures a served endpoint (a
 running Triton server or two side by side, or the one `--spec` serves for the run) with a
-workload; its subcommands measure the other levels (`cli_bench_engine`: the engine in-process;
-`cli_bench_serving`: the shape matrix against vLLM, the soak) and the features
-(`cli_bench_features`). Every one writes results.json and summary.md in one format
+workload; its subcommands measure the other levels (`bench_engine`: the engine in-process;
+`bench_serving`: the shape matrix against vLLM, the soak) and the features
+(`bench_features`). Every one writes results.json and summary.md in one format
 (`bench/summary.py`)."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any, Callable
 import click
 
 from builder.bench.records import RequestRecord
-from builder.cli_bench_engine import COMMANDS as ENGINE_LEVEL
-from builder.cli_bench_features import COMMANDS as FEATURES
-from builder.cli_bench_serving import COMMANDS as SERVING
+from builder.cli.bench_engine import COMMANDS as ENGINE_LEVEL
+from builder.cli.bench_features import COMMANDS as FEATURES
+from builder.cli.bench_serving import COMMANDS as SERVING
 
 DEFAULT_OUT = "bench/latest"
 

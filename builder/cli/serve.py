@@ -73,7 +73,7 @@ def serve_command(repository_dir, http_port, grpc_port, metrics_port, ready_time
                   health_port, triton_host, metrics_host) -> None:
     """Start tritonserver for a repository and supervise it, with probes on the health port;
     Ctrl-C, SIGTERM or `forge drain` drain it and exit 0; exit 1 if tritonserver itself dies."""
-    from builder.repository_device import check_servable
+    from builder.repository.device import check_servable
     from builder.serving.serve import start_tritonserver
 
     api_key = checked_api_key(api_key, click.get_current_context())
@@ -270,7 +270,7 @@ def _start_supervisors(server, repository_dir: Path, max_reloads: int, health) -
 def served_engine_line(repository_dir) -> str:
     """Which engine the repository serves (tensorrt_llm's engine_dir; the other models use its
     tokenizer), with its dtype and quantization, so a repointed repository shows at once."""
-    from builder.repository_target import served_engine
+    from builder.repository.target import served_engine
     from triton_backend.engine.config import EngineConfig
 
     engine = served_engine(Path(repository_dir))

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from builder.grpc_stream import GrpcStream, StreamError, infer_inputs
+from builder.client.grpc_stream import GrpcStream, StreamError, infer_inputs
 
 # The ensemble / BLS inputs and their numpy dtypes (the contract table in docs/triton-contract.md).
 INPUT_DTYPES = {

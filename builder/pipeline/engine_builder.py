@@ -11,16 +11,16 @@ import torch
 from rich.console import Console
 from safetensors.torch import save_file
 
-from builder import convert
-from builder.engine_files import copy_tokenizer, engine_config_for
-from builder.checkpoint import resolve_checkpoint
+from builder.pipeline import convert
+from builder.pipeline.engine_files import copy_tokenizer, engine_config_for
+from builder.pipeline.checkpoint import resolve_checkpoint
 from builder.errors import QualityGateError
-from builder.install import check_replaceable, staging_dir, swap_in
-from builder.manifest import write_manifest
-from builder.quality import QualityThresholds, run_quality_gate
+from builder.pipeline.install import check_replaceable, staging_dir, swap_in
+from builder.pipeline.manifest import write_manifest
+from builder.quality.gate import QualityThresholds, run_quality_gate
 from builder.quantize import QuantizeOptions, quantize_checkpoint
-from builder.spec import BuildSpec
-from builder.torch_gpu import build_check_device, is_gpu_engine
+from builder.spec.build_spec import BuildSpec
+from builder.spec.torch_gpu import build_check_device, is_gpu_engine
 from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig
 from triton_backend.engine.weights import TORCH_DTYPES
 
@@ -58,7 +58,7 @@ def _resolve(spec: BuildSpec, steps: BuildSteps) -> tuple[Path, EngineConfig]:
 
 def trtllm_command(spec: BuildSpec, console: Console | None = None) -> str:
     """`forge engine --dry-run`: the trtllm-build command `spec` would run; nothing is written."""
-    from builder.trtllm_engine import plan_engine
+    from builder.trtllm.engine import plan_engine
 
     if spec.target != "trtllm":
         raise ValueError(f"target: --dry-run prints the trtllm-build command of target trtllm, "
@@ -72,19 +72,19 @@ def build_engine(spec: BuildSpec, console: Console | None = None, emit_repositor
                  keep_rejected: bool = False) -> Path:
     """Build `spec` into its engine directory and (unless told not to) its Triton repository at
     `repository_dir` (default model_repository/<name>); returns the engine directory.
-    `build_key` (a builder.build_key.BuildKey) is saved into the engine once it is complete.
+    `build_key` (a builder.pipeline.build_key.BuildKey) is saved into the engine once it is complete.
     `keep_rejected` (torch target): an engine its quality gate rejects is kept whole in
     `<output>.rejected/`, not only its report."""
     check_replaceable(spec.output_dir)  # before any long work
     steps = BuildSteps(total=_step_count(spec) + emit_repository, console=console)
     hf_dir, config = _resolve(spec, steps)
     if spec.target == "naive":
-        from builder.naive import build_naive_engine
+        from builder.pipeline.naive import build_naive_engine
 
         with steps.step("naive engine: the checkpoint as is, for transformers generate") as log:
             engine_dir = build_naive_engine(spec, hf_dir, spec.output_dir, log)
     elif spec.target == "trtllm":
-        from builder.trtllm_engine import build_trtllm_engine, plan_engine
+        from builder.trtllm.engine import build_trtllm_engine, plan_engine
 
         plan = plan_engine(spec, config)  # sizing errors before any long work
         engine_dir = build_trtllm_engine(spec, config, hf_dir, steps, plan)
@@ -140,7 +140,7 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
             log(f"{sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters, "
                 f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB")
     if spec.lora is not None:
-        from builder.lora import adapter_dtype, write_adapters
+        from builder.pipeline.lora import adapter_dtype, write_adapters
 
         with steps.step(f"LoRA adapters: {len(spec.lora.adapters)} checked against the base, "
                         f"{adapter_dtype(spec.dtype)}, fused QKV and gate/up") as log:
@@ -148,7 +148,7 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
     with steps.step("tokenizer, config.json, manifest.json") as log:
         copy_tokenizer(hf_dir, tmp_dir)
         if config.speculative.mode == "draft_model":
-            from builder.speculative import check_draft_engine
+            from builder.pipeline.speculative import check_draft_engine
 
             log(check_draft_engine(config, tmp_dir, engine_dir))
         config.save(tmp_dir)
@@ -196,7 +196,7 @@ def keep_rejected_build(staged: Path, engine_dir: Path, whole: bool = False) -> 
     """A rejected build's report, or with `whole` the rejected engine itself, in
     `<engine_dir>.rejected/` (replacing what an earlier rejection left there), so CI can archive
     it and a user can check or try it; its path, or None when the gate wrote no report."""
-    from builder.quality import QUALITY_FILE
+    from builder.quality.gate import QUALITY_FILE
 
     source = staged / QUALITY_FILE
     if not source.is_file():
@@ -223,7 +223,7 @@ def rejected_note(kept: Path, whole: bool) -> str:
 
 
 def emit_repository_for(spec: BuildSpec, engine_dir: Path, output: Path) -> Path:
-    from builder.repository import RepositoryOptions, emit_repository
+    from builder.repository.emit import RepositoryOptions, emit_repository
 
     return emit_repository(engine_dir, output, RepositoryOptions.from_dict(spec.repository),
                            spec.serving)

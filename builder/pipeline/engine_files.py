@@ -6,9 +6,9 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from builder import convert
-from builder.spec import BuildSpec, default_limits
-from builder.torch_gpu import gpu_limits, is_gpu_engine, kv_free_fraction
+from builder.pipeline import convert
+from builder.spec.build_spec import BuildSpec, default_limits
+from builder.spec.torch_gpu import gpu_limits, is_gpu_engine, kv_free_fraction
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig, QuantConfig, TokenizerInfo
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from builder.checkpoint import sha256_file
+from builder.pipeline.checkpoint import sha256_file
 from triton_backend.engine.config import (LORA_ADAPTERS_DIR, LoraAdapterInfo, LoraConfig,
                                           ModelShape)
 from triton_backend.engine.numbers import is_int

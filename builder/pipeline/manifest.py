@@ -8,8 +8,8 @@ import platform
 import time
 from pathlib import Path
 
-from builder.checkpoint import sha256_file
-from builder.spec import BuildSpec
+from builder.pipeline.checkpoint import sha256_file
+from builder.spec.build_spec import BuildSpec
 from triton_backend.engine.config import MANIFEST_FILE
 from triton_backend.engine.toolchain import current_toolchain
 
@@ -51,7 +51,7 @@ def _lora_entries(spec: BuildSpec, engine_dir: Path) -> dict:
     files it came from."""
     if spec.lora is None:
         return {}
-    from builder.lora import adapter_source_files
+    from builder.pipeline.lora import adapter_source_files
 
     sources = adapter_source_files(dataclasses.asdict(spec.lora))
     adapters = {}

@@ -11,9 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from builder import convert
-from builder.manifest import write_manifest
-from builder.spec import BuildSpec
+from builder.pipeline import convert
+from builder.pipeline.manifest import write_manifest
+from builder.spec.build_spec import BuildSpec
 from triton_backend.naive.executor import HF_DIR
 
 # Everything transformers needs to load the model; tokenizer files go to tokenizer/ instead.
@@ -38,8 +38,8 @@ def build_naive_engine(spec: BuildSpec, hf_dir: Path, engine_dir: Path | None = 
     """Write the naive engine for `spec` (target "naive") from the resolved checkpoint `hf_dir`
     into `engine_dir` (default `spec.output_dir`); returns the engine directory. The directory is
     assembled beside the target and renamed into place, so a failed build leaves no half engine."""
-    from builder.engine_files import copy_tokenizer, engine_config_for
-    from builder.install import check_replaceable, staging_dir, swap_in
+    from builder.pipeline.engine_files import copy_tokenizer, engine_config_for
+    from builder.pipeline.install import check_replaceable, staging_dir, swap_in
 
     if spec.target != "naive":
         raise ValueError(f"target: build_naive_engine builds target 'naive', got {spec.target!r}")

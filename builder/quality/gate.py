@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from builder.errors import QualityGateError
-from builder.progress import Eta
-from builder.quality_report import (QUICK_NOTE, format_table, plan_line, record_gate_time,
+from builder.pipeline.progress import Eta
+from builder.quality.report import (QUICK_NOTE, format_table, plan_line, record_gate_time,
                                     short, verdict)
-from builder.task_check import QUICK_TASK_ITEMS, TASK_ITEMS, chat_prompt_ids, run_task_check
+from builder.quality.task_check import QUICK_TASK_ITEMS, TASK_ITEMS, chat_prompt_ids, run_task_check
 from builder.quantize import calibration
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
 from triton_backend.engine.numbers import is_int, is_number
@@ -200,7 +200,7 @@ def evaluate(engine_dir: str | Path, reference_hf_dir: str | Path, thresholds: Q
     a `ReferenceModel` of `reference_hf_dir` to reuse across engines."""
     from transformers import AutoTokenizer
 
-    from builder.quality_eval import EngineModel, ReferenceModel
+    from builder.quality.sides import EngineModel, ReferenceModel
 
     progress = progress or (lambda message: None)
     start = time.monotonic()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from builder.quality import QualityReport, QualityThresholds
+    from builder.quality.gate import QualityReport, QualityThresholds
 
 QUICK_NOTE = "QUICK: a fraction of the gate, not the full one"
 # How long each model's gates took on this machine, in the cache (keyed by the reference
@@ -49,7 +49,7 @@ def _key(reference: str | Path, quick: bool) -> str:
 def plan_line(reference: str | Path, quick: bool, windows: int, prompts: int,
               questions: int) -> str:
     """Said before the gate starts: its work and how long it took here last time."""
-    from builder.progress import format_duration
+    from builder.pipeline.progress import format_duration
 
     times = _gate_times()
     mode = "quick" if quick else "full"

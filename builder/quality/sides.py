@@ -51,7 +51,7 @@ class EngineModel:
     """A built engine run by the torch runtime, one request at a time."""
 
     def __init__(self, engine_dir: str | Path, max_tokens: int) -> None:
-        from builder.torch_gpu import build_check_device
+        from builder.spec.torch_gpu import build_check_device
         from triton_backend.engine.llm_engine import LLMEngine
 
         config = EngineConfig.load(engine_dir)

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from builder.progress import Eta
+from builder.pipeline.progress import Eta
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ TRITON_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU", "model": "KIND_MODEL"}
 
 
 def _is_gpu(hardware: str) -> bool:
-    from builder.torch_gpu import is_gpu_engine
+    from builder.spec.torch_gpu import is_gpu_engine
 
     return is_gpu_engine(hardware)
 
@@ -93,8 +93,8 @@ def check_servable(repository_dir: Path) -> None:
     the ids of a KIND_MODEL instance's `gpu_device_ids` must exist. ValueError with one line.
 
     A repository whose engine cannot be read here is left to the server to report."""
-    from builder.repository_target import repository_parameters, served_engine
-    from builder.torch_gpu import gpu_unavailable
+    from builder.repository.target import repository_parameters, served_engine
+    from builder.spec.torch_gpu import gpu_unavailable
 
     from google.protobuf.text_format import ParseError
 

@@ -4,7 +4,7 @@ postprocessing + tensorrt_llm_bls, rendered from `model_repository/templates/`.
 The repository is self-describing: the engine, tokenizer and `triton_backend` locations are
 model parameters, written relative to the repository directory when the two share a parent
 directory (so the pair can be moved or mounted together into NVIDIA's Triton container), absolute
-otherwise. Everything a user may tune comes from `RepositoryOptions` (repository_options.py);
+otherwise. Everything a user may tune comes from `RepositoryOptions` (options.py);
 everything else comes from the engine's `config.json`.
 """
 from __future__ import annotations
@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder import repository_device, repository_trtllm
-from builder.install import swap_in
-from builder.repository_options import RepositoryOptions
-from builder.template import render
+from builder.pipeline.install import swap_in
+from builder.repository import device as repository_device
+from builder.repository import trtllm as repository_trtllm
+from builder.repository.options import RepositoryOptions
+from builder.repository.template import render
 from triton_backend.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from builder.spec import ServingSpec
+    from builder.spec.build_spec import ServingSpec
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "templates"
 MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
 # The Python models share one shim template (`1/model.py`): model -> (module, class) it loads.
 PYTHON_MODELS = {"preprocessing": ("preprocessing", "PreprocessingModel"),
@@ -33,7 +34,7 @@ PYTHON_MODELS = {"preprocessing": ("preprocessing", "PreprocessingModel"),
                  "postprocessing": ("postprocessing", "PostprocessingModel"),
                  "tensorrt_llm_bls": ("tensorrt_llm_bls", "BlsModel")}
 SHIM_TEMPLATE = "python_model.py.tmpl"
-PROJECT_ROOT = Path(__file__).resolve().parent.parent  # holds the triton_backend package
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # holds the triton_backend package
 
 
 def portable_path(target: Path, repository_dir: Path) -> str:
@@ -47,7 +48,7 @@ def portable_path(target: Path, repository_dir: Path) -> str:
 
 def serving_values(config: EngineConfig, serving: "ServingSpec | None" = None) -> dict:
     """The `tensorrt_llm` model's admission and priority parameters (the spec's `serving:`)."""
-    from builder.spec import ServingSpec
+    from builder.spec.build_spec import ServingSpec
 
     serving = serving or ServingSpec()
     return {"max_waiting_requests": serving.max_waiting_requests,
@@ -135,7 +136,7 @@ def emit_repository(engine_dir: Path, output_dir: Path,
                     options: RepositoryOptions | None = None,
                     serving: "ServingSpec | None" = None) -> Path:
     """Write the models for the engine in `engine_dir` into `output_dir`; return it (five models;
-    four over NVIDIA's C++ backend for a trtllm engine, see builder/repository_trtllm.py).
+    four over NVIDIA's C++ backend for a trtllm engine, see builder/repository/trtllm.py).
     `serving`: the spec's `serving:` section (None: its defaults).
 
     Renders every template first and writes only when all rendered (a failing render leaves an

@@ -1,11 +1,11 @@
 """What a user may tune in the emitted repository: the build spec's `repository:` section,
-read by the spec and by the repository emitter (`repository.py`)."""
+read by the spec and by the repository emitter (`emit.py`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from builder.repository_device import check_instance_options
-from builder.repository_trtllm import check_trtllm_options
+from builder.repository.device import check_instance_options
+from builder.repository.trtllm import check_trtllm_options
 from triton_backend.engine.numbers import is_int
 from triton_backend.engine.process.executor import ENGINE_ISOLATIONS
 from triton_backend.engine.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ class RepositoryOptions:
     stats_period_ms: int = 100
     engine_isolation: str = "process"
     engine_num_threads: int = 0
-    # trtllm engines (see builder/repository_trtllm.py): `auto` = NVIDIA's C++ backend for trtllm
+    # trtllm engines (see builder/repository/trtllm.py): `auto` = NVIDIA's C++ backend for trtllm
     # engines, our Python model for the others.
     tensorrt_llm_backend: str = "auto"
     kv_cache_free_gpu_mem_fraction: float | None = None  # None: the hardware profile's
@@ -62,7 +62,7 @@ class RepositoryOptions:
     # false runs every step eagerly. No effect on a CPU engine.
     cuda_graph_mode: bool = True
     trtllm_engine_path: str | None = None  # gpt_model_path as the server sees it (None: absolute)
-    # Where a torch engine's tensorrt_llm instance runs (see builder/repository_device.py): auto =
+    # Where a torch engine's tensorrt_llm instance runs (see builder/repository/device.py): auto =
     # KIND_GPU for a GPU engine, KIND_CPU otherwise; model = KIND_MODEL on gpu_device_ids.
     tensorrt_llm_instance_kind: str = "auto"
     gpu_device_ids: str | int | None = None

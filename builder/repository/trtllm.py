@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from builder.template import Raw, pbtxt_escape
+from builder.repository.template import Raw, pbtxt_escape
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.numbers import is_number
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "templates_trtllm"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "templates_trtllm"
 MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble")
 NVIDIA_MODELS = ("preprocessing", "tensorrt_llm", "ensemble")  # from TEMPLATES_DIR, not ours
 SHIMS = {"preprocessing": ("trtllm_preprocessing", "TrtllmPreprocessingModel")}  # + ours
@@ -65,7 +65,7 @@ def template_values(config: EngineConfig, engine_dir: Path, options) -> dict[str
     if not trtllm:
         raise ValueError(f"{engine_dir}: config.json has no trtllm section (not a trtllm engine)")
     fraction = options.kv_cache_free_gpu_mem_fraction or trtllm["kv_cache_free_gpu_mem_fraction"]
-    # KV reuse and chunked context need paged context FMHA in the engine (see trtllm_build.py).
+    # KV reuse and chunked context need paged context FMHA in the engine (see builder/trtllm/build.py).
     paged_context = bool(trtllm["plugins"]["use_paged_context_fmha"])
     optional = []
     if options.kv_cache_num_blocks is not None:

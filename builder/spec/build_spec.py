@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from builder.deployment_spec import DeploymentSpec, check_keys
-from builder.hardware import ANY_GPU, FP8_PROFILES, GPU_PROFILES, PROFILES
-from builder.lora import LoraSpec
+from builder.spec.deployment import DeploymentSpec, check_keys
+from builder.spec.hardware import ANY_GPU, FP8_PROFILES, GPU_PROFILES, PROFILES
+from builder.pipeline.lora import LoraSpec
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
 from triton_backend.engine.numbers import is_int, is_number
 
@@ -54,7 +54,7 @@ class QuantizationSpec:
 
     def __post_init__(self) -> None:
         # The quantizer's and the gate's own validation, so a bad field fails before any work.
-        from builder.quality import QualityThresholds
+        from builder.quality.gate import QualityThresholds
         from builder.quantize import QuantizeOptions
 
         try:
@@ -135,8 +135,8 @@ class BuildSpec:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     repository: dict = field(default_factory=dict)
     serving: ServingSpec = field(default_factory=ServingSpec)
-    lora: LoraSpec | None = None  # None: no adapters (see builder/lora.py)
-    deployment: DeploymentSpec | None = None  # None: forge deploy refuses (builder/deployment_spec.py)
+    lora: LoraSpec | None = None  # None: no adapters (see builder/pipeline/lora.py)
+    deployment: DeploymentSpec | None = None  # None: forge deploy refuses (builder/spec/deployment.py)
     source: Path | None = None  # the YAML file this spec came from
 
     def __post_init__(self) -> None:
@@ -162,9 +162,9 @@ class BuildSpec:
                 raise SpecError(str(exc)) from None
 
     def _check_torch_target(self) -> None:
-        """torch (and naive) on the CPU or, torch only, on a GPU (builder/torch_gpu.py)."""
-        from builder import torch_gpu
-        from builder.repository_device import check_instance_kind
+        """torch (and naive) on the CPU or, torch only, on a GPU (builder/spec/torch_gpu.py)."""
+        from builder.spec import torch_gpu
+        from builder.repository.device import check_instance_kind
 
         try:
             if PROFILES[self.hardware].is_gpu:
@@ -239,7 +239,7 @@ def _build_section(key: str, klass: type, raw: Any) -> Any:
 
 
 def _check_repository(raw: Any) -> None:
-    from builder.repository_options import RepositoryOptions
+    from builder.repository.options import RepositoryOptions
 
     if not isinstance(raw, dict):
         raise SpecError("repository: must be a mapping")

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder.hardware import FP8_PROFILES, PROFILES, TORCH_GPU_PROFILES, memory_plan, sized_limits
+from builder.spec.hardware import FP8_PROFILES, PROFILES, TORCH_GPU_PROFILES, memory_plan, sized_limits
 from triton_backend.engine.config import Limits, ModelShape
 
 if TYPE_CHECKING:
-    from builder.spec import BuildSpec
+    from builder.spec.build_spec import BuildSpec
 
 FRACTION_KEYS = ("kv_cache.free_gpu_mem_fraction", "repository.kv_cache_free_gpu_mem_fraction")
 
@@ -83,7 +83,7 @@ def gpu_limits(spec: "BuildSpec", shape: ModelShape, fallback: Limits) -> tuple[
     """(limits, the memory plan as recorded in config.json's `extra.gpu`) for a GPU engine.
 
     On a profile of known memory, limits the spec does not give are sized from it as for
-    TensorRT-LLM (builder/hardware.py), for the torch runtime's KV layout (keys and values in the
+    TensorRT-LLM (builder/spec/hardware.py), for the torch runtime's KV layout (keys and values in the
     engine's dtype, or one byte each when quantized), and given ones must fit; on `cuda` the
     memory is unknown, so the spec's or `fallback` stand, and the runtime sizes the pool.
     """

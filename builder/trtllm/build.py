@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from builder.hardware import HardwareProfile
-from builder.trtllm_lora import TrtllmLora
+from builder.spec.hardware import HardwareProfile
+from builder.trtllm.lora import TrtllmLora
 from triton_backend.engine.config import Limits
 
 CHECKPOINT_SUBDIR = "trtllm_checkpoint"
@@ -47,7 +47,7 @@ class TrtllmBuildPlan:
     weights: str
     kv_cache: str
     profile: HardwareProfile
-    lora: TrtllmLora | None = None  # the LoRA plugin and adapters (builder/trtllm_lora.py)
+    lora: TrtllmLora | None = None  # the LoRA plugin and adapters (builder/trtllm/lora.py)
 
     @property
     def fp8_context_fmha(self) -> bool:

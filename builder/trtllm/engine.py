@@ -18,11 +18,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from builder.hardware import PROFILES, memory_plan, sized_limits
-from builder.manifest import write_manifest
-from builder.spec import BuildSpec
-from builder.trtllm_lora import trtllm_lora, write_trtllm_adapters
-from builder.trtllm_build import (BUILD_SCRIPT, CHECKPOINT_SUBDIR, PINNED_TRTLLM, TrtllmBuildPlan,
+from builder.spec.hardware import PROFILES, memory_plan, sized_limits
+from builder.pipeline.manifest import write_manifest
+from builder.spec.build_spec import BuildSpec
+from builder.trtllm.lora import trtllm_lora, write_trtllm_adapters
+from builder.trtllm.build import (BUILD_SCRIPT, CHECKPOINT_SUBDIR, PINNED_TRTLLM, TrtllmBuildPlan,
                                   run_build, trtllm_available, write_build_script)
 from triton_backend.engine.config import EngineConfig, ModelShape
 
@@ -114,7 +114,7 @@ def _write_checkpoint(spec: BuildSpec, config: EngineConfig, hf_dir: Path, tmp_d
 def _quality_gate(engine_dir: Path, config: EngineConfig, hf_dir: Path, spec: BuildSpec,
                   log) -> None:
     """The gate on the quantized weights through the torch runtime, in a scratch engine copy."""
-    from builder.quality import QualityThresholds, run_quality_gate
+    from builder.quality.gate import QualityThresholds, run_quality_gate
     from triton_backend.engine.config import TOKENIZER_DIR, WEIGHTS_FILE
 
     scratch = engine_dir / "quality_check"
@@ -137,9 +137,9 @@ def _quality_gate(engine_dir: Path, config: EngineConfig, hf_dir: Path, spec: Bu
 def build_trtllm_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, steps,
                         plan: TrtllmBuildPlan) -> Path:
     """Checkpoint, config, manifest and build.sh; then trtllm-build where it can run."""
-    from builder.engine_files import copy_tokenizer
+    from builder.pipeline.engine_files import copy_tokenizer
 
-    from builder.install import check_replaceable, staging_dir, swap_in
+    from builder.pipeline.install import check_replaceable, staging_dir, swap_in
 
     engine_dir = spec.output_dir
     check_replaceable(engine_dir)

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.lora import PEFT_CONFIG, PEFT_WEIGHTS, LoraSpec
+from builder.pipeline.lora import PEFT_CONFIG, PEFT_WEIGHTS, LoraSpec
 from triton_backend.engine.config import LORA_ADAPTERS_DIR, LoraAdapterInfo, LoraConfig, ModelShape
 
 HF_TO_TRTLLM = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
@@ -75,8 +75,8 @@ def write_trtllm_adapters(spec: LoraSpec, shape: ModelShape, engine_dir: Path,
     `--lora_dir` reads) beside NVIDIA's request tensors; returns the engine's `lora` section."""
     import numpy as np
 
-    from builder.checkpoint import sha256_file
-    from builder.lora import read_peft_adapter
+    from builder.pipeline.checkpoint import sha256_file
+    from builder.pipeline.lora import read_peft_adapter
     from triton_backend.engine.lora.nvidia import nvidia_tensors
 
     infos = []

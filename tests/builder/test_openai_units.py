@@ -209,7 +209,7 @@ def test_server_config_validates(tmp_path):
 
 
 def test_bench_protocols_one_per_server():
-    from builder.cli_bench import _BadInput, _targets
+    from builder.cli.bench import _BadInput, _targets
 
     targets = _targets("a:1", None, "openai,grpc", ("a:1", "b:2"), None, None, None)
     assert [(t.protocol, t.model) for t in targets] == [("openai", None), ("grpc", "ensemble")]

@@ -19,10 +19,10 @@ import pytest
 from rich.console import Console
 
 from builder.client import decode_text, stream_grpc, text_inputs
-from builder.engine_builder import build_engine
-from builder.repository import RepositoryOptions, emit_repository
+from builder.pipeline.engine_builder import build_engine
+from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port
-from builder.spec import spec_from_dict
+from builder.spec.build_spec import spec_from_dict
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-openai"
@@ -353,7 +353,7 @@ def test_triton_not_reachable_gets_503_and_no_template_gets_400(tmp_path):
 def test_apply_chat_template_input_and_forge_query_chat(served):
     from click.testing import CliRunner
 
-    from builder.cli_query import query_command
+    from builder.cli.query import query_command
 
     chat = served.client().chat.completions.create(
         model=NAME, max_tokens=32, messages=[{"role": "user", "content": QUESTION}])
@@ -381,7 +381,7 @@ def test_apply_chat_template_input_and_forge_query_chat(served):
 def test_forge_bench_compares_the_openai_and_grpc_paths(served, tmp_path):
     from click.testing import CliRunner
 
-    from builder.cli_bench import bench_command
+    from builder.cli.bench import bench_command
 
     out = tmp_path / "bench"
     openai_url = served.openai_url.removeprefix("http://").removesuffix("/v1")

@@ -8,7 +8,7 @@ owns (rows of a part the adapter leaves alone stay zero). The scaling (alpha / r
 B. Keys: `transformer.layers.{i}.{attention.qkv|attention.dense|mlp.gate_up|mlp.proj}.lora_a`
 ([R, in]) and `.lora_b` ([out, R]).
 
-Both sources, a PEFT checkpoint (`builder/lora.py`) and NVIDIA's `lora_weights`/`lora_config`
+Both sources, a PEFT checkpoint (`builder/pipeline/lora.py`) and NVIDIA's `lora_weights`/`lora_config`
 request tensors (`nvidia.py`), are turned into `Contribution`s and go through `fuse`.
 """
 from __future__ import annotations
