@@ -102,11 +102,19 @@ def _read_config(where: str, path: Path) -> dict:
     return config
 
 
+def projections(shape: ModelShape):
+    """The projections the base model's family lets an adapter touch (`Projections`)."""
+    from triton_backend.engine import families
+    from triton_backend.engine.lora.layout import Projections
+
+    return Projections.of(families.get(shape.architecture).lora_parts())
+
+
 def _target_modules(where: str, config: dict, shape: ModelShape) -> dict[tuple[int, str], str]:
     """(layer, module) -> HF module name of every projection the config says it adapts."""
-    from triton_backend.engine.lora.layout import AdapterError, projections
+    from triton_backend.engine.lora.layout import AdapterError
 
-    names = projections(shape.architecture)
+    names = projections(shape)
     targets = config.get("target_modules") or []
     layers = config.get("layers_to_transform")
     layers = range(shape.num_hidden_layers) if layers is None else (
@@ -133,9 +141,9 @@ def read_peft_adapter(name: str, path: Path, shape: ModelShape, max_rank: int) -
     """Read and check a PEFT adapter against the base model `shape`."""
     from safetensors.torch import load_file
 
-    from triton_backend.engine.lora.layout import AdapterError, projections
+    from triton_backend.engine.lora.layout import AdapterError
 
-    names = projections(shape.architecture)
+    names = projections(shape)
     where = f"lora.adapters.{name}"
     config = _read_config(where, path)
     rank = config["r"]
@@ -184,13 +192,13 @@ def adapter_dtype(engine_dtype: str) -> torch.dtype:
 
 def runtime_state(adapter: PeftAdapter, shape: ModelShape, max_rank: int,
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from triton_backend.engine.lora.layout import fuse, hf_contribution, projections
+    from triton_backend.engine.lora.layout import fuse, hf_contribution
 
-    where, names = f"lora.adapters.{adapter.name}", projections(shape.architecture)
+    where, names = f"lora.adapters.{adapter.name}", projections(shape)
     contributions = [hf_contribution(f"{where}: module {names.hf_module_name(layer, module)}",
-                                     layer, module, a, b, shape, max_rank)
+                                     layer, module, a, b, shape, names, max_rank)
                      for layer, module, a, b in adapter.pairs]
-    return fuse(contributions, shape, dtype)
+    return fuse(contributions, shape, names, dtype)
 
 
 def write_adapters(spec: LoraSpec, base: Path | None, shape: ModelShape, engine_dtype: str,

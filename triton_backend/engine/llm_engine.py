@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from triton_backend.engine import families
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import AUTO_MIN_PREFILL_ROWS, EngineConfig
 from triton_backend.engine.device import resolve_device
@@ -73,8 +74,9 @@ class LLMEngine:
         dtype = runtime_dtype(self.config, self.device)
         # Advanced by whatever runs on the loop's thread (see progress.py): the watchdog's signal.
         self.progress = Progress()
-        self.lora = (AdapterCache(engine_dir, self.config, dtype, self.progress)
-                     if self.config.lora else None)
+        family = families.get(self.config.model.architecture)
+        self.lora = (AdapterCache(engine_dir, self.config, dtype, family.lora_parts(),
+                                  self.progress) if self.config.lora else None)
         self.speculator = None  # before the runner: a draft model's memory is not the KV pool's
         if self.config.speculative.enabled and enable_speculative_decoding is not False:
             from triton_backend.engine.speculative import make_speculator
