@@ -82,7 +82,7 @@ def build_engine(tmp: Path, shape: str = "llama_gqa", dtype: str = "float32",
     from rich.console import Console
 
     from builder.pipeline.engine_builder import build_engine as _build
-    from builder.spec.build_spec import spec_from_dict
+    from builder.spec.load import spec_from_dict
 
     checkpoint = make_checkpoint(tmp / f"hf-{shape}", shape)
     spec = {"name": f"tiny-{shape}".replace("_", "-"), "checkpoint": str(checkpoint),

@@ -26,7 +26,7 @@ def ensure_naive_engine(engine_dir: str | Path, log: Callable[[str], None] = pri
     """The naive engine of `engine_dir`'s checkpoint (built when missing); returns its directory."""
     from builder.pipeline.checkpoint import resolve_checkpoint
     from builder.pipeline.naive import build_naive_engine
-    from builder.spec.build_spec import spec_from_dict
+    from builder.spec.load import spec_from_dict
 
     engine_dir = Path(engine_dir)
     config = EngineConfig.load(engine_dir)

@@ -44,7 +44,7 @@ def build(out: Path, rank: int) -> Path:
 
     from builder.pipeline.checkpoint import resolve_checkpoint
     from builder.pipeline.engine_builder import build_engine
-    from builder.spec.build_spec import spec_from_dict
+    from builder.spec.load import spec_from_dict
 
     engine_dir = out / "engine"
     if (engine_dir / "config.json").is_file():

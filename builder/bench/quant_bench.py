@@ -18,7 +18,8 @@ import torch
 
 from builder.bench import inprocess
 from builder.bench.summary import Table, document
-from builder.quality.gate import QualityThresholds, evaluate
+from builder.quality.gate import evaluate
+from builder.quality.metrics import QualityThresholds
 from builder.quantize import CalibrationOptions, QuantizeOptions, quantize_engine
 from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig
 
@@ -51,7 +52,7 @@ def build_variant(name: str, hf_dir: Path, out_dir: Path, bench: QuantBench) -> 
     from rich.console import Console
 
     from builder.pipeline.engine_builder import build_engine
-    from builder.spec.build_spec import spec_from_dict
+    from builder.spec.load import spec_from_dict
 
     dtype, weights, kv = VARIANTS[name]
     engine_dir = out_dir / name.replace("+", "_")

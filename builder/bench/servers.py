@@ -32,7 +32,7 @@ def ensure_repository(spec_path: str | Path, log: Callable[[str], None] = print
     goes to model_repository/NAME, as `make engine` puts it)."""
     from builder.pipeline.engine_builder import build_engine
     from builder.repository.emit import RepositoryOptions, emit_repository
-    from builder.spec.build_spec import load_spec
+    from builder.spec.load import load_spec
 
     spec = load_spec(spec_path)
     engine, repository = spec.output_dir.resolve(), Path("model_repository") / spec.name

@@ -50,7 +50,8 @@ def previous_thresholds(engine_dir: Path) -> dict:
                    "such (for trying things; not the full gate).")
 def check_command(engine_dir, data, reference, overrides, quick) -> None:
     """Evaluate an engine against its unquantized source; exit 3 when a threshold is crossed."""
-    from builder.quality.gate import QualityThresholds, run_quality_gate
+    from builder.quality.gate import run_quality_gate
+    from builder.quality.metrics import QualityThresholds
     from triton_backend.engine.config import EngineConfig
 
     with cli_errors():

@@ -21,7 +21,7 @@ def deploy_command(spec_path, out_dir) -> None:
     headroom) unless the spec gives it. Exit 2 on a spec error, naming the field."""
     from builder.deploy.context import deploy_context
     from builder.deploy.render import write_manifests
-    from builder.spec.build_spec import load_spec
+    from builder.spec.load import load_spec
 
     with cli_errors():
         spec = load_spec(spec_path)

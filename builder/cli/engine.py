@@ -58,7 +58,7 @@ def engine_command(spec_path, checkpoint, output, name, dtype, target, hardware,
     """
     from builder.pipeline.build_key import BuildKey
     from builder.repository.target import check_repository_target, serves_another_engine
-    from builder.spec.build_spec import spec_from_dict
+    from builder.spec.load import spec_from_dict
 
     overrides = {"checkpoint": checkpoint, "output": output, "name": name, "dtype": dtype,
                  "target": target, "hardware": hardware}
@@ -199,7 +199,7 @@ def spec_data(spec_path, overrides: dict, sections: dict) -> tuple[dict, Path | 
 
 def _emit_repository(data: dict, engine_dir: Path, repository: Path) -> None:
     from builder.repository.emit import RepositoryOptions, emit_repository
-    from builder.spec.build_spec import spec_from_dict
+    from builder.spec.load import spec_from_dict
 
     emit_repository(engine_dir, repository, RepositoryOptions.from_dict(data.get("repository")),
                     spec_from_dict(data).serving)

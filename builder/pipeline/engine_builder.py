@@ -17,7 +17,8 @@ from builder.pipeline.checkpoint import resolve_checkpoint
 from builder.errors import QualityGateError
 from builder.pipeline.install import check_replaceable, staging_dir, swap_in
 from builder.pipeline.manifest import write_manifest
-from builder.quality.gate import QualityThresholds, run_quality_gate
+from builder.quality.gate import run_quality_gate
+from builder.quality.metrics import QualityThresholds
 from builder.quantize import QuantizeOptions, quantize_checkpoint
 from builder.spec.build_spec import BuildSpec
 from builder.spec.torch_gpu import build_check_device, is_gpu_engine

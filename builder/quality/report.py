@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from builder.quality.gate import QualityReport, QualityThresholds
+    from builder.quality.metrics import QualityReport, QualityThresholds
 
 QUICK_NOTE = "QUICK: a fraction of the gate, not the full one"
 # How long each model's gates took on this machine, in the cache (keyed by the reference

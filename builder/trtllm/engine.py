@@ -114,7 +114,8 @@ def _write_checkpoint(spec: BuildSpec, config: EngineConfig, hf_dir: Path, tmp_d
 def _quality_gate(engine_dir: Path, config: EngineConfig, hf_dir: Path, spec: BuildSpec,
                   log) -> None:
     """The gate on the quantized weights through the torch runtime, in a scratch engine copy."""
-    from builder.quality.gate import QualityThresholds, run_quality_gate
+    from builder.quality.gate import run_quality_gate
+    from builder.quality.metrics import QualityThresholds
     from triton_backend.engine.config import TOKENIZER_DIR, WEIGHTS_FILE
 
     scratch = engine_dir / "quality_check"

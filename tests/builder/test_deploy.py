@@ -128,7 +128,7 @@ def test_the_epp_config_names_our_metrics(rendered):
 def test_lora_engines_route_by_adapter(tmp_path):
     from builder.deploy.context import context_of
     from builder.deploy.gateway import epp_config
-    from builder.spec.build_spec import load_spec
+    from builder.spec.load import load_spec
     from triton_backend.models.metrics import LORA_INFO_METRIC
 
     spec = load_spec(CPU_SPEC)

@@ -13,7 +13,7 @@ from builder.cli import main
 from builder.deploy.memory import (HEADROOM, LOAD_BYTES, MIB, RUNTIME_BYTES, activation_bytes,
                                    estimate_for_spec)
 from builder.spec.hardware import parameter_count
-from builder.spec.build_spec import load_spec
+from builder.spec.load import load_spec
 from deploy_helpers import REPO, all_objects
 
 CPU_SPEC = REPO / "examples" / "smollm2-135m.yaml"

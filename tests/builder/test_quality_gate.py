@@ -14,7 +14,8 @@ pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is th
 
 import tiny  # noqa: E402
 from builder.cli import main  # noqa: E402
-from builder.quality.gate import QualityThresholds, compare  # noqa: E402
+from builder.quality.gate import compare  # noqa: E402
+from builder.quality.metrics import QualityThresholds  # noqa: E402
 from builder.quantize import CalibrationOptions, QuantizeOptions, quantize_engine  # noqa: E402
 
 THRESHOLDS = ["max_perplexity_increase_pct=10", "min_logit_cosine=0.8", "min_top1_agreement=none",

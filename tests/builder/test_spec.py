@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.spec.build_spec import SpecError, load_spec, parse_bytes, spec_from_dict
+from builder.spec.build_spec import SpecError, parse_bytes
+from builder.spec.load import load_spec, spec_from_dict
 from triton_backend.engine.config import EngineConfig
 
 BASE = {"name": "m", "checkpoint": "some/dir"}

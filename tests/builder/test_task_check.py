@@ -4,7 +4,8 @@ import pytest
 import json
 
 from builder.errors import QualityGateError
-from builder.quality.gate import QualityReport, QualityThresholds, _check, format_table
+from builder.quality.gate import _check, format_table
+from builder.quality.metrics import QualityReport, QualityThresholds
 from builder.quality.task_check import (DEMO_QUESTION, QUICK_TASK_ITEMS, TASK_ITEMS, TaskItem, answered,
                                 run_task_check)
 

@@ -21,7 +21,7 @@ from builder.cli import main
 from builder.pipeline.engine_builder import build_engine
 from builder.pipeline.engine_files import engine_config_for
 from builder.repository.emit import RepositoryOptions, emit_repository
-from builder.spec.build_spec import spec_from_dict
+from builder.spec.load import spec_from_dict
 from triton_backend.engine.config import EngineConfig
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import tiny
 from builder.pipeline.engine_builder import build_engine
 from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import start_tritonserver
-from builder.spec.build_spec import spec_from_dict
+from builder.spec.load import spec_from_dict
 
 pytestmark = pytest.mark.slow
 

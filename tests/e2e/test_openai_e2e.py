@@ -22,7 +22,7 @@ from builder.client import decode_text, stream_grpc, text_inputs
 from builder.pipeline.engine_builder import build_engine
 from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port
-from builder.spec.build_spec import spec_from_dict
+from builder.spec.load import spec_from_dict
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-openai"

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from builder.pipeline.checkpoint import resolve_checkpoint
 from builder.pipeline.engine_builder import build_engine
-from builder.spec.build_spec import spec_from_dict
+from builder.spec.load import spec_from_dict
 from triton_backend.engine import Request, SamplingParams
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.offline import generate, prefill_logits

@@ -189,7 +189,7 @@ def _deep_engine(tmp) -> "os.PathLike":
 
     import tiny
     from builder.pipeline.engine_builder import build_engine
-    from builder.spec.build_spec import spec_from_dict
+    from builder.spec.load import spec_from_dict
 
     checkpoint = tmp / "hf-deep"
     tokenizer = tiny.make_tokenizer(checkpoint)

@@ -9,7 +9,7 @@ import torch
 
 import tiny
 from builder.pipeline.naive import build_naive_engine
-from builder.spec.build_spec import spec_from_dict
+from builder.spec.load import spec_from_dict
 from triton_backend.engine import FinishReason, Request, SamplingParams
 from triton_backend.engine.guided import GuidedDecodingParams
 from triton_backend.naive import NaiveExecutor
