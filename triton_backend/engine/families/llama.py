@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from triton_backend.engine.config import EngineConfig, ModelShape
-from triton_backend.engine.families import register
 
 # Tensors a checkpoint may hold that are not weights (older transformers saved rotary tables).
 _NOT_WEIGHTS = ("rotary_emb.inv_freq",)
@@ -181,6 +180,7 @@ class LlamaFamily:
         return CausalLM(config, attention=self.attention_class())
 
 
-LLAMA = register(LlamaFamily("llama", ("llama",)))
-MISTRAL = register(LlamaFamily("mistral", ("mistral",), sliding_window_by_default=True))
-QWEN2 = register(LlamaFamily("qwen2", ("qwen2",), qkv_bias=True))
+LLAMA = LlamaFamily("llama", ("llama",))
+MISTRAL = LlamaFamily("mistral", ("mistral",), sliding_window_by_default=True)
+QWEN2 = LlamaFamily("qwen2", ("qwen2",), qkv_bias=True)
+FAMILIES = (LLAMA, MISTRAL, QWEN2)
