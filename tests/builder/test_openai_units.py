@@ -40,8 +40,6 @@ def refused(body: dict, kind=CompletionRequest) -> OpenAIError:
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"max_tokens": -1}, "max_tokens",
-     "max_tokens: Input should be greater than or equal to 1, got -1"),
     ({"temperature": math.nan}, "temperature", "temperature: Input should be a finite number"),
     ({"temperature": 2.5}, "temperature", "temperature: Input should be less than or equal to 2"),
     ({"top_p": 0}, "top_p", "top_p: Input should be greater than 0, got 0"),
@@ -160,6 +158,7 @@ def test_parameters_map_to_the_ensemble_inputs():
      "prompt has 100 tokens, over the engine's max_input_len 64"),
     ("max_tokens 5000 + 3 prompt tokens exceeds the engine's max_seq_len 1024", 400,
      "max_tokens", "max_tokens 5000 + 3 prompt tokens exceeds"),
+    ("max_tokens must be >= 1, got -1", 400, "max_tokens", "max_tokens must be >= 1, got -1"),
     ("runtime_top_p (top_p) must be in (0, 1], got 0", 400, "top_p", "top_p must be in"),
     ("Exceeds maximum queue size", 429, None, "the server is busy"),
     ("in ensemble 'ensemble', server busy: 64 requests waiting (limit 64)", 429, None,

@@ -260,7 +260,7 @@ BAD_REQUESTS = [  # (endpoint, arguments, exception, status, param, message star
     ("completions", dict(prompt=PROMPT, n=17), openai.BadRequestError, 400, "n",
      "n must be in [1, 16], got 17"),
     ("completions", dict(prompt=PROMPT, max_tokens=-1), openai.BadRequestError, 400,
-     "max_tokens", "max_tokens: Input should be greater than or equal to 1, got -1"),
+     "max_tokens", "max_tokens must be >= 1, got -1"),
     ("completions", dict(prompt=PROMPT, max_tokens=5000), openai.BadRequestError, 400,
      "max_tokens", "max_tokens 5000 + 7 prompt tokens exceeds the engine's max_seq_len 1024"),
     ("completions", dict(prompt=LONG_PROMPT, max_tokens=4), openai.BadRequestError, 400,

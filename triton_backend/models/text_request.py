@@ -12,7 +12,7 @@ import numpy as np
 
 from triton_backend.engine.config import Limits
 from triton_backend.engine.validation import MAX_WORDS, MAX_WORDS_TOKENS
-from triton_backend.models.request_converter import RequestError, as_integer, scalar
+from triton_backend.models.request_converter import RequestError, scalar
 from triton_backend.models.word_list import to_word_list
 
 # No tokenizer this project serves has a token longer than this many characters, so a prompt
@@ -130,20 +130,6 @@ def prompt_ids(tokenizer: TextTokenizer, text: str, add_special_tokens: bool,
         raise RequestError(f"text_input has {len(ids)} tokens, over the engine's "
                            f"max_input_len {limits.max_input_len}")
     return ids
-
-
-def check_max_tokens(max_tokens, num_input: int, limits: Limits) -> int:
-    """`max_tokens` must be >= 1 and fit in max_seq_len together with the prompt."""
-    if max_tokens is None:
-        raise RequestError("max_tokens is required")
-    max_tokens = as_integer(max_tokens, "max_tokens")
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
-    if num_input + max_tokens > limits.max_seq_len:
-        raise RequestError(f"max_tokens {max_tokens} + {num_input} prompt tokens exceeds the "
-                           f"engine's max_seq_len {limits.max_seq_len} (at most "
-                           f"{limits.max_seq_len - num_input} for this prompt)")
-    return int(max_tokens)
 
 
 def tensorrt_llm_inputs(inputs: Mapping[str, np.ndarray], ids: list[int], max_tokens: int,
