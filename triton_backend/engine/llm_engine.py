@@ -121,10 +121,14 @@ class LLMEngine:
                          min_prefill_rows=AUTO_MIN_PREFILL_ROWS)
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming the field and the limit when `request` cannot be served.
-        A guided request's grammar is compiled here (once per distinct guide), so that the step
-        loop, which calls `add_request`, finds it compiled."""
+        """Raise ValueError naming the field and the limit when `request` cannot be served;
+        then `prepare` it."""
         self._check(request)
+        self.prepare(request)
+
+    def prepare(self, request: Request) -> None:
+        """Compile a guided request's grammar (once per distinct guide), so that the step loop,
+        which `admit`s it, finds it compiled. ValueError naming the guide when it is bad."""
         if request.guided_decoding is not None:
             self.grammars.compile(request.guided_decoding)
 
@@ -136,6 +140,10 @@ class LLMEngine:
     def add_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and queue `request` under `request_id` (a fresh id when None)."""
         self._check(request)
+        return self.admit(request, request_id)
+
+    def admit(self, request: Request, request_id: int | None = None) -> int:
+        """Queue `request`, which `validate` passed, under `request_id` (a fresh id when None)."""
         seq_id = next(self._ids) if request_id is None else request_id
         if seq_id in self.sequences:
             raise ValueError(f"request id {seq_id} is already in flight")
