@@ -152,6 +152,24 @@ def test_parameters_map_to_the_ensemble_inputs():
         finish_reason("cancelled")
 
 
+def test_the_direct_path_builds_the_tensorrt_llm_request_from_the_values(tokenizer):
+    """The values become the tensorrt_llm model's inputs once, under NVIDIA's names, by the
+    BLS's own function; the output-length rule refuses as the ensemble does."""
+    from builder.serving.openai.direct import TextCodec, direct_request
+
+    request = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "p", "seed": 7, "top_p": 0.5, "ignore_eos": True})
+    codec = TextCodec(tokenizer, Limits(max_input_len=16, max_seq_len=32))
+    tensors = direct_request(codec, ensemble_values(request, "a b", 12, log_probs=True)).tensors
+    assert tensors["input_ids"].tolist() == [tokenizer.encode("a b")]
+    assert tensors["request_output_len"].tolist() == [[12]] and tensors["streaming"].item()
+    assert tensors["runtime_top_p"].item() == 0.5 and tensors["seed"].dtype.name == "uint64"
+    assert tensors["end_id"].item() == -1 and tensors["return_log_probs"].item()
+    assert "top_p" not in tensors and "runtime_top_k" not in tensors and "text_input" not in tensors
+    with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
+        direct_request(codec, ensemble_values(request, "a b", 0, log_probs=False))
+
+
 @pytest.mark.parametrize("message, status, param, text", [
     ("in ensemble 'ensemble', text_input has 100 tokens, over the engine's max_input_len 64",
      400, "prompt",

@@ -132,10 +132,12 @@ def prompt_ids(tokenizer: TextTokenizer, text: str, add_special_tokens: bool,
     return ids
 
 
-def tensorrt_llm_inputs(inputs: Mapping[str, np.ndarray], ids: list[int], max_tokens: int,
+def tensorrt_llm_inputs(inputs: Mapping[str, object], ids: list[int], max_tokens: int,
                         stop_words: list[list[int]], bad_words: list[list[int]],
                         streaming: bool) -> dict[str, np.ndarray]:
-    """The `tensorrt_llm` model's inputs for one BLS request (batch dimension 1)."""
+    """The `tensorrt_llm` model's inputs for one request (batch dimension 1). `inputs`: the
+    BLS's input arrays, or plain values by the same names (the OpenAI endpoint's direct path);
+    only the names of `PASSTHROUGH_INPUTS` and `LORA_ARRAY_INPUTS` are read."""
     tensors = {
         "input_ids": np.asarray([ids], dtype=np.int32),
         "input_lengths": np.asarray([[len(ids)]], dtype=np.int32),
