@@ -107,8 +107,8 @@ def build_engine(tmp: Path, shape: str = "llama_gqa", dtype: str = "float32",
     """Checkpoint + engine under `tmp`; returns the engine dir. Overrides go to the spec sections."""
     from rich.console import Console
 
-    from builder.engine_builder import build_engine as _build
-    from builder.spec import spec_from_dict
+    from builder.pipeline.engine_builder import build_engine as _build
+    from builder.spec.load import spec_from_dict
 
     slug = shape.replace(":", "-")
     checkpoint = make_checkpoint(tmp / f"hf-{slug}", shape)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from builder.progress import Eta
+from builder.pipeline.progress import Eta
 from builder.quantize.options import QuantizeOptions
 from triton_backend.engine import families
 from triton_backend.engine.quant import int4

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from builder import convert
+from builder.pipeline import convert
 from builder.quantize import calibration, modelopt_run
 from builder.quantize.modelopt_run import check_exclusion_patterns, is_excluded
 from builder.quantize.options import QuantizeOptions

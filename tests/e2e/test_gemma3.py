@@ -16,9 +16,9 @@ import yaml
 from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from builder.checkpoint import resolve_checkpoint
-from builder.engine_builder import build_engine
-from builder.spec import spec_from_dict
+from builder.pipeline.checkpoint import resolve_checkpoint
+from builder.pipeline.engine_builder import build_engine
+from builder.spec.load import spec_from_dict
 from test_openai_e2e import _forge, serve_openai
 from triton_backend.engine import Request
 from triton_backend.engine.llm_engine import LLMEngine

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tiny
-from builder.convert import convert_state_dict, model_shape_from_hf, read_hf_config
-from builder.hardware import parameter_count
+from builder.pipeline.convert import convert_state_dict, model_shape_from_hf, read_hf_config
+from builder.spec.hardware import parameter_count
 from triton_backend.engine import families
 
 

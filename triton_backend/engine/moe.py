@@ -9,7 +9,7 @@ expert no token chose reads none of its weights: at one token per step, a decode
 the routed experts' bytes.
 
 Weights follow TensorRT-LLM's per-layer names: `mlp.router.weight` [num_experts, hidden] and
-one gated MLP per expert, `mlp.experts.{j}.gate_up` / `.proj` (see `families/moe_layout.py` for
+one gated MLP per expert, `mlp.experts.{j}.gate_up` / `.proj` (see `families/_moe_layout.py` for
 the HF names each family reads).
 """
 from __future__ import annotations

@@ -5,7 +5,10 @@ families: reading the shape from an HF `config.json`, the one table of HF -> run
 (used by conversion, ModelOpt's quantization and LoRA), the module tree the runtime builds (and
 the parameter count, read off it), and whether the C++ one-call decode path
 (`kernels/forward.py`) runs its layers.
-Adding a family is adding a module here that calls `register`; nothing else lists families.
+Adding a family is adding a module here that declares its `FAMILIES`; nothing else lists them;
+what several families share lives in a module whose name starts with `_` (not loaded as one)
+(the module imports nothing from this package's `__init__`, so the registry it loads never
+imports itself back).
 The engine config names its family in `model.architecture`.
 """
 from __future__ import annotations
@@ -21,19 +24,16 @@ _FAMILIES: dict[str, "LlamaFamily"] = {}
 _loaded = False
 
 
-def register(family: "LlamaFamily") -> "LlamaFamily":
-    """Called by each family module when it is imported."""
-    if family.name in _FAMILIES:
-        raise ValueError(f"model family {family.name!r} is registered twice")
-    _FAMILIES[family.name] = family
-    return family
-
-
 def _load() -> dict[str, "LlamaFamily"]:
     global _loaded
     if not _loaded:
         for module in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{module.name}")
+            if module.name.startswith("_"):  # shared parts of families (_moe_layout)
+                continue
+            for family in importlib.import_module(f"{__name__}.{module.name}").FAMILIES:
+                if family.name in _FAMILIES:
+                    raise ValueError(f"model family {family.name!r} is declared twice")
+                _FAMILIES[family.name] = family
         _loaded = True
     return _FAMILIES
 

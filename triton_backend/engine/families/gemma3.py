@@ -23,7 +23,6 @@ from torch import nn
 
 from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.config import EngineConfig, ModelShape
-from triton_backend.engine.families import register
 from triton_backend.engine.families.llama import LlamaFamily, Weight
 from triton_backend.engine.families.qwen3 import QKNormAttention
 from triton_backend.engine.kv_cache import PagedKVCache
@@ -132,8 +131,9 @@ class Gemma3Family(LlamaFamily):
         return Gemma3CausalLM(config)
 
 
-GEMMA3 = register(Gemma3Family("gemma3", ("gemma3_text", "gemma3"), example=dict(
+GEMMA3 = Gemma3Family("gemma3", ("gemma3_text", "gemma3"), example=dict(
     num_hidden_layers=3, num_key_value_heads=1, sliding_window=24, query_pre_attn_scalar=32,
     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})))
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}))
+FAMILIES = (GEMMA3,)

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from triton_backend.engine.config import EngineConfig, ModelShape
-from triton_backend.engine.families import register
 from triton_backend.engine.numbers import is_int
 
 # Tensors a checkpoint may hold that are not weights (older transformers saved rotary tables).
@@ -240,8 +239,9 @@ class LlamaFamily:
         return CausalLM(config, attention=self.attention_class())
 
 
-LLAMA = register(LlamaFamily("llama", ("llama",), example=dict(num_key_value_heads=2)))
-MISTRAL = register(LlamaFamily("mistral", ("mistral",), sliding_window_by_default=True,
-                               example=dict(num_key_value_heads=1, sliding_window=24)))
-QWEN2 = register(LlamaFamily("qwen2", ("qwen2",), qkv_bias=True,
-                             example=dict(num_key_value_heads=2, tie_word_embeddings=True)))
+LLAMA = LlamaFamily("llama", ("llama",), example=dict(num_key_value_heads=2))
+MISTRAL = LlamaFamily("mistral", ("mistral",), sliding_window_by_default=True,
+                      example=dict(num_key_value_heads=1, sliding_window=24))
+QWEN2 = LlamaFamily("qwen2", ("qwen2",), qkv_bias=True,
+                    example=dict(num_key_value_heads=2, tie_word_embeddings=True))
+FAMILIES = (LLAMA, MISTRAL, QWEN2)

@@ -3,9 +3,8 @@ experts w1 = gate, w3 = up, w2 = down); the kept routing weights always renormal
 `sliding_window`, when set, makes every layer local (Mistral's rule)."""
 from __future__ import annotations
 
-from triton_backend.engine.families import register
 from triton_backend.engine.families.llama import LlamaFamily
-from triton_backend.engine.families.moe_layout import MoELayout
+from triton_backend.engine.families._moe_layout import MoELayout
 
 
 class MixtralFamily(MoELayout, LlamaFamily):
@@ -19,6 +18,7 @@ class MixtralFamily(MoELayout, LlamaFamily):
         return fields
 
 
-MIXTRAL = register(MixtralFamily("mixtral", ("mixtral",), sliding_window_by_default=True,
-                                 example=dict(num_key_value_heads=2, num_local_experts=8,
-                                              num_experts_per_tok=2, intermediate_size=48)))
+MIXTRAL = MixtralFamily("mixtral", ("mixtral",), sliding_window_by_default=True,
+                        example=dict(num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, intermediate_size=48))
+FAMILIES = (MIXTRAL,)

@@ -14,7 +14,6 @@ from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.layers import RMSNorm
 from triton_backend.engine.lora.batch import LoRABatch
 from triton_backend.engine.model import Attention
-from triton_backend.engine.families import register
 from triton_backend.engine.families.llama import LlamaFamily, Weight
 from triton_backend.engine.ops import TorchOps
 
@@ -45,4 +44,5 @@ class Qwen3Family(LlamaFamily):
         return QKNormAttention
 
 
-QWEN3 = register(Qwen3Family("qwen3", ("qwen3",), example=dict(num_key_value_heads=2)))
+QWEN3 = Qwen3Family("qwen3", ("qwen3",), example=dict(num_key_value_heads=2))
+FAMILIES = (QWEN3,)

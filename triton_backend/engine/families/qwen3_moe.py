@@ -4,8 +4,7 @@ shared expert. `norm_topk_prob` says whether the kept routing weights are renorm
 """
 from __future__ import annotations
 
-from triton_backend.engine.families import register
-from triton_backend.engine.families.moe_layout import MoELayout
+from triton_backend.engine.families._moe_layout import MoELayout
 from triton_backend.engine.families.qwen3 import Qwen3Family
 
 
@@ -21,6 +20,7 @@ class Qwen3MoeFamily(MoELayout, Qwen3Family):
         return fields
 
 
-QWEN3_MOE = register(Qwen3MoeFamily("qwen3_moe", ("qwen3_moe",), example=dict(
+QWEN3_MOE = Qwen3MoeFamily("qwen3_moe", ("qwen3_moe",), example=dict(
     num_hidden_layers=3, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-    moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])))
+    moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]))
+FAMILIES = (QWEN3_MOE,)
