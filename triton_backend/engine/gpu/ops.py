@@ -79,7 +79,10 @@ class GpuOps(TorchOps):
 
     def attention(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary,
                   cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
-                  num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                  num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
+                  ) -> torch.Tensor:
+        if window is not None:  # refused at load (model_runner): never reached by a step
+            raise ValueError("the GPU backend does not attend sliding windows")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
         if self.use_kernel:  # rotary and the cache write in one kernel
