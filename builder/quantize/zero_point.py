@@ -35,7 +35,9 @@ QUANT_ALGO = "W4A16_ZERO_POINT"
 
 
 def _is_projection(module: str) -> bool:
-    return module.startswith("transformer.layers.") and module.endswith(PROJECTIONS)
+    """A layer's projection, an expert's included (`mlp.experts.3.gate_up`); never the router."""
+    kinds = tuple(p.rpartition(".")[2] for p in PROJECTIONS)
+    return module.startswith("transformer.layers.") and module.rpartition(".")[2] in kinds
 
 
 def quantize_state(state: dict[str, torch.Tensor], options: QuantizeOptions,
