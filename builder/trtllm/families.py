@@ -11,6 +11,9 @@ What is read from NVIDIA/TensorRT-LLM (the 1.2 line; read, not copied; docs/trtl
   (i + 1) % _sliding_window_pattern != 0, with the local rotary base; q_scaling =
   sqrt(query_pre_attn_scalar / head_size); QK-norm; the embedding scaled by sqrt(hidden) in the
   graph (so stored unscaled); tp > 1 forces a vocabulary-parallel embedding.
+- `tensorrt_llm/layers/attention.py` create_attention_const_params: the local rotary table
+  (`rope_local_base_freq`) gets the same `rotary_scaling` as the global one, so a Gemma 3 whose
+  checkpoint scales only its global layers (linear, factor 8 from 4B up) is refused.
 - `tensorrt_llm/models/llama/config.py`: Mixtral is `hidden_act` "swiglu" with
   normalization_mode RENORMALIZE; `models/qwen/config.py`: `qwen_type` "qwen3_moe", "swiglu",
   `moe_intermediate_size`, no attention bias; `models/qwen/model.py`: MOE in every layer (no dense
@@ -105,6 +108,11 @@ def _check_gemma3(shape: ModelShape, spec) -> None:
         raise ValueError(f"checkpoint: layer_types {shape.layer_types} is not every n-th layer "
                          f"global, the only interleaving TensorRT-LLM 1.2's Gemma 3 builds "
                          f"(_sliding_window_pattern)")
+    scaling = _rotary_scaling(shape)
+    if scaling is not None:  # layers/attention.py applies one scaling to both rotary tables
+        raise ValueError(f"checkpoint: rope_scaling {scaling}: TensorRT-LLM 1.2's Gemma 3 would "
+                         f"scale its local layers' rotary base too (the checkpoint scales the "
+                         f"global ones only); use target torch")
     if shape.vocab_size % tp:  # Gemma's embedding is split over tp ranks
         raise ValueError(f"parallelism.tp ({tp}) must divide the Gemma 3 vocabulary "
                          f"({shape.vocab_size}): TensorRT-LLM splits its embedding over tp")

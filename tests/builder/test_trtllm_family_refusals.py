@@ -113,6 +113,10 @@ def plan_spec(lora=None, **parallelism):
      "checkpoint: layer_types ['full_attention', 'sliding_attention', 'sliding_attention'] is "
      "not every n-th layer global, the only interleaving TensorRT-LLM 1.2's Gemma 3 builds "
      "(_sliding_window_pattern)"),
+    (shape_of("gemma3", rope_scaling={"rope_type": "linear", "factor": 8.0}), plan_spec(),
+     "checkpoint: rope_scaling {'type': 'linear', 'factor': 8.0}: TensorRT-LLM 1.2's Gemma 3 "
+     "would scale its local layers' rotary base too (the checkpoint scales the global ones "
+     "only); use target torch"),
     (shape_of("gemma3", vocab_size=385), plan_spec(tp=2),
      "parallelism.tp (2) must divide the Gemma 3 vocabulary (385): TensorRT-LLM splits its "
      "embedding over tp"),
