@@ -53,20 +53,51 @@ class QuantizationSpec:
 
 @dataclass
 class ParallelismSpec:
-    """TensorRT-LLM's tensor (`tp`) and pipeline (`pp`) parallelism: tp * pp GPUs, one rank each."""
+    """TensorRT-LLM's tensor (`tp`) and pipeline (`pp`) parallelism: tp * pp GPUs, one rank each.
+
+    A mixture-of-experts layer splits its experts over the same tp ranks as TensorRT-LLM's
+    `moe_tp_size` x `moe_ep_size` (`moe_tp` * `moe_ep` == `tp`): `moe_ep` groups of whole experts,
+    each expert's intermediate size split `moe_tp` ways. Unset: TensorRT-LLM's default, every
+    expert split over all tp ranks (moe_tp = tp, moe_ep = 1); one set: the other is tp / it.
+    """
 
     tp: int = 1
     pp: int = 1
+    moe_tp: int | None = None
+    moe_ep: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp"):
+        for key in ("tp", "pp", "moe_tp", "moe_ep"):
             value = getattr(self, key)
+            if value is None and key.startswith("moe_"):
+                continue
             if not is_int(value) or value < 1:
                 raise SpecError(f"parallelism.{key}: must be an integer >= 1, got {value!r}")
+        for key in ("moe_tp", "moe_ep"):
+            value = getattr(self, key)
+            if value is not None and self.tp % value:
+                raise SpecError(f"parallelism.{key} ({value}) must divide parallelism.tp "
+                                f"({self.tp}): moe_tp * moe_ep == tp")
+        moe_tp, moe_ep = self.moe_split
+        if moe_tp * moe_ep != self.tp:
+            raise SpecError(f"parallelism: moe_tp * moe_ep must equal tp, got {moe_tp} * {moe_ep} "
+                            f"!= {self.tp}")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def moe_set(self) -> bool:
+        return self.moe_tp is not None or self.moe_ep is not None
+
+    @property
+    def moe_split(self) -> tuple[int, int]:
+        """(moe_tp, moe_ep), the unset ones resolved."""
+        moe_tp, moe_ep = self.moe_tp, self.moe_ep
+        if moe_tp is None:
+            return self.tp // (moe_ep or 1), moe_ep or 1
+        return moe_tp, self.tp // moe_tp if moe_ep is None else moe_ep
 
 
 @dataclass

@@ -67,7 +67,7 @@ def _check_torch_target(spec: BuildSpec) -> None:
         if PROFILES[spec.hardware].is_gpu:
             torch_gpu.check_gpu_spec(spec)
         else:
-            if spec.parallelism.world_size != 1:
+            if spec.parallelism.world_size != 1 or spec.parallelism.moe_set:
                 raise ValueError(f"parallelism: tp/pp are TensorRT-LLM's (target trtllm); "
                                  f"target {spec.target} runs on one device (tp: 1, pp: 1)")
             torch_gpu.check_cpu_spec(spec)

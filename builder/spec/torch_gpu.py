@@ -30,7 +30,7 @@ def check_gpu_spec(spec: "BuildSpec") -> None:
     if spec.target != "torch":
         raise ValueError(f"hardware: target {spec.target} runs on the CPU (hardware: cpu); "
                          f"{spec.hardware!r} is for targets torch and trtllm")
-    if spec.parallelism.world_size != 1:
+    if spec.parallelism.world_size != 1 or spec.parallelism.moe_set:
         raise ValueError("parallelism: tp/pp are TensorRT-LLM's (target trtllm); target torch "
                          "runs on one GPU (tp: 1, pp: 1)")
     if spec.quantization.lm_head != "none":

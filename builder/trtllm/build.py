@@ -48,6 +48,7 @@ class TrtllmBuildPlan:
     kv_cache: str
     profile: HardwareProfile
     lora: TrtllmLora | None = None  # the LoRA plugin and adapters (builder/trtllm/lora.py)
+    moe: bool = False  # a mixture-of-experts model: its layers run TensorRT-LLM's MoE plugin
 
     @property
     def fp8_context_fmha(self) -> bool:
@@ -72,6 +73,8 @@ class TrtllmBuildPlan:
             "use_paged_context_fmha": _switch(self.paged_context_fmha),
             "use_fp8_context_fmha": _switch(self.fp8_context_fmha),
             "multiple_profiles": "enable",
+            # The experts' grouped GEMMs (moe_plugin, on by default as `auto`), spelled out.
+            **({"moe_plugin": self.dtype} if self.moe else {}),
         }
 
     def arguments(self) -> list[str]:

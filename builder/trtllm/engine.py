@@ -4,7 +4,8 @@
       config.json          ours (target trtllm; `extra.trtllm` holds the build plan and profile)
       manifest.json        hashes, versions, the toolchain that built the engine
       tokenizer/
-      trtllm_checkpoint/   config.json + rank{N}.safetensors (ModelOpt's exporter, tp x pp ranks)
+      trtllm_checkpoint/   config.json + rank{N}.safetensors, tp x pp ranks (ModelOpt's exporter;
+                           for the families it refuses, ours: builder/trtllm/checkpoint.py)
       build.sh             the exact trtllm-build command (run it on a GPU host)
       trtllm_engine/       what trtllm-build wrote (rank{N}.engine + config.json), when it ran
       build.log            trtllm-build's output
@@ -21,6 +22,7 @@ from pathlib import Path
 from builder.spec.hardware import PROFILES, memory_plan, sized_limits
 from builder.pipeline.manifest import write_manifest
 from builder.spec.build_spec import BuildSpec
+from builder.trtllm import families as trtllm_families
 from builder.trtllm.lora import trtllm_lora, write_trtllm_adapters
 from builder.trtllm.build import (BUILD_SCRIPT, CHECKPOINT_SUBDIR, PINNED_TRTLLM, TrtllmBuildPlan,
                                   run_build, trtllm_available, write_build_script)
@@ -47,7 +49,9 @@ def plan_engine(spec: BuildSpec, config: EngineConfig) -> TrtllmBuildPlan:
     """
     profile = PROFILES[spec.hardware]
     tp, pp = spec.parallelism.tp, spec.parallelism.pp
+    trtllm_families.check_buildable(config.model, spec)
     check_parallelism(config.model, tp, pp)
+    moe = config.model.num_experts > 0
     fraction = (spec.repository or {}).get("kv_cache_free_gpu_mem_fraction")
     memory = memory_plan(config.model, profile, spec.quantization.weights,
                          spec.quantization.kv_cache, tp, pp, fraction)
@@ -56,7 +60,7 @@ def plan_engine(spec: BuildSpec, config: EngineConfig) -> TrtllmBuildPlan:
     plan = TrtllmBuildPlan(dtype=spec.dtype, limits=config.limits,
                            tokens_per_block=spec.kv_cache.tokens_per_block,
                            weights=spec.quantization.weights, kv_cache=spec.quantization.kv_cache,
-                           profile=profile, lora=trtllm_lora(spec, spec.dtype))
+                           profile=profile, lora=trtllm_lora(spec, spec.dtype), moe=moe)
     plugins = plan.plugins()
     config.features.gpt_attention_plugin = plugins["gpt_attention_plugin"]
     config.features.gemm_plugin = plugins["gemm_plugin"]
@@ -69,11 +73,44 @@ def plan_engine(spec: BuildSpec, config: EngineConfig) -> TrtllmBuildPlan:
         "kv_cache_free_gpu_mem_fraction": fraction or profile.kv_cache_free_gpu_mem_fraction,
         "memory": {"weights_bytes": memory.weights_bytes, "kv_budget_bytes": memory.kv_budget_bytes,
                    "kv_tokens": memory.kv_tokens},
+        "checkpoint_writer": ("llm-forge" if trtllm_families.uses_own_writer(config.model)
+                              else "modelopt"),
     }
+    if moe:
+        moe_tp, moe_ep = spec.parallelism.moe_split
+        config.extra["trtllm"].update(moe_tp=moe_tp, moe_ep=moe_ep)
+    windows = trtllm_families.attention_windows(config.model, config.limits.max_seq_len)
+    if windows is not None:  # what the runtime's max_attention_window_size must say per layer
+        config.extra["trtllm"]["max_attention_window"] = windows
     return plan
 
 
-def _export_unquantized(hf_dir: Path, out_dir: Path, spec: BuildSpec, log) -> None:
+def _write_own_checkpoint(hf_dir: Path, out_dir: Path, spec: BuildSpec, shape: ModelShape,
+                          log) -> None:
+    """A family ModelOpt's exporter refuses: our writer, from the runtime-layout weights."""
+    from builder.pipeline.convert import load_hf_state_dict
+    from builder.trtllm.checkpoint import write_checkpoint
+    from triton_backend.engine import families
+    from triton_backend.engine.weights import TORCH_DTYPES
+
+    family = families.get(shape.architecture)
+    hf_state = load_hf_state_dict(hf_dir)
+    state = family.convert_state_dict(hf_state, shape, TORCH_DTYPES[spec.dtype])
+    if shape.num_experts:  # TensorRT-LLM routes in float32: the router from the checkpoint's
+        for layer in range(shape.num_hidden_layers):
+            state[f"transformer.layers.{layer}.mlp.router.weight"] = \
+                hf_state[f"model.layers.{layer}.{getattr(family, 'router')}.weight"].float()
+    write_checkpoint(state, shape, spec.dtype, out_dir, spec.parallelism.tp, spec.parallelism.pp,
+                     spec.parallelism.moe_split)
+    log(f"{spec.dtype} checkpoint of {trtllm_families.OWN_WRITER[shape.architecture]}, "
+        f"{spec.parallelism.world_size} rank(s)")
+
+
+def _export_unquantized(hf_dir: Path, out_dir: Path, spec: BuildSpec, shape: ModelShape,
+                        log) -> None:
+    if trtllm_families.uses_own_writer(shape):
+        _write_own_checkpoint(hf_dir, out_dir, spec, shape, log)
+        return
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -97,7 +134,7 @@ def _write_checkpoint(spec: BuildSpec, config: EngineConfig, hf_dir: Path, tmp_d
     if not options.enabled:
         with steps.step(f"TensorRT-LLM checkpoint ({spec.dtype}, tp {spec.parallelism.tp}, "
                         f"pp {spec.parallelism.pp})") as log:
-            _export_unquantized(hf_dir, tmp_dir / CHECKPOINT_SUBDIR, spec, log)
+            _export_unquantized(hf_dir, tmp_dir / CHECKPOINT_SUBDIR, spec, config.model, log)
         return False
     from builder.quantize import quantize_checkpoint
     from triton_backend.engine.weights import TORCH_DTYPES
