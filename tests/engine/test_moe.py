@@ -106,3 +106,19 @@ def test_lora_on_experts_is_refused_at_build_time(tmp_path):
     assert ("module gate_proj: LoRA on it is not supported (supported: ['k_proj', 'o_proj', "
             "'q_proj', 'v_proj'])") in " ".join(result.output.split())
     assert not (tmp_path / "engine").exists()
+
+
+def test_the_decode_roofline_counts_the_active_experts_only(tmp_path):
+    """A c=1 decode reads top_k of num_experts experts a layer: the roofline's bytes are the
+    dense weights and 2/8 of the experts' (qwen3_moe's example: 8 experts, top 2)."""
+    from builder.bench.roofline import decode_weight_bytes
+    from triton_backend.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(tiny.build_engine(tmp_path, "family:qwen3_moe"))
+    model = engine.runner.model
+    tensors = dict(model.named_parameters())
+    experts = sum(t.numel() * t.element_size() for n, t in tensors.items() if ".experts." in n)
+    dense = sum(t.numel() * t.element_size() for n, t in tensors.items()
+                if ".experts." not in n and "vocab_embedding" not in n)
+    assert experts > dense  # the experts are most of the bytes
+    assert decode_weight_bytes(model) == int(dense + experts * 2 / 8)
