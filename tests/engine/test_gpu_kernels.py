@@ -16,12 +16,17 @@ TRITON_DIR = Path(os.environ.get("LLM_FORGE_TRITON_DIR", ROOT / ".venv" / "trito
 
 
 def _interpreted(*args: str) -> subprocess.CompletedProcess:
+    return _interpreted_script("gpu_kernel_checks.py", *args)
+
+
+def _interpreted_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run tests/engine/`script` in a process of its own under Triton's interpreter."""
     assert (TRITON_DIR / "triton").is_dir(), (
         f"Triton is not installed in {TRITON_DIR}: `make setup` installs it there")
     env = dict(os.environ, TRITON_INTERPRET="1", LLM_FORGE_KERNELS="gpu",
                PYTHONPATH=os.pathsep.join([str(TRITON_DIR), str(ROOT)]))
-    return subprocess.run([sys.executable, str(Path(__file__).parent / "gpu_kernel_checks.py"),
-                           *args], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, str(Path(__file__).parent / script), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_kernels_match_their_references_under_the_interpreter():

@@ -51,8 +51,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: TorchOps, lora: LoRABatch | None = None
                 ) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]. `lora` is never given: adapters on experts are refused at
-        build time."""
+        """[T, hidden] -> [T, hidden]: the backend's (`ops.sparse_moe`). `lora` is never given:
+        adapters on experts are refused at build time."""
+        return ops.sparse_moe(self, x)
+
+    def grouped(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """The reference: tokens grouped by expert, each active expert run once."""
         weights, experts = route(self.router(x), self.top_k, self.renormalise)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert

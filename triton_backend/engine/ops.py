@@ -58,6 +58,10 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def sparse_moe(self, moe, x: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts MLP (`moe.SparseMoE`) over the step's rows."""
+        return moe.grouped(x, self)
+
     def attention(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary,
                   cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
                   num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
