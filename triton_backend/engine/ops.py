@@ -112,6 +112,9 @@ class CppOps(TorchOps):
     def silu_mul(self, gate_up):
         return self._ops.silu_mul(gate_up.contiguous())
 
+    def gelu_tanh_mul(self, gate_up):
+        return self._ops.gelu_tanh_mul(gate_up.contiguous())
+
     def attention(self, layer, qkv, positions, rotary, cache, meta, num_heads, num_kv_heads,
                   head_dim, scale, window=None):
         if not cache.kernel_reads(qkv.dtype):

@@ -1,5 +1,5 @@
-// Fused per-layer ops of the Llama-family decoder: RMSNorm (with the residual add folded in),
-// SiLU(gate) * up, and rotary embedding with the KV-cache write folded in.
+// Fused per-layer ops of the decoder: RMSNorm (with the residual add folded in), SiLU(gate) * up
+// and GELU-tanh(gate) * up, and rotary embedding with the KV-cache write folded in.
 //
 // Each replaces several torch ops (and their per-op dispatch cost) with one pass over the rows,
 // and rounds where the torch ops round (an intermediate stored as bf16 is rounded as bf16 here
@@ -42,15 +42,19 @@ void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tens
   });
 }
 
-template <typename T>
-void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+template <typename T, bool Gelu>
+void gated_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t I = out.size(-1), rows = out.numel() / I;
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) layer_row::silu_mul(gp + r * 2 * I, op + r * I, I);
+    for (int64_t r = b; r < e; ++r) {
+      if constexpr (Gelu) layer_row::gelu_tanh_mul(gp + r * 2 * I, op + r * I, I);
+      else layer_row::silu_mul(gp + r * 2 * I, op + r * I, I);
+    }
   });
 }
+
 
 // Rotate q and k of each token in place (rotate-half form, as Llama) and write k and v into the
 // layer's cache at the token's slot (quantized with the layer's scales for a one-byte cache).
@@ -88,6 +92,18 @@ void check_rows(const at::Tensor& x, const char* name) {
               name, " must be bf16 or fp32");
 }
 
+template <bool Gelu>
+at::Tensor gated_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  auto sizes = gate_up.sizes().vec();
+  TORCH_CHECK(sizes.back() % 2 == 0, "gate_up must have an even last dimension");
+  sizes.back() /= 2;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) gated_mul_impl<at::BFloat16, Gelu>(gate_up, out);
+  else gated_mul_impl<float, Gelu>(gate_up, out);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -112,16 +128,9 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  auto sizes = gate_up.sizes().vec();
-  TORCH_CHECK(sizes.back() % 2 == 0, "gate_up must have an even last dimension");
-  sizes.back() /= 2;
-  at::Tensor out = at::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == at::kBFloat16) silu_mul_impl<at::BFloat16>(gate_up, out);
-  else silu_mul_impl<float>(gate_up, out);
-  return out;
-}
+at::Tensor silu_mul(const at::Tensor& gate_up) { return gated_mul<false>(gate_up); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return gated_mul<true>(gate_up); }
 
 void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
