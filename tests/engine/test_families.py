@@ -13,7 +13,8 @@ from triton_backend.engine import families
 
 
 def test_every_family_is_found_by_its_name_and_its_model_types():
-    assert families.architectures() == ["llama", "mistral", "qwen2", "qwen3"]
+    assert families.architectures() == ["gemma3", "llama", "mistral", "mixtral", "qwen2", "qwen3",
+                                        "qwen3_moe"]
     for name in families.architectures():
         family = families.get(name)
         assert all(families.for_model_type(t) is family for t in family.model_types)
@@ -21,10 +22,12 @@ def test_every_family_is_found_by_its_name_and_its_model_types():
 
 def test_an_unknown_family_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"checkpoint: model_type 'gpt2' is not supported "
-                                         r"\(supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]\)"):
+                                         r"\(supported: \['gemma3', 'gemma3_text', 'llama', "
+                                         r"'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]\)"):
         families.for_model_type("gpt2")
-    with pytest.raises(ValueError, match=r"model.architecture must be one of \['llama', 'mistral', "
-                                         r"'qwen2', 'qwen3'\], got 'gpt2'"):
+    with pytest.raises(ValueError, match=r"model.architecture must be one of \['gemma3', 'llama', "
+                                         r"'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\], "
+                                         r"got 'gpt2'"):
         families.get("gpt2")
 
 
