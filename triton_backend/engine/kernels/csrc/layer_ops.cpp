@@ -28,6 +28,24 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, do
   });
 }
 
+// Each query and key head of each row normed in place (QK-norm: Qwen3, Gemma 3): no split of
+// q / k out of the fused projection, no copy back.
+template <typename T>
+void qk_norm_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, int64_t Hq,
+                  int64_t Hkv, double eps) {
+  const int64_t D = qw.size(0), rows = qkv.size(0), width = qkv.size(1), heads = Hq + Hkv;
+  T* p = qkv.data_ptr<T>();
+  const T* qwp = qw.data_ptr<T>();
+  const T* kwp = kw.data_ptr<T>();
+  at::parallel_for(0, rows * heads, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t r = i / heads, h = i % heads;
+      T* x = p + r * width + h * D;
+      layer_row::rms_norm(x, h < Hq ? qwp : kwp, x, D, (float)eps);
+    }
+  });
+}
+
 template <typename T>
 void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
                        at::Tensor& out, double eps) {
@@ -126,6 +144,21 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   if (x.scalar_type() == at::kBFloat16) add_rms_norm_impl<at::BFloat16>(x, residual, weight, out, eps);
   else add_rms_norm_impl<float>(x, residual, weight, out, eps);
   return out;
+}
+
+void qk_norm_(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+              int64_t num_q_heads, int64_t num_kv_heads, double eps) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && q_weight.is_contiguous() && k_weight.is_contiguous() &&
+                  q_weight.scalar_type() == qkv.scalar_type() &&
+                  k_weight.scalar_type() == qkv.scalar_type() &&
+                  q_weight.numel() == k_weight.numel() &&
+                  qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * q_weight.numel(),
+              "qk_norm_: qkv [T, (Hq + 2 Hkv) D] and weights [D] of its dtype");
+  if (qkv.scalar_type() == at::kBFloat16)
+    qk_norm_impl<at::BFloat16>(qkv, q_weight, k_weight, num_q_heads, num_kv_heads, eps);
+  else
+    qk_norm_impl<float>(qkv, q_weight, k_weight, num_q_heads, num_kv_heads, eps);
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) { return gated_mul<false>(gate_up); }
