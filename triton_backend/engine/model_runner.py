@@ -128,14 +128,22 @@ class ModelRunner:
             self.one_call_max_rows = max(1, ONE_CALL_MAX_WORK // max(1, weights))
 
     def _prepare_gpu_backend(self) -> None:
-        """Sampling on the device, and decode steps captured as CUDA graphs (unless turned
-        off), their padded rows writing to the block past the pool."""
-        from triton_backend.engine.gpu.graphs import DecodeGraphs
+        """Sampling on the device, every Triton kernel variant compiled (gpu/warmup.py), and
+        decode steps captured as CUDA graphs (unless turned off), their padded rows writing to
+        the block past the pool."""
         from triton_backend.engine.gpu.sampling import DeviceSampler
+        from triton_backend.engine.gpu.warmup import warm_up
 
         self.device_sampler = DeviceSampler()
-        if os.environ.get(CUDA_GRAPHS_ENV, "1") == "0" or not self.enable_cuda_graphs:
-            return
+        with warm_up(self.model, self.kv_cache, self.ops, self.num_blocks * self.tokens_per_block,
+                     self.config.limits.max_seq_len):
+            if os.environ.get(CUDA_GRAPHS_ENV, "1") != "0" and self.enable_cuda_graphs:
+                self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode steps (GPU backend); from then on they replay."""
+        from triton_backend.engine.gpu.graphs import DecodeGraphs
+
         limits = self.config.limits
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, limits.max_batch_size,
                                    limits.max_seq_len, self.num_blocks * self.tokens_per_block,
@@ -144,10 +152,13 @@ class ModelRunner:
             self.graphs.capture()
 
     def graph_stats(self) -> dict[str, int]:
-        """Captured decode graphs and how many steps replayed one (0 without graphs)."""
+        """Captured decode graphs and how many steps replayed one (0 without graphs); on the GPU
+        backend, its kernel variants and those first met after the start-up warm-up."""
         graphs = self.graphs
-        return {"cuda_graphs": len(graphs.graphs) if graphs is not None else 0,
-                "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+        stats = {"cuda_graphs": len(graphs.graphs) if graphs is not None else 0,
+                 "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+        kernel_stats = getattr(self.ops, "kernel_stats", None)
+        return {**stats, **kernel_stats()} if kernel_stats is not None else stats
 
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's sampling state (its generator or seed)."""

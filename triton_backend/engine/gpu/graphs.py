@@ -15,6 +15,7 @@ padding run eagerly on each "replay", so the CPU tests exercise everything but t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,24 @@ from triton_backend.engine.scheduler import ScheduledChunk
 log = logging.getLogger(__name__)
 
 
+CAPTURE_SIZES_ENV = "LLM_FORGE_CUDA_GRAPH_BATCH_SIZES"
+
+
 def capture_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 to 64, every 16 to 256, and max_batch_size itself."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
+    """1, 2, 4, 8, then every 8 to 64, every 16 to 256, and max_batch_size itself; or the sizes
+    `LLM_FORGE_CUDA_GRAPH_BATCH_SIZES` lists (comma separated; max_batch_size is always one), as
+    `forge gpu-check` captures only the batches it runs: each capture costs start-up time."""
+    given = os.environ.get(CAPTURE_SIZES_ENV, "").strip()
+    if given:
+        try:
+            sizes = [int(size) for size in given.split(",")]
+        except ValueError:
+            raise ValueError(f"{CAPTURE_SIZES_ENV}: {given!r} is not a comma-separated list of "
+                             f"batch sizes") from None
+        if min(sizes) < 1:
+            raise ValueError(f"{CAPTURE_SIZES_ENV}: {given!r}: batch sizes start at 1")
+    else:
+        sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 

@@ -17,8 +17,10 @@ import torch
 
 from triton_backend.engine.attention import AttentionMetadata, _decode, prefill_attention
 from triton_backend.engine.gpu import fused
-from triton_backend.engine.gpu.paged_attention import paged_attention, paged_attention_reference
+from triton_backend.engine.gpu.paged_attention import (launch_constants, paged_attention,
+                                                       paged_attention_reference, variant_key)
 from triton_backend.engine.gpu.triton_support import available, interpreted
+from triton_backend.engine.gpu.variants import VARIANTS
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.ops import TorchOps
 
@@ -34,12 +36,25 @@ def _cache_views(cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.T
     return k_cache, v_cache
 
 
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256
+
+
 def split_count(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits of the keys for a decode batch: enough programs to fill the GPU's SMs twice when the
-    batch is small, each split at least 256 keys long, at most 16."""
+    batch is small, each split at least 256 keys long, at most 16; rounded down to a power of
+    two, so a step of any length meets one of a few kernel variants, all compiled at start-up
+    (`split_buckets`), instead of a new one at each 256-key boundary."""
     programs = max(1, batch * num_kv_heads)
     wanted = -(-2 * num_sms // programs)
-    return max(1, min(16, wanted, max_seq_len // 256 or 1))
+    splits = max(1, min(MAX_SPLITS, wanted, max_seq_len // MIN_KEYS_PER_SPLIT or 1))
+    return 1 << (splits.bit_length() - 1)
+
+
+def split_buckets(num_kv_heads: int, max_seq_len: int, num_sms: int) -> list[int]:
+    """Every split count an engine of `max_seq_len` can meet (a batch of one is the most)."""
+    most = split_count(1, num_kv_heads, max_seq_len, num_sms)
+    return [1 << i for i in range(most.bit_length())]
 
 
 class GpuOps(TorchOps):
@@ -62,17 +77,27 @@ class GpuOps(TorchOps):
     def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
         return num_computed > 0  # a first chunk: SDPA over its keys as computed
 
+    def kernel_stats(self) -> dict[str, int]:
+        """For the engine's stats: kernel variants launched in this process, and those first
+        launched after the start-up warm-up (each a compile while serving, on a GPU)."""
+        return {"triton_kernel_variants": VARIANTS.num_variants,
+                "triton_compiles": VARIANTS.num_compiles,
+                "triton_compiles_after_warmup": VARIANTS.compiles_after_warmup}
+
     def rms_norm(self, x, weight, eps):
+        VARIANTS.note("rms_norm", str(x.dtype), x.shape[-1], False)
         if not self.use_kernel:
             return super().rms_norm(x, weight, eps)
         return fused.add_rms_norm(x.contiguous(), None, weight, eps)[0]
 
     def add_rms_norm(self, x, residual, weight, eps):
+        VARIANTS.note("rms_norm", str(x.dtype), x.shape[-1], True)
         if not self.use_kernel:
             return super().add_rms_norm(x, residual, weight, eps)
         return fused.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
 
     def silu_mul(self, gate_up):
+        VARIANTS.note("silu_mul", str(gate_up.dtype), gate_up.shape[-1])
         if not self.use_kernel:
             return super().silu_mul(gate_up)
         return fused.silu_mul(gate_up.contiguous())
@@ -82,13 +107,15 @@ class GpuOps(TorchOps):
                   num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
+        kv_kind = KV_KINDS[getattr(cache, "kv_dtype", "auto")]
+        VARIANTS.note("rope_write_cache", str(qkv.dtype), num_heads, num_kv_heads, head_dim,
+                      kv_kind)
         if self.use_kernel:  # rotary and the cache write in one kernel
             k_cache, v_cache = _cache_views(cache, layer)
             k_scale, v_scale = cache.layer_scales(layer)
             q, k = fused.rope_write_cache(
                 qkv.contiguous(), positions, rotary.cos, rotary.sin, num_heads, num_kv_heads,
-                head_dim, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale,
-                KV_KINDS[getattr(cache, "kv_dtype", "auto")])
+                head_dim, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, kv_kind)
         else:
             q = qkv[:, :q_size].view(-1, num_heads, head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
@@ -110,14 +137,20 @@ class GpuOps(TorchOps):
                scale: float) -> torch.Tensor:
         k_cache, v_cache = _cache_views(cache, layer)
         k_scale, v_scale = cache.layer_scales(layer)
-        if not self.use_kernel:
-            return paged_attention_reference(q, k_cache, v_cache, meta.block_tables,
-                                             meta.seq_lens, meta.query_start,
-                                             cache.tokens_per_block, scale, k_scale, v_scale)
         splits = 1
         if meta.max_query_len == 1:
             splits = split_count(meta.block_tables.shape[0], k_cache.shape[1], meta.max_seq_len,
                                  self.num_sms)
+        constants = launch_constants(q.dtype, k_cache.element_size() == 1, q.shape[1],
+                                     k_cache.shape[1], q.shape[2], cache.tokens_per_block,
+                                     meta.max_query_len, splits)
+        VARIANTS.note("paged_attention", *variant_key(constants, q.dtype, k_cache.dtype))
+        if splits > 1:
+            VARIANTS.note("merge_splits", splits, q.shape[2])
+        if not self.use_kernel:
+            return paged_attention_reference(q, k_cache, v_cache, meta.block_tables,
+                                             meta.seq_lens, meta.query_start,
+                                             cache.tokens_per_block, scale, k_scale, v_scale)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.query_start, cache.tokens_per_block, scale,
                                meta.max_query_len, k_scale, v_scale, splits)
