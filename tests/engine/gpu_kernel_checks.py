@@ -153,7 +153,25 @@ def _fused_cases(dtype: torch.dtype) -> dict[str, float]:
                        for cache, ref in ((k_cache, k), (v_cache, v_ref)))
             ulps = max(ulps, 0.0 if same else float("inf"))
         out[f"rope_write_cache {kv}"] = ulps
+    out["quantize_fp8"] = _fp8_quantize_case(dtype, generator)
     return out
+
+
+def _fp8_quantize_case(dtype: torch.dtype, generator: torch.Generator) -> float:
+    """The fused FP8 input quantization against the torch ops it replaces: rows wider than one
+    program's block (1,300 > 1,024), values beyond e4m3's range (clamped) and exact ties; 0 when
+    every byte is the torch ops' (up to the interpreter's own e4m3 rounding, `_same_bytes`)."""
+    from triton_backend.engine.gpu.fp8 import quantize_fp8, quantize_fp8_reference
+
+    scale = torch.tensor(0.015625)  # a power of two: x / scale is exact, ties stay ties
+    x = (torch.randn(3, 1300, generator=generator) * 3).to(dtype)
+    x[0, :4] = torch.tensor([9.0, -9.0, 0.1, 7.0])  # 576 and -576 clamp to +-448
+    x[1, :2] = torch.tensor([0.2265625, 0.2109375])  # 14.5 and 13.5: ties to even
+    got, expected = quantize_fp8(x, scale), quantize_fp8_reference(x, scale)
+    values = (x.float() / scale).clamp(-448, 448)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == x.shape
+    assert float(got.float()[0, 0]) == 448.0 and float(got.float()[0, 1]) == -448.0
+    return 0.0 if _same_bytes(got, expected, values) else float("inf")
 
 
 def _engine_case(engine_dir: str) -> int:

@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TRITON_DIR = Path(os.environ.get("LLM_FORGE_TRITON_DIR", ROOT / ".venv" / "triton"))
 
 
-def _interpreted(*args: str) -> subprocess.CompletedProcess:
+def _interpreted(*args: str, script: str = "gpu_kernel_checks.py") -> subprocess.CompletedProcess:
     assert (TRITON_DIR / "triton").is_dir(), (
         f"Triton is not installed in {TRITON_DIR}: `make setup` installs it there")
     env = dict(os.environ, TRITON_INTERPRET="1", LLM_FORGE_KERNELS="gpu",
                PYTHONPATH=os.pathsep.join([str(TRITON_DIR), str(ROOT)]))
-    return subprocess.run([sys.executable, str(Path(__file__).parent / "gpu_kernel_checks.py"),
+    return subprocess.run([sys.executable, str(Path(__file__).parent / script),
                            *args], env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -28,7 +28,7 @@ def test_kernels_match_their_references_under_the_interpreter():
     run = _interpreted()
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("max |kernel - reference|") == 8, run.stdout
-    assert run.stdout.count("from the torch op") == 12, run.stdout
+    assert run.stdout.count("from the torch op") == 14, run.stdout
 
 
 def test_the_engine_with_every_gpu_kernel_matches_transformers(tiny_engines, tmp_path):
@@ -46,3 +46,28 @@ def test_the_engine_with_every_gpu_kernel_matches_transformers(tiny_engines, tmp
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("transformers:") == 3, run.stdout
     assert run.stdout.count("kernels ") == 2 and "drafts 0" not in run.stdout, run.stdout
+
+
+def test_fp8_activations_take_one_launch_per_projection_in_a_decode_step(tmp_path):
+    """A bf16 decode step with FP8 projections on `_scaled_mm`: quantizing each input by the
+    torch ops (widen, divide, clamp, narrow) launches four kernels, the fused kernel one."""
+    import re
+
+    import tiny
+
+    engine_dir = tiny.build_engine(tmp_path, "llama_gqa", dtype="bfloat16")
+    run = _interpreted(str(engine_dir), script="gpu_launch_checks.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    projections, layers = map(int, re.search(r"fp8 projections (\d+), layers (\d+)",
+                                             run.stdout).groups())
+    assert projections == 4 * layers == 8
+    before, after = map(int, re.search(r"decode step launches: before (\d+) after (\d+)",
+                                       run.stdout).groups())
+    assert after == before - 3 * projections, run.stdout
+    torch_before, triton_before = re.search(r"before: torch (\{.*\}) triton (\d+)",
+                                            run.stdout).groups()
+    torch_after, triton_after = re.search(r"after: torch (\{.*\}) triton (\d+)",
+                                          run.stdout).groups()
+    assert int(triton_after) == int(triton_before) + projections
+    assert "'div': 8" in torch_before and "'clamp': 8" in torch_before
+    assert "div" not in torch_after and "clamp" not in torch_after

@@ -135,6 +135,7 @@ class ModelRunner:
         from triton_backend.engine.gpu.warmup import warm_up
 
         self.device_sampler = DeviceSampler()
+        self.ops.prepare_model(self.model)
         with warm_up(self.model, self.kv_cache, self.ops, self.num_blocks * self.tokens_per_block,
                      self.config.limits.max_seq_len):
             if os.environ.get(CUDA_GRAPHS_ENV, "1") != "0" and self.enable_cuda_graphs:

@@ -77,6 +77,13 @@ class GpuOps(TorchOps):
     def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
         return num_computed > 0  # a first chunk: SDPA over its keys as computed
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """At load: FP8 projections quantize their input in one kernel (gpu/fp8.py)."""
+        if self.use_kernel:
+            from triton_backend.engine.gpu.fp8 import fuse_fp8_inputs
+
+            fuse_fp8_inputs(model)
+
     def kernel_stats(self) -> dict[str, int]:
         """For the engine's stats: kernel variants launched in this process, and those first
         launched after the start-up warm-up (each a compile while serving, on a GPU)."""
