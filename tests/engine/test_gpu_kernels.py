@@ -48,6 +48,15 @@ def test_the_engine_with_every_gpu_kernel_matches_transformers(tiny_engines, tmp
     assert run.stdout.count("kernels ") == 2 and "drafts 0" not in run.stdout, run.stdout
 
 
+def test_the_bf16_tensor_core_branches_match_the_reference():
+    """The paged kernel's 16-bit `tl.dot` branches (decodes, chunks over a prefix, GQA 3 and 4,
+    split keys, an FP8 cache widened to bf16) under the interpreter, its bf16 dots emulated as a
+    tensor core computes them (exact products, float32 sums), within bf16 tolerance."""
+    run = _interpreted("bf16-dots")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("bf16 dot") == 4, run.stdout
+
+
 def test_fp8_activations_take_one_launch_per_projection_in_a_decode_step(tmp_path):
     """A bf16 decode step with FP8 projections on `_scaled_mm`: quantizing each input by the
     torch ops (widen, divide, clamp, narrow) launches four kernels, the fused kernel one."""
