@@ -1,12 +1,14 @@
 """Parity of the engine with transformers on the same device and checkpoint: prefill logits, and
 greedy continuations of a batch whose last prompt hits the prefix cache, with the captured
-decode steps and without."""
+decode steps and without (one engine for both: the graphs are captured between the two)."""
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
 import torch
+
+from builder.gpu_check.ledger import count
 
 PARITY_PROMPTS = 4
 PARITY_TOKENS = 24
@@ -33,6 +35,7 @@ def reference_model(checkpoint: Path, dtype: torch.dtype, device: str):
 def reference_continuations(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     out = []
     for prompt in prompts:
+        count("reference_runs")
         ids = torch.tensor([prompt], device=model.device)
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens)
@@ -40,35 +43,48 @@ def reference_continuations(model, prompts: list[list[int]], new_tokens: int) ->
     return out
 
 
-def prefill_logits_diff(model, engine_dir: Path, prompt: list[int], device: str) -> dict:
-    from triton_backend.engine.offline import prefill_logits
-
-    ours = prefill_logits(engine_dir, prompt, device=device).float()
-    with torch.inference_mode():
-        theirs = model(torch.tensor([prompt], device=model.device)).logits[0].float()
-    return {"max_abs_diff": float((ours.to(theirs.device) - theirs).abs().max()),
-            "top1_agreement": float((ours.argmax(-1).to(theirs.device)
-                                     == theirs.argmax(-1)).float().mean())}
+@torch.inference_mode()
+def reference_prefill_logits(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' logits [len(prompt), V] of one prefill, float32 on the host."""
+    count("reference_runs")
+    return model(torch.tensor([prompt], device=model.device)).logits[0].float().cpu()
 
 
-def engine_continuations(engine_dir: Path, prompts: list[list[int]], new_tokens: int,
-                         device: str, cuda_graphs: bool) -> dict:
-    """The batch's greedy ids (all but the last prompt together, then the last, which finds the
-    first prompt's blocks cached), the prefix-cache hit and how many steps replayed a graph."""
+def engine_prefill_logits(engine, prompt: list[int]) -> torch.Tensor:
+    """Our logits [len(prompt), V] of one prefill, float32 on the host (as offline.prefill_logits
+    reads them, on an engine already loaded)."""
     from triton_backend.engine import Request
-    from triton_backend.engine.llm_engine import LLMEngine
+
+    engine.add_request(Request(input_token_ids=list(prompt), max_tokens=1))
+    chunks = []  # a prompt longer than max_num_tokens is prefilled in several steps
+    while engine.has_work():
+        engine.step(return_logits=True)
+        chunks.append(engine.last_logits.float().cpu())
+    return torch.cat(chunks)
+
+
+def prefill_logits_diff(engine, prompt: list[int], theirs: torch.Tensor) -> dict:
+    ours = engine_prefill_logits(engine, prompt)
+    return {"max_abs_diff": float((ours - theirs).abs().max()),
+            "top1_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())}
+
+
+def engine_continuations(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """The batch's greedy ids (all but the last prompt together, then the last, which finds the
+    first prompt's blocks cached), the prefix-cache hits and how many steps replayed a graph,
+    both counted over this batch alone."""
+    from triton_backend.engine import Request
     from triton_backend.engine.offline import generate
 
-    engine = LLMEngine(engine_dir, device=device, enable_cuda_graphs=cuda_graphs)
+    before = engine.get_stats()
     requests = [Request(p, new_tokens, ignore_eos=True) for p in prompts]
     results = generate(engine, requests[:-1]) + generate(engine, requests[-1:])
-    graphs = engine.runner.graphs
-    summary = {"ids": [r.output_ids for r in results],
-               "prefix_hit_tokens": engine.get_stats()["prefix_cache_hit_tokens"],
-               "graph_replays": graphs.num_replays if graphs is not None else 0,
-               "ops": engine.runner.ops.name}
-    del engine
-    return summary
+    after = engine.get_stats()
+    return {"ids": [r.output_ids for r in results],
+            "prefix_hit_tokens": (after["prefix_cache_hit_tokens"]
+                                  - before["prefix_cache_hit_tokens"]),
+            "graph_replays": after["cuda_graph_replays"] - before["cuda_graph_replays"],
+            "ops": engine.runner.ops.name}
 
 
 def greedy_parity(expected: list[list[int]], got: list[list[int]]) -> dict:
