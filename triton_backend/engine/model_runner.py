@@ -79,7 +79,8 @@ class ModelRunner:
             if self.device.type != "cuda" or kv_free_fraction is None:
                 raise ValueError("the KV pool needs a block count, a memory budget, or a CUDA "
                                  "device and kv_cache_free_gpu_mem_fraction")
-            num_blocks = free_memory_blocks(config, self.dtype, self.device, kv_free_fraction)
+            num_blocks = free_memory_blocks(config, self.dtype, self.device, kv_free_fraction,
+                                            self._graph_sizes())
         # The blocks the block manager hands out; the GPU backend's captured steps write their
         # padded rows to one more block, which nobody owns.
         self.num_blocks = num_blocks
@@ -138,8 +139,17 @@ class ModelRunner:
         self.ops.prepare_model(self.model)
         with warm_up(self.model, self.kv_cache, self.ops, self.num_blocks * self.tokens_per_block,
                      self.config.limits.max_seq_len):
-            if os.environ.get(CUDA_GRAPHS_ENV, "1") != "0" and self.enable_cuda_graphs:
+            if self._graph_sizes():
                 self.capture_graphs()
+
+    def _graph_sizes(self) -> list[int]:
+        """The decode batch sizes the GPU backend captures at load (none without graphs)."""
+        if (self.ops.name != "gpu" or os.environ.get(CUDA_GRAPHS_ENV, "1") == "0"
+                or not self.enable_cuda_graphs):
+            return []
+        from triton_backend.engine.gpu.graphs import capture_sizes
+
+        return capture_sizes(self.config.limits.max_batch_size)
 
     def capture_graphs(self) -> None:
         """Capture the decode steps (GPU backend); from then on they replay."""
