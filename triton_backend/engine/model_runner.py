@@ -20,6 +20,7 @@ import torch
 
 from triton_backend.engine.attention import AttentionMetadata, PrefillChunk, PrefillRun
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.device import host_to_device
 from triton_backend.engine.kv_pool import free_memory_blocks, make_kv_cache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
@@ -214,7 +215,7 @@ class ModelRunner:
         sampling_chunks = [c for c in chunks if c.needs_sample]
         if not sampling_chunks:
             return RunnerOutput({}, all_logits)
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = host_to_device(sample_rows, torch.long, self.device)
         logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
         return self._sample(logits, sampling_chunks, eos_ids, all_logits)
 
@@ -306,7 +307,7 @@ class ModelRunner:
         return self._long(ids), self._long(positions), meta, sample_rows
 
     def _long(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return host_to_device(values, torch.long, self.device)
 
     def _add_kernel_chunks(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:
         """Block tables (0-padded), key counts and row offsets of the packed-first chunks."""
@@ -316,7 +317,7 @@ class ModelRunner:
         query_start = [0]
         for chunk in chunks:
             query_start.append(query_start[-1] + len(chunk.new_token_ids))
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+        as_int = lambda xs: host_to_device(xs, torch.int32, self.device)  # noqa: E731
         meta.kernel_rows = query_start[-1]
         meta.block_tables, meta.seq_lens = as_int(tables), as_int(seq_lens)
         meta.query_start = as_int(query_start)
@@ -340,7 +341,7 @@ class ModelRunner:
                 tables.append(chunk.block_table)
                 seq_lens.append(chunk.num_computed_tokens + q_len)
         width = max(len(t) for t in tables)
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+        as_int = lambda xs: host_to_device(xs, torch.int32, self.device)  # noqa: E731
         return PrefillRun(begin, begin + query_start[-1],
                           as_int([t + [0] * (width - len(t)) for t in tables]),
                           as_int(seq_lens), as_int(query_start),
