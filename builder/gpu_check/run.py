@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from builder.gpu_check import estimate, models, shape_checks, speed
+from builder.gpu_check.fused_ops import check_fused_ops
 from builder.gpu_check.ledger import Ledger, count
 from triton_backend.engine.gpu.graphs import CAPTURE_SIZES_ENV
 from triton_backend.engine.gpu.variants import VARIANTS
@@ -113,8 +114,8 @@ TARGETS = Targets(GPU_TARGETS, MIN_RATIO_TO_TRANSFORMERS)
 # and on a CPU (the small shapes on 2 cores, the C++ kernels built already).
 BUDGETS = {"build": (60, 240), "transformers": (30, 120), "engine load": (30, 120),
            "parity eager": (15, 120), "graph capture": (15, 60), "parity graphs": (15, 120),
-           "speed": (30, 120), "fp8 build and gate": (90, 300), "fp8 speed": (30, 120),
-           "served": (60, 300)}
+           "speed": (30, 120), "fused ops": (20, 30), "fp8 build and gate": (90, 300),
+           "fp8 speed": (30, 120), "served": (60, 300)}
 
 
 def _budget(settings: Settings, check: str) -> float:
@@ -143,6 +144,8 @@ def run_checks(settings: Settings, say: Callable[[str], None],
     for run in runs:
         _shape(run, settings, report, ledger)
     largest = runs[-1]
+    ledger.run("fused ops", _budget(settings, "fused ops"),
+               lambda: check_fused_ops(largest.shape, settings, report))
     if settings.fp8:
         fp8 = {}
         ledger.run(f"{largest.shape.name}: fp8 build and gate", _budget(settings, "fp8 build and gate"),

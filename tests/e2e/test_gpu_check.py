@@ -37,7 +37,8 @@ def test_make_gpu_check_on_the_cpu(work):
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["passed"]
     names = [f"{shape}: {check}" for shape in SHAPES for check in PER_SHAPE]
-    names += ["llama-shape-tiny: fp8 build and gate", "llama-shape-tiny: fp8 speed", "served"]
+    names += ["fused ops", "llama-shape-tiny: fp8 build and gate", "llama-shape-tiny: fp8 speed",
+              "served"]
     assert [r["name"] for r in report["ledger"]] == names
     assert all(r["status"] == "ok" and r["seconds"] > 0 for r in report["ledger"])
     totals = report["totals"]
@@ -61,6 +62,8 @@ def test_make_gpu_check_on_the_cpu(work):
         assert report["shapes"][shape]["parity"]["graphs"]["ops"] == "gpu"
         assert applied[f"{shape} prefill top-1 = transformers"]["passed"]
         assert report["shapes"][shape]["prefill_logits"]["max_abs_diff"] < 1e-3
+    fused = next(c for c in report["checks"] if c["name"] == "fused ops = torch ops on the device")
+    assert not fused["applied"] and fused["value"] == "references ran"  # no Triton here
     assert applied["llama-shape-tiny FP8 build"]["passed"]
     quality = report["fp8"]["quality"]
     assert quality["num_tokens"] > 0 and quality["reference_perplexity"] < 1e6  # real text
@@ -86,7 +89,7 @@ def test_a_failed_graph_capture_leaves_parity_and_speed_measured(work):
     assert status.pop(failing) == "failed"
     assert status.pop("llama-shape-tiny: parity graphs") == "skipped"
     assert set(status.values()) == {"ok"}
-    assert len(status) == 2 * len(PER_SHAPE) - 2 + 2  # every other check, FP8's two included
+    assert len(status) == 2 * len(PER_SHAPE) - 2 + 3  # every other check: fused ops, FP8's two
     llama = report["shapes"]["llama-shape-tiny"]
     assert llama["parity"]["eager"]["exact"] and "graphs" not in llama["parity"]
     assert [row["cuda_graphs"] for row in llama["speed"]] == [False, False]

@@ -298,12 +298,23 @@ def main() -> int:
     # fp32: equal up to fp32 summation order; bf16: the interpreter truncates where the GPU
     # rounds to nearest, so each of the up to three roundings in a row (rotary's two products
     # and their sum) may land a step apart here (on a GPU, `forge gpu-check` holds the fused
-    # ops to the torch ops exactly).
+    # ops to at most two bf16 steps of the torch ops: its `fused ops` check, run here too).
     for dtype, limit in ((torch.float32, 64.0), (torch.bfloat16, 3.0)):
         for name, ulps in _fused_cases(dtype).items():
             print(f"fused {name} {dtype}: max {ulps:.2f} ulp from the torch op (limit {limit})")
             if not ulps <= limit:
                 return 1
+    from builder.gpu_check.fused_ops import fused_cases
+    from builder.gpu_check.models import CPU_SHAPES
+
+    # gpu-check's own comparison, interpreted: the interpreter's truncation as above; its FP8
+    # bytes differ here only by the interpreter's e4m3 rounding (`_fp8_quantize_case` above
+    # holds the kernel to the torch ops' bytes), so that case is printed, not limited.
+    for name, (steps, same) in fused_cases(CPU_SHAPES[-1], "cpu").items():
+        print(f"gpu-check fused {name}: max {steps:.2f} bf16 steps from the torch op, "
+              f"{same:.1%} identical (limit 3.0)")
+        if name != "quantize_fp8" and not steps <= 3.0:
+            return 1
     return 0
 
 
