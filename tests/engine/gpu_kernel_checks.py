@@ -74,6 +74,15 @@ CASES = [
                      chunks=[(11, 1), (4, 6)], dtype=torch.float32, kv="int8"), 1e-5),
     ("fp8 kv", dict(num_heads=4, num_kv_heads=2, head_dim=16, tokens_per_block=8,
                     chunks=[(11, 1), (4, 6)], dtype=torch.bfloat16, kv="fp8"), 2e-2),
+    # Prompts' first chunks, packed (the GPU backend's prefill): long and short, GQA and MHA.
+    ("first chunks gqa4 bf16", dict(num_heads=8, num_kv_heads=2, head_dim=32, tokens_per_block=16,
+                                    chunks=[(0, 100), (0, 7), (0, 1), (0, 33)],
+                                    dtype=torch.bfloat16), 2e-2),
+    ("first chunks mha fp32", dict(num_heads=4, num_kv_heads=4, head_dim=16, tokens_per_block=8,
+                                   chunks=[(0, 70), (0, 2), (0, 65)], dtype=torch.float32), 1e-5),
+    # Keys as computed: the step's own rows as a cache of one-token blocks.
+    ("one-token blocks fp32", dict(num_heads=6, num_kv_heads=2, head_dim=16, tokens_per_block=1,
+                                   chunks=[(0, 30), (0, 5), (0, 1)], dtype=torch.float32), 1e-5),
 ]
 
 

@@ -1,5 +1,6 @@
 """The GPU backend's Triton kernels, run by Triton's interpreter on this CPU against their torch
-references (paged attention: decodes, prefill chunks over a cached prefix, GQA groups of 3 and 4,
+references (paged attention: decodes, prompts' first chunks packed, prefill chunks over a cached
+prefix, keys as computed in one-token blocks, GQA groups of 3 and 4,
 head sizes that are not a power of two, split keys merged, bf16, int8 and FP8 caches; the fused
 RMSNorm with its residual add, SiLU * up, and rotary with the KV-cache write in each cache
 format, against the torch ops).
@@ -27,7 +28,7 @@ def _interpreted(*args: str, script: str = "gpu_kernel_checks.py") -> subprocess
 def test_kernels_match_their_references_under_the_interpreter():
     run = _interpreted()
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("max |kernel - reference|") == 8, run.stdout
+    assert run.stdout.count("max |kernel - reference|") == 11, run.stdout
     assert run.stdout.count("from the torch op") == 14 + 5, run.stdout  # gpu-check's own 5
 
 

@@ -2,10 +2,12 @@
 with the KV-cache write as one Triton kernel each (`fused.py`), and attention that reads the
 paged cache in place (the Triton kernel of `paged_attention.py`).
 
-Every chunk with a cached prefix, and every decode, goes to the paged kernel in one launch per
-layer; a prompt's first chunk is attended by torch's SDPA over its own keys as computed (flash
-attention on a GPU: the prefill logits equal transformers' on the same device, and over a
-one-byte cache the first chunk sees its keys unrounded, as TensorRT-LLM's context phase does).
+Every chunk goes to the paged kernel, all of a step's in one launch per layer: decodes, chunks
+over a cached prefix and prompts' first chunks alike (varlen, causal, GQA, the keys read from
+the cache where the rotary kernel has just written them), so a prefill of many prompts is not
+one attention call per sequence and layer. Over a one-byte cache a prompt's first chunk attends
+its keys as computed, unrounded (as TensorRT-LLM's context phase does): the same kernel, run
+over the step's own rotated keys and values as a cache of one-token blocks (`prefill_runs`).
 Nothing here reads the device from the host, so a decode step can be captured in a CUDA graph.
 
 Off CUDA (the tests, `forge gpu-check --device cpu`) the same step runs with the kernel's torch
@@ -75,7 +77,10 @@ class GpuOps(TorchOps):
         return True
 
     def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
-        return num_computed > 0  # a first chunk: SDPA over its keys as computed
+        return num_computed > 0 or not one_byte_cache
+
+    def prefills_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
+        return True  # a first chunk over a one-byte cache: its keys as computed
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """At load: FP8 projections quantize their input in one kernel (gpu/fp8.py)."""
@@ -129,12 +134,18 @@ class GpuOps(TorchOps):
             q, k = rotary(positions, q, k)
             cache.write(layer, meta.slot_mapping, k, v)
         rows = meta.kernel_rows
-        if rows == q.shape[0] and not meta.prefills and meta.decode_token_index is None:
-            return self._paged(layer, q, cache, meta, scale).view(-1, q_size)  # a decode step
+        if rows == q.shape[0]:  # every chunk from the cache (always, but over one-byte caches)
+            return self._paged(layer, q, cache, meta, scale).view(-1, q_size)
         out = torch.empty_like(q)
         if rows:
             out[:rows] = self._paged(layer, q[:rows], cache, meta, scale)
-        for chunk in meta.prefills:  # first chunks: SDPA over their own keys
+        for run in meta.prefill_runs:  # first chunks over a one-byte cache: keys as computed
+            begin, end = run.row_begin, run.row_end
+            out[begin:end] = self._attend(q[begin:end], k[begin:end].contiguous(),
+                                          v[begin:end].contiguous(),
+                                          run.block_tables, run.seq_lens, run.query_start,
+                                          run.tokens_per_block, scale, 1.0, 1.0, end - begin, 1)
+        for chunk in meta.prefills:  # chunks a caller routed to the torch path
             out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk, scale)
         if meta.decode_token_index is not None:  # decodes a caller routed to the reference
             out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale)
@@ -148,16 +159,23 @@ class GpuOps(TorchOps):
         if meta.max_query_len == 1:
             splits = split_count(meta.block_tables.shape[0], k_cache.shape[1], meta.max_seq_len,
                                  self.num_sms)
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale,
+                            meta.max_query_len, splits)
+
+    def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                tokens_per_block: int, scale: float, k_scale: float, v_scale: float,
+                max_query_len: int, splits: int) -> torch.Tensor:
+        """The paged kernel (its variant noted), or its reference off CUDA."""
         constants = launch_constants(q.dtype, k_cache.element_size() == 1, q.shape[1],
-                                     k_cache.shape[1], q.shape[2], cache.tokens_per_block,
-                                     meta.max_query_len, splits)
+                                     k_cache.shape[1], q.shape[2], tokens_per_block,
+                                     max_query_len, splits)
         VARIANTS.note("paged_attention", *variant_key(constants, q.dtype, k_cache.dtype))
         if splits > 1:
             VARIANTS.note("merge_splits", splits, q.shape[2])
         if not self.use_kernel:
-            return paged_attention_reference(q, k_cache, v_cache, meta.block_tables,
-                                             meta.seq_lens, meta.query_start,
-                                             cache.tokens_per_block, scale, k_scale, v_scale)
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                               meta.query_start, cache.tokens_per_block, scale,
-                               meta.max_query_len, k_scale, v_scale, splits)
+            return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
+                                             query_start, tokens_per_block, scale, k_scale,
+                                             v_scale)
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                               tokens_per_block, scale, max_query_len, k_scale, v_scale, splits)

@@ -4,9 +4,10 @@ once before the first request, so that no request waits for a compile.
 The variants (`variants.py`): the fused ops of this model's shapes (norm with and without the
 residual, SiLU * up, rotary with the cache write in the cache's format) and the paged kernel at
 each split count a decode can take (`ops.split_buckets`) and each query tile a chunk over a
-cached prefix can take (`query_buckets`). Each is one forward of a single padded token: it
-attends nothing (`seq_lens` 0) and writes its keys to the slot no sequence owns (`pad_slot`),
-as a captured graph's padded rows do. Work done inside the `warm_up` block (capturing the decode
+cached prefix can take (`query_buckets`); over a one-byte cache, also each query tile of a first
+chunk's run over its own keys. Each is one forward of padded tokens: they attend nothing
+(`seq_lens` 0) and write their keys to the slot no sequence owns (`pad_slot`), as a captured
+graph's padded rows do. Work done inside the `warm_up` block (capturing the decode
 graphs) counts as start-up too; after it, a new variant is a compile while serving.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from triton_backend.engine.attention import AttentionMetadata
+from triton_backend.engine.attention import AttentionMetadata, PrefillRun
 from triton_backend.engine.gpu.ops import MIN_KEYS_PER_SPLIT, split_buckets
 from triton_backend.engine.gpu.paged_attention import launch_constants
 from triton_backend.engine.gpu.variants import VARIANTS
@@ -47,22 +48,43 @@ def planned_variants(model, kv_cache, num_sms: int, max_seq_len: int) -> list[tu
     return decodes + chunks
 
 
+def _warm_steps(model, kv_cache, num_sms: int, max_seq_len: int, pad_slot: int,
+                device: torch.device) -> list[tuple[int, AttentionMetadata]]:
+    """(tokens, metadata) of each warm-up forward: padded rows that attend nothing (seq_lens 0)
+    and write the slot no sequence owns."""
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    def slots(n):
+        return torch.full((n,), pad_slot, dtype=torch.long, device=device)
+
+    steps = [(1, AttentionMetadata(slot_mapping=slots(1), kernel_rows=1,
+                                   block_tables=ints([[0]]), seq_lens=ints([0]),
+                                   query_start=ints([0, 1]), max_query_len=max_query_len,
+                                   max_seq_len=step_max_seq_len))
+             for max_query_len, step_max_seq_len in planned_variants(model, kv_cache, num_sms,
+                                                                     max_seq_len)]
+    if kv_cache.k.element_size() == 1:  # first chunks attend their keys as computed: a run of
+        shape = model.config.model     # R rows over one-token blocks, each query tile
+        for rows in [1, *query_buckets(shape.num_attention_heads, shape.num_key_value_heads,
+                                       shape.head_dim, 1)]:
+            run = PrefillRun(0, rows, ints([list(range(rows))]), ints([0]), ints([0, rows]), 1,
+                             keys_as_computed=True)
+            steps.append((rows, AttentionMetadata(slot_mapping=slots(rows), prefill_runs=[run])))
+    return steps
+
+
 @contextmanager
 def warm_up(model, kv_cache, ops, pad_slot: int, max_seq_len: int) -> Iterator[None]:
     """Launch every variant, then run the block (graph capture) as start-up; on leaving, mark
     the process warm."""
     device = kv_cache.k.device
-    one = torch.zeros(1, dtype=torch.long, device=device)
     with VARIANTS.warming(), torch.inference_mode():
-        for max_query_len, step_max_seq_len in planned_variants(model, kv_cache, ops.num_sms,
-                                                                max_seq_len):
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((1,), pad_slot, dtype=torch.long, device=device),
-                kernel_rows=1, block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-                seq_lens=torch.zeros(1, dtype=torch.int32, device=device),
-                query_start=torch.tensor([0, 1], dtype=torch.int32, device=device),
-                max_query_len=max_query_len, max_seq_len=step_max_seq_len)
-            model(one, one, kv_cache, meta, ops)
+        for tokens, meta in _warm_steps(model, kv_cache, ops.num_sms, max_seq_len, pad_slot,
+                                        device):
+            zeros = torch.zeros(tokens, dtype=torch.long, device=device)
+            model(zeros, zeros, kv_cache, meta, ops)
         yield
     VARIANTS.mark_warm()
 
