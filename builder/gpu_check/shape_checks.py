@@ -84,8 +84,11 @@ def parity_eager(run: ShapeRun, report) -> None:
 
 
 def capture(run: ShapeRun) -> None:
+    from triton_backend.engine.gpu.variants import VARIANTS
+
     runner = run.need("engine").runner
-    runner.capture_graphs()
+    with VARIANTS.warming():  # start-up work, as when the engine captures at load
+        runner.capture_graphs()
     count("graph_captures", len(runner.graphs.sizes))
     run.graphs = True
     run.result["graph_batch_sizes"] = runner.graphs.sizes

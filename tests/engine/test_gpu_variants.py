@@ -101,3 +101,32 @@ def test_capture_sizes_from_the_environment(monkeypatch):
     monkeypatch.setenv(CAPTURE_SIZES_ENV, "0,4")
     with pytest.raises(ValueError, match="batch sizes start at 1"):
         capture_sizes(8)
+
+
+def test_where_triton_compiles_its_hook_counts_the_late_compiles(monkeypatch, caplog):
+    """On CUDA the count is Triton's own (a variant can compile twice: Triton also specializes
+    on integer values); chained after a hook already there."""
+    from types import SimpleNamespace
+
+    from triton_backend.engine.gpu import triton_support
+
+    calls = []
+    runtime = SimpleNamespace(jit_post_compile_hook=lambda **kw: calls.append(kw["key"]))
+    monkeypatch.setattr(triton_support, "triton", SimpleNamespace(
+        knobs=SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(VARIANTS, "_hooked", False)
+    monkeypatch.setattr(VARIANTS, "num_compiles", 0)
+    VARIANTS.hook_compiles()
+    VARIANTS.hook_compiles()  # once only
+    hook = runtime.jit_post_compile_hook
+    hook(key="a", repr="_rms_norm_kernel[...]")
+    with VARIANTS.warming():
+        hook(key="b", repr="_attention_kernel[...]")
+    VARIANTS.mark_warm()
+    with caplog.at_level(logging.WARNING):
+        VARIANTS.note("silu_mul", "torch.bfloat16", 96)  # a new key: the hook decides, not it
+        hook(key="c", repr="_attention_kernel[stride_bt=16]")
+    assert calls == ["a", "b", "c"]
+    assert VARIANTS.num_compiles == 3 and VARIANTS.compiles_after_warmup == 1
+    assert "Triton compiles _attention_kernel[stride_bt=16] after the start-up warm-up" in (
+        caplog.text)

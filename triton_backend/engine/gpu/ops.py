@@ -72,6 +72,8 @@ class GpuOps(TorchOps):
         self.use_kernel = device.type == "cuda" or (available() and interpreted())
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
+        if device.type == "cuda":
+            VARIANTS.hook_compiles()
 
     def reads_cache_in_place(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
         return True

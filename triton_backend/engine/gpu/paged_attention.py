@@ -121,7 +121,11 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
-    @triton.jit
+    # Triton compiles an integer argument anew when it becomes 1 or a multiple of 16. The block
+    # table's width changes from step to step, and a captured step's tables and key counts are
+    # columns of one buffer (strides 1 + width) where an eager step's are their own: neither may
+    # take part (a compile while serving). The other strides are fixed by the model and cache.
+    @triton.jit(do_not_specialize=["stride_bt", "stride_sl"])
     def _attention_kernel(Q, K, V, Out, BlockTables, SeqLens, QueryStart, PartialOut, PartialML,
                           scale, k_scale, v_scale,
                           stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_sl,

@@ -10,7 +10,9 @@ compile while serving: logged as a warning and counted (`compiles_after_warmup`,
 engine's stats).
 
 Where Triton really compiles (CUDA), its post-compile hook counts the compiles themselves
-(`num_compiles`). The record is per process, as Triton's compile cache is.
+(`num_compiles`), and those after the warm-up are what is warned about and counted (a variant
+may compile more than once there: Triton also specializes on its integer arguments' values).
+The record is per process, as Triton's compile cache is.
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ class KernelVariants:
             if variant in self._seen:
                 return
             self._seen.add(variant)
-            late = self.warm and not self._warming
-            if late:
+            late = self.warm and not self._warming and not self._hooked
+            if late:  # where Triton compiles, its hook counts the compiles themselves
                 self.compiles_after_warmup += 1
         if late:
             log.warning("Triton kernel %s compiles a new variant %s after the start-up "
@@ -81,7 +83,15 @@ class KernelVariants:
         previous = runtime.jit_post_compile_hook
 
         def counted(*args, **kwargs):
-            self.num_compiles += 1
+            with self._lock:
+                self.num_compiles += 1
+                late = self.warm and not self._warming
+                if late:
+                    self.compiles_after_warmup += 1
+            if late:
+                log.warning("Triton compiles %s after the start-up warm-up (%d so far): a "
+                            "request waits for it", kwargs.get("repr") or kwargs.get("key"),
+                            self.compiles_after_warmup)
             return previous(*args, **kwargs) if previous is not None else None
 
         runtime.jit_post_compile_hook = counted
