@@ -29,7 +29,7 @@ UNIT_S = {
 
 
 def _gb(shape: models.Shape) -> float:
-    return shape.parameters * 2 / 1e9  # bf16
+    return shape.parameters * 2 / 1e9  # bf16 (the float32 companion is the small shape)
 
 
 def capture_sizes(settings) -> list[int]:
@@ -39,15 +39,16 @@ def capture_sizes(settings) -> list[int]:
 
 
 def _variants(settings) -> set[tuple]:
+    from builder.gpu_check.run import shape_runs
     from triton_backend.engine.gpu.warmup import planned_variant_names
 
     sms = H100_SMS if settings.device == "cuda" else CPU_SMS
     names: set[tuple] = set()
-    for s in settings.shapes:
-        names |= planned_variant_names(s.hidden_size, s.intermediate_size,
-                                       s.num_attention_heads, s.num_key_value_heads,
-                                       s.hidden_size // s.num_attention_heads, 16,
-                                       models.MAX_SEQ_LEN, sms)
+    for run in shape_runs(settings):
+        s = run.shape
+        names |= {(run.dtype, *name) for name in planned_variant_names(
+            s.hidden_size, s.intermediate_size, s.num_attention_heads, s.num_key_value_heads,
+            s.hidden_size // s.num_attention_heads, 16, models.MAX_SEQ_LEN, sms)}
     if settings.fp8 and settings.device == "cuda":  # the fused input quantization (gpu/fp8.py)
         from triton_backend.engine.gpu.fp8 import block_size
 
@@ -58,14 +59,19 @@ def _variants(settings) -> set[tuple]:
 
 
 def plan_counts(settings) -> dict[str, int]:
-    """What a run of `settings` counts: one build and one load per shape and the FP8 engine, the
-    check's capture sizes per load, the kernel variants of its shapes, the reference runs."""
-    engines = len(settings.shapes) + (1 if settings.fp8 else 0)
+    """What a run of `settings` counts: one build and one load per shape run (a GPU's float32
+    companion included) and the FP8 engine, the check's capture sizes per load, the kernel
+    variants of its runs, the reference runs (speed runs also time `generate`)."""
+    from builder.gpu_check.run import shape_runs
+
+    runs = shape_runs(settings)
+    engines = len(runs) + (1 if settings.fp8 else 0)
     return {"engine_builds": engines, "engine_loads": engines,
             "graph_captures": engines * len(capture_sizes(settings)),
             "kernel_variants": len(_variants(settings)),
-            "reference_runs": len(settings.shapes) * (parity.PARITY_PROMPTS + 1
-                                                      + 2 * len(settings.concurrencies))}
+            "reference_runs": sum(parity.PARITY_PROMPTS + 1 + (2 * len(settings.concurrencies)
+                                                               if run.measure_speed else 0)
+                                  for run in runs)}
 
 
 def cold_gpu_run(settings, totals: dict) -> dict:
@@ -75,9 +81,12 @@ def cold_gpu_run(settings, totals: dict) -> dict:
 
     plan = Settings.for_device("cuda", settings.work)
     plan.fp8, plan.serve = settings.fp8, settings.serve
+    from builder.gpu_check.run import shape_runs
+
     counts = plan_counts(plan)
+    runs = shape_runs(plan)
     shapes, largest = plan.shapes, plan.shapes[-1]
-    engines = [*shapes, *([largest] if plan.fp8 else [])]
+    engines = [run.shape for run in runs] + ([largest] if plan.fp8 else [])
     layers = sum(s.num_hidden_layers for s in engines)
     terms = {
         "triton compiles": UNIT_S["triton_compile"] * counts["kernel_variants"],
@@ -92,8 +101,10 @@ def cold_gpu_run(settings, totals: dict) -> dict:
     }
     reference_steps = (parity.PARITY_PROMPTS * parity.PARITY_TOKENS
                        + len(plan.concurrencies) * (plan.new_tokens + 2))
-    terms["reference runs"] = sum(reference_steps * UNIT_S["reference_step_per_layer"]
-                                  * s.num_hidden_layers for s in shapes)
+    parity_steps = parity.PARITY_PROMPTS * parity.PARITY_TOKENS
+    terms["reference runs"] = sum((reference_steps if run.measure_speed else parity_steps)
+                                  * UNIT_S["reference_step_per_layer"] * run.shape.num_hidden_layers
+                                  for run in runs)
     # Our tokens at the targets (the smaller shape at the same rates: it is no slower).
     ours = sum(c * (plan.new_tokens + 4) / GPU_TARGETS[c] for c in plan.concurrencies)
     c = max(plan.concurrencies)

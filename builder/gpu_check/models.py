@@ -109,15 +109,17 @@ class GateRejected(RuntimeError):
 
 def build_engine(shape: Shape, checkpoint: Path, work: Path, device: str, weights: str = "none",
                  max_batch_size: int = 64, quick_gate: bool = False,
-                 timeout: float | None = None) -> Path:
-    """`forge engine` on a spec for `shape`: bf16 for a GPU (hardware cuda), fp32 on a CPU
-    (where greedy parity with transformers is exact); `weights` fp8 gated as any quantized build
+                 timeout: float | None = None, dtype: str | None = None,
+                 name: str | None = None) -> Path:
+    """`forge engine` on a spec for `shape` named `name` (else the shape's): `dtype`, else bf16
+    for a GPU (hardware cuda) and fp32 on a CPU (where greedy parity with transformers is exact); `weights` fp8 gated as any quantized build
     (`quick_gate`: a fraction of the gate, on a CPU). Rebuilds only what changed (the build
     key). `timeout`: seconds before the build is killed (the check's budget). A quantized engine
     its gate rejects is kept whole (GateRejected names it): its speed is still worth measuring."""
-    name = f"{shape.name}-{weights}" if weights != "none" else shape.name
+    name = name or shape.name
+    name = f"{name}-{weights}" if weights != "none" else name
     spec = {"name": name, "checkpoint": str(checkpoint),
-            "dtype": "bfloat16" if device == "cuda" else "float32",
+            "dtype": dtype or ("bfloat16" if device == "cuda" else "float32"),
             "hardware": "cuda" if device == "cuda" else "cpu",
             "output": str(work / "engines" / name),
             "limits": {"max_batch_size": max_batch_size, "max_num_tokens": 8192,

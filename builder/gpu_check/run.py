@@ -127,6 +127,9 @@ def run_checks(settings: Settings, say: Callable[[str], None],
     """Every check in order through one ledger; `write(report)` after each."""
     if settings.device == "cpu":  # the GPU backend's step, its kernels' references
         os.environ["LLM_FORGE_KERNELS"] = "gpu"
+    else:  # float32 means float32: the exact rule's GEMMs without TF32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     # Capture only the batch sizes the checks run: the parity batch (3 rows, then 1) and each
     # concurrency; serving captures many more.
     os.environ.setdefault(CAPTURE_SIZES_ENV, ",".join(
@@ -140,10 +143,10 @@ def run_checks(settings: Settings, say: Callable[[str], None],
     say(f"memory read rate {settings.read_rate / 1e9:.0f} GB/s")
     if settings.tokenizer is None or not (settings.tokenizer / "tokenizer_config.json").is_file():
         settings.tokenizer = models.save_tokenizer(settings.work / "tokenizer", settings.tokenizer)
-    runs = [shape_checks.ShapeRun(shape) for shape in settings.shapes]
-    for run in runs:
+    for run in shape_runs(settings):
         _shape(run, settings, report, ledger)
-    largest = runs[-1]
+        if not run.companion:
+            largest = run
     ledger.run("fused ops", _budget(settings, "fused ops"),
                lambda: check_fused_ops(largest.shape, settings, report))
     if settings.fp8:
@@ -161,10 +164,22 @@ def run_checks(settings: Settings, say: Callable[[str], None],
     return report
 
 
+def shape_runs(settings: Settings) -> list[shape_checks.ShapeRun]:
+    """Each shape in the engine's dtype (bf16 on a GPU: the close rule, float32 on a CPU: the
+    exact one), and on a GPU the smaller shape once more in float32 for the exact rule."""
+    gpu = settings.device == "cuda"
+    runs = [shape_checks.ShapeRun(shape, "bfloat16" if gpu else "float32")
+            for shape in settings.shapes]
+    if gpu:
+        runs.append(shape_checks.ShapeRun(settings.shapes[0], "float32", measure_speed=False,
+                                          companion=True))
+    return runs
+
+
 def _shape(run: shape_checks.ShapeRun, settings: Settings, report: Report, ledger: Ledger) -> None:
-    name = run.shape.name
+    name = run.name
     say = ledger.say
-    say(f"{name}: {run.shape.parameters / 1e9:.2f}B parameters")
+    say(f"{name}: {run.shape.parameters / 1e9:.2f}B parameters, {run.dtype}")
     steps = [("build", lambda: shape_checks.build(run, settings, ledger.remaining)),
              ("transformers", lambda: shape_checks.reference(run, settings)),
              ("engine load", lambda: shape_checks.load(run, settings)),
@@ -172,6 +187,8 @@ def _shape(run: shape_checks.ShapeRun, settings: Settings, report: Report, ledge
              ("graph capture", lambda: shape_checks.capture(run)),
              ("parity graphs", lambda: shape_checks.parity_graphs(run, report)),
              ("speed", lambda: shape_checks.throughput(run, settings, report, TARGETS))]
+    if not run.measure_speed:
+        steps.pop()
     report.shapes[name] = run.result
     for check, step in steps:
         ledger.run(f"{name}: {check}", _budget(settings, check), step)

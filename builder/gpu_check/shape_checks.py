@@ -2,7 +2,9 @@
 checkpoint and engine, transformers' reference (greedy ids, prefill logits, `generate`'s speed),
 our engine loaded once (eager, every Triton variant warmed), parity without graphs, the graph
 capture, parity with graphs, then speed (with the graphs, or eagerly where the capture failed,
-saying so). Every check after the load reuses the one engine."""
+saying so). Every check after the load reuses the one engine. A float32 run is held to exact
+parity, a bf16 one to the close rule (`parity.py`); on a GPU the smaller shape runs once more in
+float32 (TF32 off) for the exact rule, without speed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,14 +22,26 @@ class ShapeRun:
     """What one shape's checks hand each other."""
 
     shape: models.Shape
+    dtype: str = "float32"  # the engine's and transformers' (float32: the exact rule)
+    measure_speed: bool = True
+    companion: bool = False  # the float32 run beside a bf16 one of the same shape
     checkpoint: Path | None = None
     engine_dir: Path | None = None
     expected: list[list[int]] | None = None
+    expected_logits: list[torch.Tensor] | None = None
     reference_prefill: torch.Tensor | None = None
     reference_speed: list[dict] | None = None
     engine: Any = None
     graphs: bool = False
     result: dict = field(default_factory=lambda: {"parity": {}, "speed": []})
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape.name}-fp32" if self.companion else self.shape.name
+
+    @property
+    def exact(self) -> bool:
+        return self.dtype == "float32"
 
     def need(self, what: str) -> Any:
         value = getattr(self, what)
@@ -39,10 +53,11 @@ class ShapeRun:
 def build(run: ShapeRun, settings, remaining) -> None:
     shape = run.shape
     run.checkpoint = models.make_checkpoint(shape, settings.work / "checkpoints" / shape.name,
-                                            settings.tokenizer)
+                                            settings.tokenizer)  # one per shape, any dtype
     run.engine_dir = models.build_engine(shape, run.checkpoint, settings.work, settings.device,
                                          max_batch_size=max(settings.concurrencies),
-                                         timeout=remaining())
+                                         timeout=remaining(), dtype=run.dtype,
+                                         name=run.name)
     weights = speed.weight_bytes(run.engine_dir)
     run.result.update(parameters=shape.parameters, weight_bytes=weights,
                       roofline_c1_tok_s=settings.read_rate / weights)
@@ -52,14 +67,15 @@ def reference(run: ShapeRun, settings) -> None:
     """transformers on the same device: the parity batch's greedy ids, the prefill logits of
     one prompt (kept on the host), and `generate`'s speed; the model is freed after."""
     device = settings.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = parity.reference_model(run.need("checkpoint"), dtype, device)
+    model = parity.reference_model(run.need("checkpoint"), getattr(torch, run.dtype), device)
     prompts = parity.parity_prompts(run.shape.vocab_size)
-    run.expected = parity.reference_continuations(model, prompts, parity.PARITY_TOKENS)
+    run.expected, run.expected_logits = parity.reference_continuations(model, prompts,
+                                                                       parity.PARITY_TOKENS)
     run.reference_prefill = parity.reference_prefill_logits(model, prompts[1])
-    run.reference_speed = speed.transformers_throughput(
-        model, settings.concurrencies, settings.prompt_len, settings.new_tokens,
-        run.shape.vocab_size, device)
+    if run.measure_speed:
+        run.reference_speed = speed.transformers_throughput(
+            model, settings.concurrencies, settings.prompt_len, settings.new_tokens,
+            run.shape.vocab_size, device)
     del model
     free(device)
 
@@ -74,12 +90,22 @@ def load(run: ShapeRun, settings) -> None:
 
 def parity_eager(run: ShapeRun, report) -> None:
     """Prefill logits first (a fresh cache: the whole prompt is computed), then the batch."""
-    engine, name = run.need("engine"), run.shape.name
+    engine, name = run.need("engine"), run.name
     prompts = parity.parity_prompts(run.shape.vocab_size)
     prefill = parity.prefill_logits_diff(engine, prompts[1], run.need("reference_prefill"))
     run.result["prefill_logits"] = prefill
-    report.check(f"{name} prefill top-1 = transformers", prefill["top1_agreement"] == 1.0,
-                 round(prefill["top1_agreement"], 4), "1.0")
+    if run.exact:
+        report.check(f"{name} prefill logits within {parity.EXACT_LOGITS:g} of transformers",
+                     prefill["max_abs_diff"] <= parity.EXACT_LOGITS,
+                     f"{prefill['max_abs_diff']:.2e}", f"<= {parity.EXACT_LOGITS:g}")
+        report.check(f"{name} prefill top-1 = transformers", prefill["top1_agreement"] == 1.0,
+                     round(prefill["top1_agreement"], 4), "1.0")
+    else:
+        report.check(f"{name} prefill top-1 = transformers where the top two are "
+                     f"> {parity.BF16_TOLERANCE:g} apart",
+                     prefill["top1_agreement_clear"] >= parity.MIN_CLEAR_AGREEMENT,
+                     f"{prefill['top1_agreement_clear']:.4f} of {prefill['clear_positions']}",
+                     f">= {parity.MIN_CLEAR_AGREEMENT:g}")
     _parity(run, report, "eager", prompts)
 
 
@@ -101,12 +127,19 @@ def parity_graphs(run: ShapeRun, report) -> None:
 
 
 def _parity(run: ShapeRun, report, mode: str, prompts: list[list[int]]) -> None:
-    engine, name = run.need("engine"), run.shape.name
+    engine, name = run.need("engine"), run.name
     got = parity.engine_continuations(engine, prompts, parity.PARITY_TOKENS)
-    match = parity.greedy_parity(run.need("expected"), got.pop("ids"))
+    match = parity.greedy_parity(run.need("expected"), got.pop("ids"),
+                                 run.need("expected_logits"))
     run.result["parity"][mode] = {**match, **got}
-    report.check(f"{name} greedy ids = transformers ({mode})", match["exact"],
-                 f"{match['matched_tokens']}/{match['total_tokens']}", "all")
+    if run.exact:
+        report.check(f"{name} greedy ids = transformers ({mode})", match["exact"],
+                     f"{match['matched_tokens']}/{match['total_tokens']}", "all")
+    else:
+        report.check(f"{name} greedy ids close to transformers ({mode})", match["close"],
+                     f"{match['matched_tokens']}/{match['total_tokens']}, parted at "
+                     f"{[(i, pos, round(gap, 3)) for i, pos, gap in match['partings']]}",
+                     f"parting only where the top two are <= {parity.BF16_TOLERANCE:g} apart")
     report.check(f"{name} prefix-cache hit in the parity batch ({mode})",
                  got["prefix_hit_tokens"] >= parity.SHARED_PREFIX, got["prefix_hit_tokens"],
                  f">= {parity.SHARED_PREFIX} tokens")
@@ -115,7 +148,9 @@ def _parity(run: ShapeRun, report, mode: str, prompts: list[list[int]]) -> None:
 def throughput(run: ShapeRun, settings, report, targets) -> None:
     """Our tok/s at each concurrency beside transformers' (the ratio and the absolute targets
     are applied on a GPU only)."""
-    engine, name = run.need("engine"), run.shape.name
+    if not run.measure_speed:
+        return
+    engine, name = run.need("engine"), run.name
     ours = speed.engine_throughput(engine, settings.concurrencies, settings.prompt_len,
                                    settings.new_tokens, run.shape.vocab_size, settings.device)
     reference_speed = run.need("reference_speed")

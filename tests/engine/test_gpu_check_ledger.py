@@ -116,15 +116,18 @@ def test_the_cold_gpu_estimate_adds_up_its_terms(tmp_path):
     assert plan["seconds"] == pytest.approx(sum(plan["terms"].values()), abs=0.5)
     assert plan["fits_5_minutes"] == (plan["seconds"] <= 300)
     gpu = plan["gpu_plan"]
-    assert gpu["capture_sizes"] == [1, 4, 16, 64] and gpu["graph_captures"] == 3 * 4
+    # The two bf16 shapes, the small one again in float32 (the exact rule), the FP8 engine.
+    assert gpu["engine_builds"] == gpu["engine_loads"] == 4
+    assert gpu["capture_sizes"] == [1, 4, 16, 64] and gpu["graph_captures"] == 4 * 4
     # Per GPU shape (head size 64, 16 tokens a block, 2,048 keys, 132 SMs): four fused ops, the
     # paged kernel at 1, 2, 4 and 8 splits and at chunk tiles 2, 4, 8 and 16, three merges (the
-    # same for both: one head size); and the FP8 input quantization (one block of 1,024).
-    assert gpu["kernel_variants"] == (4 + 4 + 4 + 3) + (4 + 4 + 4) + 1
-    assert gpu["reference_runs"] == 2 * (4 + 1 + 2 * 3)
+    # same for both bf16 shapes: one head size); the float32 run's own; and the FP8 input
+    # quantization (one block of 1,024).
+    assert gpu["kernel_variants"] == (4 + 4 + 4 + 3) + (4 + 4 + 4) + 15 + 1
+    assert gpu["reference_runs"] == 2 * (4 + 1 + 2 * 3) + (4 + 1)
     assert plan["terms"]["triton compiles"] == pytest.approx(
         estimate.UNIT_S["triton_compile"] * gpu["kernel_variants"], abs=0.05)
     settings.fp8 = False
     without_fp8 = estimate.cold_gpu_run(settings, here)
-    assert without_fp8["gpu_plan"]["engine_builds"] == 2
+    assert without_fp8["gpu_plan"]["engine_builds"] == 3
     assert without_fp8["seconds"] < plan["seconds"]
