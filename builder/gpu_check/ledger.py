@@ -7,7 +7,9 @@ exception or an exhausted budget ends that check only (its status says which, an
 that need its result say they were skipped), and the report is written to disk after every
 check, so a run killed from outside still leaves the last complete one.
 
-A budget is enforced with SIGALRM in the main thread: the check is interrupted where Python next
+The run as a whole has a budget too (`total_s`): a check gets at most what is left of it, and
+once it is spent the remaining checks are recorded as not run. A budget is enforced with SIGALRM
+in the main thread: the check is interrupted where Python next
 runs (a GPU kernel or a subprocess already running finishes or is killed by the caller, which
 sizes its own waits with `remaining()`). `LLM_FORGE_GPU_CHECK_FAIL` names checks (comma
 separated) that raise at their start: how the tests prove the report survives any one failure.
@@ -63,7 +65,7 @@ def _kernel_counts() -> dict[str, int]:
 class CheckRecord:
     name: str
     budget_s: float
-    status: str = "pending"  # ok, failed, timed out, skipped
+    status: str = "pending"  # ok, failed, timed out, skipped (its input missing), not run
     seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
     error: str | None = None
@@ -73,9 +75,13 @@ class Ledger:
     """Runs checks in order and keeps their records; `write` is called after every check."""
 
     def __init__(self, write: Callable[[], None], say: Callable[[str], None],
-                 budget_scale: float = 1.0) -> None:
+                 budget_scale: float = 1.0, total_s: float | None = None) -> None:
+        """`total_s`: the whole run's budget; each check gets at most what is left of it, and
+        once it is spent the rest are skipped, saying so (the device is lent for minutes)."""
         self.write, self.say = write, say
         self.budget_scale = budget_scale
+        self.total_s = total_s
+        self.started = time.monotonic()
         self.records: list[CheckRecord] = []
         self.failing = {n.strip() for n in os.environ.get(FAIL_ENV, "").split(",") if n.strip()}
         self._deadline: float | None = None
@@ -90,7 +96,17 @@ class Ledger:
         """Run `check` within `budget_s` (times the ledger's scale); its result, or None when it
         failed, ran out of time or was skipped (the record says which)."""
         record = CheckRecord(name, budget_s * self.budget_scale)
+        if self.total_s is not None:
+            left = self.total_s - (time.monotonic() - self.started)
+            record.budget_s = min(record.budget_s, max(0.0, left))
         self.records.append(record)
+        if record.budget_s <= 0:
+            record.status = "not run"
+            record.error = f"the run's {self.total_s:.0f} s budget is spent"
+            record.counts = {k: 0 for k in COUNTED}
+            self.say(f"{name}: not run - {record.error}")
+            self.write()
+            return None
         before = {**COUNTS, **_kernel_counts()}
         start = time.monotonic()
         result = None

@@ -46,11 +46,14 @@ class Settings:
     serve: bool = True
     tokenizer: Path | None = None  # a saved SmolLM2 tokenizer; None: the demo package's
     read_rate: float = 0.0  # bytes/s, measured at the start
+    # The whole run's budget: on a GPU well past the estimate (5 minutes) yet inside the window
+    # a device is lent for; None on a CPU, where CI's own timeout stands.
+    budget_s: float | None = None
 
     @classmethod
     def for_device(cls, device: str, work: Path) -> "Settings":
         if device == "cuda":
-            return cls(device, work, [1, 16, 64], 128, 128, models.GPU_SHAPES)
+            return cls(device, work, [1, 16, 64], 128, 128, models.GPU_SHAPES, budget_s=420.0)
         return cls(device, work, [1, 4], 32, 12, models.CPU_SHAPES)
 
 
@@ -70,7 +73,7 @@ class Report:
     @property
     def passed(self) -> bool:
         broken = self.ledger is not None and any(
-            r.status in ("failed", "timed out") for r in self.ledger.records)
+            r.status in ("failed", "timed out", "not run") for r in self.ledger.records)
         return not broken and all(c["passed"] for c in self.checks if c["applied"])
 
     def to_dict(self) -> dict:
@@ -114,7 +117,7 @@ TARGETS = Targets(GPU_TARGETS, MIN_RATIO_TO_TRANSFORMERS)
 # and on a CPU (the small shapes on 2 cores, the C++ kernels built already).
 BUDGETS = {"build": (60, 240), "transformers": (30, 120), "engine load": (30, 120),
            "parity eager": (15, 120), "graph capture": (15, 60), "parity graphs": (15, 120),
-           "speed": (30, 120), "fused ops": (20, 30), "fp8 build and gate": (90, 300),
+           "speed": (30, 120), "fused ops": (20, 30), "fp8 build and gate": (150, 300),
            "fp8 speed": (30, 120), "served": (60, 300)}
 
 
@@ -135,7 +138,7 @@ def run_checks(settings: Settings, say: Callable[[str], None],
     os.environ.setdefault(CAPTURE_SIZES_ENV, ",".join(
         str(c) for c in estimate.capture_sizes(settings)))
     report = Report(settings)
-    ledger = Ledger(lambda: write(report), say)
+    ledger = Ledger(lambda: write(report), say, total_s=settings.budget_s)
     report.ledger = ledger
     VARIANTS.hook_compiles()
     settings.read_rate = speed.memory_read_rate(settings.device)

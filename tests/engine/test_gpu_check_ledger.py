@@ -131,3 +131,19 @@ def test_the_cold_gpu_estimate_adds_up_its_terms(tmp_path):
     without_fp8 = estimate.cold_gpu_run(settings, here)
     assert without_fp8["gpu_plan"]["engine_builds"] == 3
     assert without_fp8["seconds"] < plan["seconds"]
+
+
+def test_once_the_runs_budget_is_spent_the_rest_are_not_run_saying_so():
+    written = []
+    book = Ledger(lambda: written.append(len(book.records)), lambda line: None, total_s=0.3)
+
+    def slow():
+        while True:
+            time.sleep(0.01)
+
+    assert book.run("first", 60, slow) is None  # its 60 s cut to what the run had left
+    assert book.run("second", 60, lambda: 1) is None
+    first, second = book.records
+    assert first.status == "timed out" and first.budget_s <= 0.3
+    assert second.status == "not run" and second.error == "the run's 0 s budget is spent"
+    assert written == [1, 2]

@@ -127,7 +127,7 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
                 self._fill_padding(size, 0)
-                self._copy_inputs(size)
+                self._copy_inputs(size, non_blocking=False)
                 self._forward(size)  # compiles the kernels and warms the allocator
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -148,10 +148,12 @@ class DecodeGraphs:
         longs[2, start:] = self.pad_slot
         self._host_ints[start:size] = 0
 
-    def _copy_inputs(self, size: int) -> None:
-        """Two contiguous copies from pinned memory, queued behind the previous step."""
-        self.device_inputs.longs[:3 * size].copy_(self.host_longs[:3 * size], non_blocking=True)
-        self.device_inputs.ints[:size].copy_(self.host_ints[:size], non_blocking=True)
+    def _copy_inputs(self, size: int, non_blocking: bool = True) -> None:
+        """Two contiguous copies from pinned memory, queued behind the previous step (while
+        capturing, waited for: the next size refills the same host buffer at once)."""
+        self.device_inputs.longs[:3 * size].copy_(self.host_longs[:3 * size],
+                                                  non_blocking=non_blocking)
+        self.device_inputs.ints[:size].copy_(self.host_ints[:size], non_blocking=non_blocking)
 
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch the step (asynchronously on CUDA): (logits [B, V], greedy picks [B, 2]),
