@@ -147,3 +147,16 @@ def test_once_the_runs_budget_is_spent_the_rest_are_not_run_saying_so():
     assert first.status == "timed out" and first.budget_s <= 0.3
     assert second.status == "not run" and second.error == "the run's 0 s budget is spent"
     assert written == [1, 2]
+
+
+def test_a_gpu_run_adds_a_float32_run_of_the_smaller_shape_for_the_exact_rule(tmp_path):
+    from builder.gpu_check.run import Settings, shape_runs
+
+    gpu = shape_runs(Settings.for_device("cuda", tmp_path))
+    assert [(r.name, r.dtype, r.exact, r.measure_speed) for r in gpu] == [
+        ("smollm2-135m-shape", "bfloat16", False, True),
+        ("llama-1.07b-shape", "bfloat16", False, True),
+        ("smollm2-135m-shape-fp32", "float32", True, False)]
+    cpu = shape_runs(Settings.for_device("cpu", tmp_path))
+    assert [(r.name, r.dtype, r.exact) for r in cpu] == [
+        ("smollm2-shape-tiny", "float32", True), ("llama-shape-tiny", "float32", True)]
