@@ -49,3 +49,38 @@ def test_the_prefill_rule_counts_only_clear_positions():
     assert result["max_abs_diff"] == pytest.approx(3.0)  # token 2: 3.0 against 0
     wrong = _logits([{1: 3.0}, {2: 3.0}, {6: 2.5}])
     assert compare_prefill(wrong, theirs)["top1_agreement_clear"] == 0.5
+
+
+def test_a_bf16_run_is_held_to_the_close_rule(tmp_path, monkeypatch):
+    """gpu-check's bf16 branch (a GPU's) on the CPU: a tiny bf16 engine against transformers in
+    bf16, through the shape's own checks; where the greedy ids part, it is at a near tie."""
+    import tiny
+
+    from builder.gpu_check import models, shape_checks
+    from builder.gpu_check.parity import BF16_TOLERANCE
+    from builder.gpu_check.run import Report, Settings
+
+    monkeypatch.setenv("LLM_FORGE_KERNELS", "gpu")
+    engine_dir = tiny.build_engine(tmp_path, "llama_gqa", dtype="bfloat16")
+    settings = Settings.for_device("cpu", tmp_path / "work")
+    run = shape_checks.ShapeRun(models.Shape("tiny-bf16", 64, 128, 2, 4, 2, 384, 0.02),
+                                "bfloat16", measure_speed=False)
+    run.checkpoint, run.engine_dir = engine_dir.parent / "hf-llama_gqa", engine_dir
+    report = Report(settings)
+    shape_checks.reference(run, settings)
+    shape_checks.load(run, settings)
+    shape_checks.parity_eager(run, report)
+    shape_checks.capture(run)
+    shape_checks.parity_graphs(run, report)
+    checks = {c["name"]: c for c in report.checks}
+    assert set(checks) == {
+        "tiny-bf16 prefill top-1 = transformers where the top two are > 0.25 apart",
+        "tiny-bf16 greedy ids close to transformers (eager)",
+        "tiny-bf16 greedy ids close to transformers (graphs)",
+        "tiny-bf16 prefix-cache hit in the parity batch (eager)",
+        "tiny-bf16 prefix-cache hit in the parity batch (graphs)"}
+    assert all(c["passed"] and c["applied"] for c in checks.values()), checks
+    for mode in ("eager", "graphs"):
+        partings = run.result["parity"][mode]["partings"]
+        assert all(abs(gap) <= BF16_TOLERANCE for _, _, gap in partings), partings
+    assert run.result["prefill_logits"]["clear_positions"] > 0
