@@ -53,7 +53,7 @@ class ShapeRun:
 def build(run: ShapeRun, settings, remaining) -> None:
     shape = run.shape
     run.checkpoint = models.make_checkpoint(shape, settings.work / "checkpoints" / shape.name,
-                                            settings.tokenizer)  # one per shape, any dtype
+                                            settings.tokenizer, settings.device)  # any dtype
     run.engine_dir = models.build_engine(shape, run.checkpoint, settings.work, settings.device,
                                          max_batch_size=max(settings.concurrencies),
                                          timeout=remaining(), dtype=run.dtype,
