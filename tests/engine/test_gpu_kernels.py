@@ -53,7 +53,7 @@ def test_the_bf16_tensor_core_branches_match_the_reference():
     """The paged kernel's 16-bit `tl.dot` branches (decodes, chunks over a prefix, GQA 3 and 4,
     split keys, an FP8 cache widened to bf16) under the interpreter, its bf16 dots emulated as a
     tensor core computes them (exact products, float32 sums), within bf16 tolerance."""
-    run = _interpreted("bf16-dots")
+    run = _interpreted(script="gpu_bf16_dot_checks.py")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("bf16 dot") == 4, run.stdout
 
