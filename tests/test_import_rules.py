@@ -3,7 +3,9 @@ included): `builder` may import `triton_backend.engine`, never the reverse; the 
 imports Triton; the block manager and the scheduler import no torch (they are tested, and
 reasoned about, without a model), nor does the CPU budget (read before torch sizes its threads);
 and no module of `builder` or `triton_backend` imports itself back through others (an import
-circle)."""
+circle). Under that last rule a type-only import (`if TYPE_CHECKING:`) is an edge like any other
+(it may point down, never up), and so is a registry's loading of its modules (`importlib`,
+`pkgutil`): a package that imports its modules by name depends on each of them."""
 import ast
 import subprocess
 import sys
@@ -28,10 +30,11 @@ def imported(path: Path) -> set[str]:
 
 
 def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
-    """Module -> the modules of `packages` it imports (at any depth of its code, relative imports
-    resolved). An edge goes to the module an import names: `from a.b import c` to `a.b.c` when
-    that is a module, else to the package `a.b`. Imports under `if TYPE_CHECKING:` never run and
-    make no edge."""
+    """Module -> the modules of `packages` it imports (at any depth of its code, under
+    `TYPE_CHECKING` too, relative imports resolved). An edge goes to the module an import names:
+    `from a.b import c` to `a.b.c` when that is a module, else to the package `a.b`. A module
+    that loads modules at run time (`importlib.import_module`, `pkgutil.iter_modules`) has an
+    edge to the module a literal name names, else to every module of its package."""
     paths = {}
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
@@ -47,7 +50,7 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
     for module, path in paths.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         targets: set[str | None] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets.update(known(alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -56,19 +59,21 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
                     up = package.split(".")[:len(package.split(".")) - node.level + 1]
                     base = ".".join(up + [base] if base else up)
                 targets.update(known(f"{base}.{alias.name}") for alias in node.names)
+            elif isinstance(node, ast.Call) and _loads_modules(node):
+                name = node.args[0] if node.args else None
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    targets.add(known(name.value))
+                else:
+                    targets.update(m for m in paths if m.rpartition(".")[0] == package)
         graph[module] = {t for t in targets if t is not None and t != module}
     return graph
 
 
-def _runtime_nodes(tree: ast.AST):
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            stack.extend(node.orelse)
-            continue
-        yield node
-        stack.extend(ast.iter_child_nodes(node))
+def _loads_modules(call: ast.Call) -> bool:
+    """`importlib.import_module(...)`, `pkgutil.iter_modules(...)` and their kin."""
+    name = ast.unparse(call.func)
+    return name.rpartition(".")[2] in ("import_module", "__import__", "iter_modules",
+                                       "walk_packages")
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -130,8 +135,8 @@ def test_the_torch_free_modules_load_without_torch():
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("def f():\n    from builder.spec import x\n    import torch.nn\n")
-    assert imported(source) == {"builder.spec", "torch.nn"}
+    source.write_text("def f():\n    from builder.spec.build_spec import x\n    import torch.nn\n")
+    assert imported(source) == {"builder.spec.build_spec", "torch.nn"}
 
 
 def test_no_import_circles():
@@ -139,15 +144,38 @@ def test_no_import_circles():
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def _package(root: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    for name, source in {"pkg/__init__.py": "", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(source)
+    return import_graph(root, ("pkg",))
+
+
 def test_the_cycle_check_finds_a_circle_through_a_function(tmp_path):
-    package = tmp_path / "pkg"
-    (package / "sub").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "sub" / "__init__.py").write_text("from .b import B\n")
-    (package / "a.py").write_text("from pkg.sub import B\nfrom typing import TYPE_CHECKING\n"
-                                  "if TYPE_CHECKING:\n    import pkg.c\n")
-    (package / "sub" / "b.py").write_text("def f():\n    from ..a import x\nB = 1\n")
-    (package / "c.py").write_text("import pkg.a\n")
-    graph = import_graph(tmp_path, ("pkg",))
+    graph = _package(tmp_path, {"pkg/sub/__init__.py": "from .b import B\n",
+                                "pkg/a.py": "from pkg.sub import B\n",
+                                "pkg/sub/b.py": "def f():\n    from ..a import x\nB = 1\n"})
     assert graph["pkg.a"] == {"pkg.sub"} and graph["pkg.sub.b"] == {"pkg.a"}
     assert import_cycles(graph) == [["pkg.a", "pkg.sub", "pkg.sub.b", "pkg.a"]]
+
+
+def test_a_type_only_import_may_point_down_never_up(tmp_path):
+    down = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.low import L\n"
+    graph = _package(tmp_path, {"pkg/high.py": "import pkg.low\n" + down,
+                                "pkg/low.py": "L = 1\n"})
+    assert graph["pkg.high"] == {"pkg.low"} and not import_cycles(graph)
+    up = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import H\n"
+    graph = _package(tmp_path, {"pkg/low.py": up})
+    assert import_cycles(graph) == [["pkg.high", "pkg.low", "pkg.high"]]
+
+
+def test_a_registry_depends_on_the_modules_it_loads(tmp_path):
+    registry = ("import importlib, pkgutil\n"
+                "def load():\n    for m in pkgutil.iter_modules(__path__):\n"
+                "        importlib.import_module(f'{__name__}.{m.name}')\n")
+    graph = _package(tmp_path, {"pkg/fam/__init__.py": registry,
+                                "pkg/fam/one.py": "import pkg.model\n",
+                                "pkg/model.py": "import importlib\n"
+                                                "def f():\n    return importlib.import_module('pkg.fam')\n"})
+    assert graph["pkg.fam"] == {"pkg.fam.one"} and graph["pkg.model"] == {"pkg.fam"}
+    assert import_cycles(graph) == [["pkg.fam", "pkg.fam.one", "pkg.model", "pkg.fam"]]

@@ -46,32 +46,58 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384):
     return fast
 
 
+FAMILY_PREFIX = "family:"
+
+
+def family_shapes() -> list[str]:
+    """One shape per registered model family ("family:gemma3", ...): the family's own example
+    fields over the small sizes below. Registering a family adds it here."""
+    from triton_backend.engine import families
+
+    return [f"{FAMILY_PREFIX}{name}" for name in families.architectures()]
+
+
+def _hf_config(shape: str, tokenizer):
+    import transformers
+
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                 max_position_embeddings=256, tie_word_embeddings=False,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    if shape.startswith(FAMILY_PREFIX):
+        from triton_backend.engine import families
+
+        family = families.get(shape[len(FAMILY_PREFIX):])
+        return transformers.AutoConfig.for_model(family.model_types[0],
+                                                 **{**sizes, **family.example})
+    class_name, kwargs = SHAPES[shape]
+    return getattr(transformers, class_name)(**{**sizes, **kwargs})
+
+
 def make_checkpoint(out_dir: Path, shape: str, seed: int = 0, init_std: float = 0.15) -> Path:
-    """Save a random-weight checkpoint of `shape` (+ tokenizer) to `out_dir`.
+    """Save a random-weight checkpoint of `shape` (a name in SHAPES or a family shape) and a
+    tokenizer to `out_dir`.
 
     A larger init std than transformers' 0.02 makes the logits peaked, so greedy argmaxes are not
-    near-ties that float rounding could flip."""
+    near-ties that float rounding could flip. Biases and norm weights, which start at zero or
+    one, are drawn too, so that they matter."""
     import transformers
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(out_dir)
-    class_name, kwargs = SHAPES[shape]
-    kwargs = dict(kwargs)
-    kwargs.setdefault("max_position_embeddings", 256)
-    config = getattr(transformers, class_name)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        head_dim=16, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, initializer_range=init_std, **kwargs)
+    config = _hf_config(shape, tokenizer)
+    config.initializer_range = init_std
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if class_name == "Qwen2Config":  # biases start at zero: make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                torch.nn.init.normal_(p, std=init_std)
-    if class_name == "Qwen3Config":  # QK-norm weights start at one: make them matter
-        for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                torch.nn.init.normal_(p, mean=1.0, std=0.5)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=init_std)
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            torch.nn.init.normal_(p, mean=1.0 if config.model_type != "gemma3_text" else 0.0,
+                                  std=0.5)
+        elif "layernorm" in name and config.model_type == "gemma3_text":
+            torch.nn.init.normal_(p, std=0.3)  # (1 + w): around one
     model.save_pretrained(str(out_dir))
     return out_dir
 
@@ -81,12 +107,13 @@ def build_engine(tmp: Path, shape: str = "llama_gqa", dtype: str = "float32",
     """Checkpoint + engine under `tmp`; returns the engine dir. Overrides go to the spec sections."""
     from rich.console import Console
 
-    from builder.engine_builder import build_engine as _build
-    from builder.spec import spec_from_dict
+    from builder.pipeline.engine_builder import build_engine as _build
+    from builder.spec.load import spec_from_dict
 
-    checkpoint = make_checkpoint(tmp / f"hf-{shape}", shape)
-    spec = {"name": f"tiny-{shape}".replace("_", "-"), "checkpoint": str(checkpoint),
-            "dtype": dtype, "output": str(tmp / f"engine-{shape}"),
+    slug = shape.replace(":", "-")
+    checkpoint = make_checkpoint(tmp / f"hf-{slug}", shape)
+    spec = {"name": f"tiny-{slug}".replace("_", "-"), "checkpoint": str(checkpoint),
+            "dtype": dtype, "output": str(tmp / f"engine-{slug}"),
             "limits": {"max_batch_size": 16, "max_num_tokens": 256, "max_input_len": 128,
                        "max_seq_len": 256},
             "kv_cache": {"tokens_per_block": 8, "num_blocks": 256}}

@@ -153,8 +153,8 @@ def build_tiny_engine(workdir: Path, name: str = "tiny", max_batch_size: int = 1
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from builder.engine_builder import build_engine
-    from builder.spec import spec_from_dict
+    from builder.pipeline.engine_builder import build_engine
+    from builder.spec.load import spec_from_dict
 
     hf_dir = build_tiny_tokenizer(workdir / f"{name}-hf")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(hf_dir))

@@ -24,9 +24,9 @@ def naive_engine_dir(engine_dir: Path) -> Path:
 
 def ensure_naive_engine(engine_dir: str | Path, log: Callable[[str], None] = print) -> Path:
     """The naive engine of `engine_dir`'s checkpoint (built when missing); returns its directory."""
-    from builder.checkpoint import resolve_checkpoint
-    from builder.naive import build_naive_engine
-    from builder.spec import spec_from_dict
+    from builder.pipeline.checkpoint import resolve_checkpoint
+    from builder.pipeline.naive import build_naive_engine
+    from builder.spec.load import spec_from_dict
 
     engine_dir = Path(engine_dir)
     config = EngineConfig.load(engine_dir)
@@ -53,7 +53,7 @@ def ensure_naive_engine(engine_dir: str | Path, log: Callable[[str], None] = pri
 def serve_naive_baseline(engine_dir: str | Path, log: Callable[[str], None] = print
                          ) -> Iterator[object]:
     """A running tritonserver with the naive baseline of `engine_dir`; stopped on exit."""
-    from builder.repository import RepositoryOptions, emit_repository
+    from builder.repository.emit import RepositoryOptions, emit_repository
     from builder.serving.serve import start_tritonserver
 
     naive = ensure_naive_engine(engine_dir, log)

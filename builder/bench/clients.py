@@ -17,7 +17,7 @@ import numpy as np
 
 from builder.bench.client_base import Client, SseHttpClient, new_record
 from builder.bench.records import RequestRecord
-from builder.grpc_stream import GrpcStream, StreamError, infer_inputs
+from builder.client.grpc_stream import GrpcStream, StreamError, infer_inputs
 from builder.bench.workloads import WorkItem
 
 _NUMPY_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64,

@@ -32,7 +32,7 @@ METRICS = (("c1", "ttft_s"), ("c1", "decode_tok_s"), ("cN", "tok_s"), ("cN", "pr
 
 
 def _hf_checkpoint(engine_dir: str, given: str | None) -> Path:
-    from builder.checkpoint import resolve_checkpoint
+    from builder.pipeline.checkpoint import resolve_checkpoint
 
     if given:
         return Path(given)
@@ -52,7 +52,7 @@ def build_sides(engine: str, extra: dict[str, str], names: list[str], protocol: 
         stack.callback(sides["engine_process"].stop)
     if any(n in TRITON_MODELS for n in names):
         from builder.bench.engine_level_triton import TritonSide
-        from builder.repository import RepositoryOptions, emit_repository
+        from builder.repository.emit import RepositoryOptions, emit_repository
         from builder.serving.serve import start_tritonserver
 
         repository = Path(tempfile.mkdtemp(prefix="bench-engine-repo-"))

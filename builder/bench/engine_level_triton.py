@@ -13,7 +13,7 @@ import numpy as np
 from builder.bench.engine_level import (AllTimings, EngineProtocol, OneTimings, all_timings,
                                         one_timings)
 from builder.client import text_inputs
-from builder.grpc_stream import GrpcStream, StreamError, infer_inputs
+from builder.client.grpc_stream import GrpcStream, StreamError, infer_inputs
 
 TIMEOUT_S = 1800.0
 

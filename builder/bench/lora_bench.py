@@ -42,9 +42,9 @@ def make_adapters(hf_dir: Path, out: Path, rank: int) -> dict[str, str]:
 def build(out: Path, rank: int) -> Path:
     from rich.console import Console
 
-    from builder.checkpoint import resolve_checkpoint
-    from builder.engine_builder import build_engine
-    from builder.spec import spec_from_dict
+    from builder.pipeline.checkpoint import resolve_checkpoint
+    from builder.pipeline.engine_builder import build_engine
+    from builder.spec.load import spec_from_dict
 
     engine_dir = out / "engine"
     if (engine_dir / "config.json").is_file():

@@ -68,8 +68,8 @@ class Matrix:
 def resolve(matrix: Matrix, checkpoint: str | None) -> None:
     """The model of the first repository: its name, limits and checkpoint (the builder's own
     resolution), and whether the checkpoint's files hash as the engine's manifest says."""
-    from builder.checkpoint import resolve_checkpoint, sha256_file
-    from builder.repository_target import served_engine
+    from builder.pipeline.checkpoint import resolve_checkpoint, sha256_file
+    from builder.repository.target import served_engine
 
     names = {}
     for label, repository in matrix.repositories.items():

@@ -18,7 +18,8 @@ import torch
 
 from builder.bench import inprocess
 from builder.bench.summary import Table, document
-from builder.quality import QualityThresholds, evaluate
+from builder.quality.gate import evaluate
+from builder.quality.metrics import QualityThresholds
 from builder.quantize import CalibrationOptions, QuantizeOptions, quantize_engine
 from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig
 
@@ -50,8 +51,8 @@ class QuantBench:
 def build_variant(name: str, hf_dir: Path, out_dir: Path, bench: QuantBench) -> tuple[Path, dict]:
     from rich.console import Console
 
-    from builder.engine_builder import build_engine
-    from builder.spec import spec_from_dict
+    from builder.pipeline.engine_builder import build_engine
+    from builder.spec.load import spec_from_dict
 
     dtype, weights, kv = VARIANTS[name]
     engine_dir = out_dir / name.replace("+", "_")
@@ -100,8 +101,8 @@ def greedy_agreement_between(engine_a: Path, engine_b: Path, thresholds: Quality
     KV cache lets decoding follow the 16-bit cache of the same weights."""
     from transformers import AutoTokenizer
 
-    from builder.quality import evaluation_windows
-    from builder.quality_eval import EngineModel
+    from builder.quality.gate import evaluation_windows
+    from builder.quality.sides import EngineModel
 
     tokenizer = AutoTokenizer.from_pretrained(str(engine_a / "tokenizer"))
     windows = evaluation_windows(tokenizer, thresholds, thresholds.seq_len)[:thresholds.prompts]
@@ -157,8 +158,8 @@ def table(rows: list[dict], concurrency: tuple[int, ...]) -> Table:
 
 
 def run(checkpoint: str, variants: list[str], engines_dir: Path, bench: QuantBench) -> dict:
-    from builder.checkpoint import resolve_checkpoint
-    from builder.quality_eval import ReferenceModel
+    from builder.pipeline.checkpoint import resolve_checkpoint
+    from builder.quality.sides import ReferenceModel
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

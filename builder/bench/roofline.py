@@ -28,9 +28,15 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 7) -> float:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every projection (with its quantization scales),
     the norms and the LM head. The embedding table counts only when it is the LM head (tied);
-    a lookup reads one row. Tables of rotary angles read one row per token and are left out."""
+    a lookup reads one row. Tables of rotary angles read one row per token and are left out.
+    A mixture of experts reads `num_experts_per_tok` of its experts a token: their share of the
+    experts' bytes counts (the active parameters' roofline, the one a c=1 decode is held to)."""
+    from triton_backend.engine.moe import SparseMoE
+
     tied = getattr(model, "tie_word_embeddings", False)
-    total = 0
+    active = {f"{name}.experts.": module.top_k / len(module.experts)
+              for name, module in model.named_modules() if isinstance(module, SparseMoE)}
+    total = 0.0
     seen: set[int] = set()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if "rotary" in name or ("vocab_embedding" in name and not tied):
@@ -38,5 +44,6 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
-        total += tensor.numel() * tensor.element_size()
-    return total
+        share = next((s for prefix, s in active.items() if name.startswith(prefix)), 1.0)
+        total += tensor.numel() * tensor.element_size() * share
+    return int(total)

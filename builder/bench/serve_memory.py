@@ -28,6 +28,7 @@ MIB = 2**20
 
 
 def process_tree(root: int) -> list[int]:
+    """`root` and every process below it, from /proc (the soak's and the memory run's)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

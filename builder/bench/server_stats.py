@@ -1,13 +1,13 @@
 """What the server itself counted during a level: its `/metrics` before and after, subtracted.
 
-llm-forge servers publish every executor counter (read by `builder.metrics_reader`); the
+llm-forge servers publish every executor counter (read by `builder.client.metrics_reader`); the
 difference over a level gives the prefix cache's hit rate and speculative decoding's acceptance
 for exactly the level's requests (warm-up requests ran before the first scrape). Servers without
 those counters (NVIDIA's backend, the naive baseline) simply report nothing.
 """
 from __future__ import annotations
 
-from builder.metrics_reader import scrape as scrape_engine_stats
+from builder.client.metrics_reader import scrape as scrape_engine_stats
 
 
 def scrape(metrics_url: str, timeout: float = 10.0) -> dict[str, float]:

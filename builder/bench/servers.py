@@ -30,9 +30,9 @@ def ensure_repository(spec_path: str | Path, log: Callable[[str], None] = print
                       ) -> tuple[Path, Path]:
     """(engine dir, repository dir) of the spec, building whatever is missing (the repository
     goes to model_repository/NAME, as `make engine` puts it)."""
-    from builder.engine_builder import build_engine
-    from builder.repository import RepositoryOptions, emit_repository
-    from builder.spec import load_spec
+    from builder.pipeline.engine_builder import build_engine
+    from builder.repository.emit import RepositoryOptions, emit_repository
+    from builder.spec.load import load_spec
 
     spec = load_spec(spec_path)
     engine, repository = spec.output_dir.resolve(), Path("model_repository") / spec.name

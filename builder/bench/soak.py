@@ -28,7 +28,7 @@ from builder.bench.soak_load import (Client, RssSampler, errors_of, outcome_coun
                                      run_closed_loop, run_open_loop)
 from builder.bench.stats import percentiles
 from builder.bench.summary import Table, document
-from builder.metrics_reader import scrape
+from builder.client.metrics_reader import scrape
 
 
 @dataclass(frozen=True)
@@ -167,8 +167,8 @@ async def priority_phase(s: Soak, server: Any, report: dict) -> None:
 def repositories(s: Soak, engine: str | None, repository: str | None) -> tuple[Path, Path]:
     if repository:
         return Path(repository), Path(repository)
-    from builder.repository import RepositoryOptions, emit_repository
-    from builder.spec import ServingSpec
+    from builder.repository.emit import RepositoryOptions, emit_repository
+    from builder.spec.build_spec import ServingSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="forge-soak-"))
     options = RepositoryOptions(stats_period_ms=100, engine_num_threads=s.engine_threads)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from builder.bench.serve_memory import process_tree
+
 
 class _Stream:
     """One bidirectional ModelStreamInfer call, carrying one request at a time."""
@@ -218,22 +220,6 @@ def outcome_counts(records):
 
 def errors_of(records) -> list[str]:
     return sorted({r.get("error", "") for r in records if r["outcome"] == "error"})[:5]
-
-
-def process_tree(root_pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    pids, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        todo.extend(children.get(pid, []))
-    return pids
 
 
 def rss_by_process(root_pid: int) -> dict[str, int]:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from builder.deploy.memory import MemoryEstimate
 from builder.deploy.names import epp_name
-from builder.deployment_spec import DEFAULT_MEMORY, DeploymentSpec
-from builder.hardware import PROFILES
+from builder.spec.deployment import DEFAULT_MEMORY, DeploymentSpec
+from builder.spec.hardware import PROFILES
 from builder.serving.health import DEFAULT_HEALTH_PORT
-from builder.spec import BuildSpec
+from builder.spec.build_spec import BuildSpec
 
 OPENAI_PORT = 8080
 HEALTH_PORT = DEFAULT_HEALTH_PORT

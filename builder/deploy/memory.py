@@ -72,7 +72,7 @@ class MemoryEstimate:
 
 def weight_bytes(config) -> int:
     """The weights of an `EngineConfig` as the runtime holds them."""
-    from builder.hardware import parameter_count
+    from builder.spec.hardware import parameter_count
 
     shape, quant = config.model, config.quantization
     total = parameter_count(shape)
@@ -114,11 +114,11 @@ def estimate_for_spec(spec) -> MemoryEstimate | None:
     """The estimate of `spec`'s engine, from its checkpoint (converted once and cached, as the
     build does); None where the engine's weights and KV cache are not in the pod's memory (a
     GPU) or another runtime serves (trtllm, naive): the spec's resources stand there."""
-    from builder import convert
-    from builder.checkpoint import resolve_checkpoint
-    from builder.engine_files import engine_config_for
-    from builder.hardware import PROFILES
-    from builder.repository_options import RepositoryOptions
+    from builder.pipeline import convert
+    from builder.pipeline.checkpoint import resolve_checkpoint
+    from builder.pipeline.engine_files import engine_config_for
+    from builder.spec.hardware import PROFILES
+    from builder.repository.options import RepositoryOptions
 
     if spec.target != "torch" or PROFILES[spec.hardware].is_gpu:
         return None
@@ -130,7 +130,7 @@ def estimate_for_spec(spec) -> MemoryEstimate | None:
 def check_given(resources, estimate: MemoryEstimate) -> None:
     """The spec's own memory, if it gives one, must cover the engine: the limit its need with
     headroom, the request its need. ValueError naming the field otherwise."""
-    from builder.deployment_spec import parse_quantity
+    from builder.spec.deployment import parse_quantity
 
     for key, floor, what in (
             ("memory_limit", estimate.with_headroom,

@@ -60,7 +60,7 @@ def save_tokenizer(out_dir: Path, source: Path | None = None) -> Path:
     if source is not None:
         tokenizer = AutoTokenizer.from_pretrained(str(source))
     else:
-        from builder.checkpoint import find_packaged_gguf
+        from builder.pipeline.checkpoint import find_packaged_gguf
 
         try:
             gguf = find_packaged_gguf(TOKENIZER_PACKAGE)

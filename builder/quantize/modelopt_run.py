@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from builder.progress import Eta
+from builder.pipeline.progress import Eta
 from builder.quantize.options import QuantizeOptions
-from triton_backend.engine import models
+from triton_backend.engine import families
 from triton_backend.engine.quant import int4
 
 Progress = Callable[[str], None]
@@ -37,10 +37,10 @@ def require_modelopt():
 
 
 def family_of(model: nn.Module):
-    """The model family (engine/models/) of an HF model, whose table names the runtime modules;
+    """The model family (engine/families/) of an HF model, whose table names the runtime modules;
     None for a module that is not an HF model (nothing in it has a runtime name)."""
     config = getattr(model, "config", None)
-    return None if config is None else models.for_model_type(config.model_type)
+    return None if config is None else families.for_model_type(config.model_type)
 
 
 def runtime_names(model: nn.Module) -> dict[str, str]:

@@ -4,6 +4,8 @@ Written by ModelOpt's exporter (the same one TensorRT-LLM's `quantize.py` calls)
 can be handed to `trtllm-build --checkpoint_dir` on a GPU host unchanged. We then correct what the
 exporter gets wrong with transformers 5 (which nests `rope_theta` / `rope_scaling` under
 `rope_parameters`): `rotary_base` and `rotary_scaling` are written from the HF config.
+The families this exporter refuses (Gemma 3, Mixtral, Qwen3-MoE) are written by our own writer
+instead, unquantized (`builder/trtllm/checkpoint.py`; the choice is `builder/trtllm/engine.py`'s).
 
 Per-layer names (W4A16_AWQ shown; see docs/quantization.md for FP8):
 `transformer.layers.N.attention.qkv.{weight,weights_scaling_factor,prequant_scaling_factor}`,

@@ -21,21 +21,23 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from builder import convert
+from builder.pipeline import convert
 from builder.quantize import calibration, modelopt_run
 from builder.quantize.modelopt_run import check_exclusion_patterns, is_excluded
 from builder.quantize.options import QuantizeOptions
 from builder.quantize.result import QuantizationResult, linear_bytes
 from builder.quantize.trtllm_checkpoint import KV_CACHE_QUANT_ALGOS
 from triton_backend.engine.config import WEIGHTS_FILE, QuantConfig
-from triton_backend.engine.models.llama import PROJECTIONS
+from triton_backend.engine.families.llama import PROJECTIONS
 from triton_backend.engine.quant import int4
 
 QUANT_ALGO = "W4A16_ZERO_POINT"
 
 
 def _is_projection(module: str) -> bool:
-    return module.startswith("transformer.layers.") and module.endswith(PROJECTIONS)
+    """A layer's projection, an expert's included (`mlp.experts.3.gate_up`); never the router."""
+    kinds = tuple(p.rpartition(".")[2] for p in PROJECTIONS)
+    return module.startswith("transformer.layers.") and module.rpartition(".")[2] in kinds
 
 
 def quantize_state(state: dict[str, torch.Tensor], options: QuantizeOptions,

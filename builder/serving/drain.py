@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from builder.metrics_reader import scrape
+from builder.client.metrics_reader import scrape
 from builder.serving.serve import UNLOAD_SECONDS
 from builder.serving.supervisor import control_request, mark_not_ready, unload_model
 from triton_backend.models.serving_control import drain_request_id

@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from builder.metrics_reader import scrape
+from builder.client.metrics_reader import scrape
 from builder.serving.allocator import with_allocator
 from builder.serving.addresses import LOOPBACK, bind_address, connect_host
 from triton_backend.engine.cpu_budget import cpu_budget

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import tiny
 from builder.bench.summary import Table, ratio_cell
-from builder.cli_bench import bench_command
+from builder.cli.bench import bench_command
 
 
 @pytest.fixture(scope="module")

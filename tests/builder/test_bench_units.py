@@ -18,7 +18,7 @@ from builder.bench.summary import document, finish, markdown
 from builder.bench.runner import BenchSettings, compare_levels
 from builder.bench.stats import percentiles, summarize
 from builder.bench.workloads import WorkItem, build_workload
-from builder.cli_bench import bench_command
+from builder.cli.bench import bench_command
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ def test_rewrite_workload_copies_its_input(tokenizer):
 def test_server_counters_over_a_level():
     from builder.bench.report import server_counters
     from builder.bench.server_stats import level_delta, metrics_url
-    from builder.metrics_reader import parse
+    from builder.client.metrics_reader import parse
 
     page = """# HELP llm_forge_executor_stats counters
 llm_forge_executor_stats{model="tensorrt_llm",stat="prefix_cache_queried_tokens",version="1"} %d

@@ -122,7 +122,7 @@ def test_trtllm_engine_needs_the_same_tensorrt_llm_and_gpu(monkeypatch, tmp_path
 def test_a_variant_build_never_repoints_a_repository_serving_another_engine(built, tmp_path):
     """A variant built elsewhere under the same spec name must not take over the repository
     that serves the engine: refused (exit 2, naming both, nothing built), unless --force."""
-    from builder.repository_target import served_engine
+    from builder.repository.target import served_engine
 
     spec, _, engine = built
     repository = tmp_path / "repository"
@@ -141,7 +141,7 @@ def test_a_variant_build_never_repoints_a_repository_serving_another_engine(buil
                    "--force")
     assert forced.exit_code == 0, forced.output
     assert served_engine(repository) == variant.resolve()
-    from builder.cli_serve import served_engine_line
+    from builder.cli.serve import served_engine_line
 
     assert served_engine_line(repository) == (f"  engine   {variant.resolve()} (torch, float32, "
                                               "weights none, KV cache none): tensorrt_llm, "

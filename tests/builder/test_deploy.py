@@ -128,7 +128,7 @@ def test_the_epp_config_names_our_metrics(rendered):
 def test_lora_engines_route_by_adapter(tmp_path):
     from builder.deploy.context import context_of
     from builder.deploy.gateway import epp_config
-    from builder.spec import load_spec
+    from builder.spec.load import load_spec
     from triton_backend.models.metrics import LORA_INFO_METRIC
 
     spec = load_spec(CPU_SPEC)
@@ -235,7 +235,7 @@ def test_multi_rank_keeps_triton_off_loopback_only_by_saying_so(tmp_path):
 
 
 def test_the_deployment_section_leaves_the_build_key_alone(tmp_path):
-    from builder.build_key import FileHasher, components, digest
+    from builder.pipeline.build_key import FileHasher, components, digest
 
     (tmp_path / "config.json").write_text("{}")
     data = {**yaml.safe_load(CPU_SPEC.read_text()), "checkpoint": str(tmp_path)}

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from builder.cli import main
 from builder.deploy.memory import (HEADROOM, LOAD_BYTES, MIB, RUNTIME_BYTES, activation_bytes,
                                    estimate_for_spec)
-from builder.hardware import parameter_count
-from builder.spec import load_spec
+from builder.spec.hardware import parameter_count
+from builder.spec.load import load_spec
 from deploy_helpers import REPO, all_objects
 
 CPU_SPEC = REPO / "examples" / "smollm2-135m.yaml"
@@ -24,8 +24,8 @@ KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
 def test_the_estimate_adds_weights_kv_cache_runtime_and_peak():
     spec = load_spec(CPU_SPEC)
     estimate = estimate_for_spec(spec)
-    from builder import convert
-    from builder.checkpoint import resolve_checkpoint
+    from builder.pipeline import convert
+    from builder.pipeline.checkpoint import resolve_checkpoint
 
     shape = convert.model_shape_from_hf(convert.read_hf_config(
         resolve_checkpoint(spec.checkpoint, log=lambda line: None)))

@@ -16,7 +16,7 @@ import yaml
 from click.testing import CliRunner
 
 from builder.cli import main
-from builder.cli_serve import serve_command
+from builder.cli.serve import serve_command
 from builder.serving.health import LIVENESS_PATH, READINESS_PATH, STARTUP_PATH
 from deploy_helpers import REPO, all_objects, one, options
 

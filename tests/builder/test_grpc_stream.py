@@ -6,7 +6,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from builder.client import stream_grpc, text_inputs
-from builder.grpc_stream import GrpcStream, infer_inputs
+from builder.client.grpc_stream import GrpcStream, infer_inputs
 from builder.serving.serve import free_port
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from builder.cli_drain import drain_command
+from builder.cli.drain import drain_command
 from builder.serving.addresses import bind_address, check_port_free, connect_host
 from builder.serving.health import (DRAIN_PATH, LIVENESS_PATH, READINESS_PATH, STARTUP_PATH,
                                     HealthState)
@@ -321,7 +321,7 @@ def test_forge_drain_names_the_cause_when_nothing_answers_or_it_does_not_finish(
 @pytest.mark.parametrize("option", ["--health-port", "--http-port", "--metrics-port"])
 def test_forge_serve_refuses_a_port_in_use_before_starting_anything(tmp_path, option):
     """Exit 2 naming the option, before tritonserver starts (and before its signal handlers)."""
-    from builder.cli_serve import serve_command
+    from builder.cli.serve import serve_command
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -337,7 +337,7 @@ def test_forge_serve_refuses_a_port_in_use_before_starting_anything(tmp_path, op
 
 
 def test_forge_serve_refuses_an_address_that_is_not_an_ip_address(tmp_path):
-    from builder.cli_serve import serve_command
+    from builder.cli.serve import serve_command
 
     result = CliRunner().invoke(serve_command, ["--repository", str(tmp_path), "--triton-host",
                                                 "pod.local", "--health-port", "0"])
@@ -346,7 +346,7 @@ def test_forge_serve_refuses_an_address_that_is_not_an_ip_address(tmp_path):
 
 
 def test_forge_serve_refuses_a_missing_repository_as_bad_input(tmp_path):
-    from builder.cli_serve import serve_command
+    from builder.cli.serve import serve_command
 
     result = CliRunner().invoke(serve_command, ["--repository", str(tmp_path / "missing"),
                                                 "--health-port", "0"])

@@ -5,11 +5,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 import tiny
-from builder import engine_builder
+from builder.pipeline import engine_builder
 from builder.errors import QualityGateError
-from builder.install import check_replaceable, swap_in
-from builder.repository import RepositoryOptions, emit_repository
-from builder.template import render
+from builder.pipeline.install import check_replaceable, swap_in
+from builder.repository.emit import RepositoryOptions, emit_repository
+from builder.repository.template import render
 
 
 def test_output_over_a_directory_of_other_engines_is_refused_and_nothing_deleted(tmp_path):

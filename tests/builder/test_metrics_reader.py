@@ -1,5 +1,5 @@
 """The one /metrics reader: executor counters by model, other families ignored."""
-from builder.metrics_reader import EngineStats, parse, scrape
+from builder.client.metrics_reader import EngineStats, parse, scrape
 
 # The shape of a real tritonserver scrape (HELP/TYPE lines, NVIDIA's families beside ours).
 PAGE = """# HELP nv_inference_request_success Number of successful inference requests

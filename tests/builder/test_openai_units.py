@@ -40,8 +40,6 @@ def refused(body: dict, kind=CompletionRequest) -> OpenAIError:
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"max_tokens": -1}, "max_tokens",
-     "max_tokens: Input should be greater than or equal to 1, got -1"),
     ({"temperature": math.nan}, "temperature", "temperature: Input should be a finite number"),
     ({"temperature": 2.5}, "temperature", "temperature: Input should be less than or equal to 2"),
     ({"top_p": 0}, "top_p", "top_p: Input should be greater than 0, got 0"),
@@ -154,12 +152,31 @@ def test_parameters_map_to_the_ensemble_inputs():
         finish_reason("cancelled")
 
 
+def test_the_direct_path_builds_the_tensorrt_llm_request_from_the_values(tokenizer):
+    """The values become the tensorrt_llm model's inputs once, under NVIDIA's names, by the
+    BLS's own function; the output-length rule refuses as the ensemble does."""
+    from builder.serving.openai.direct import TextCodec, direct_request
+
+    request = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "p", "seed": 7, "top_p": 0.5, "ignore_eos": True})
+    codec = TextCodec(tokenizer, Limits(max_input_len=16, max_seq_len=32))
+    tensors = direct_request(codec, ensemble_values(request, "a b", 12, log_probs=True)).tensors
+    assert tensors["input_ids"].tolist() == [tokenizer.encode("a b")]
+    assert tensors["request_output_len"].tolist() == [[12]] and tensors["streaming"].item()
+    assert tensors["runtime_top_p"].item() == 0.5 and tensors["seed"].dtype.name == "uint64"
+    assert tensors["end_id"].item() == -1 and tensors["return_log_probs"].item()
+    assert "top_p" not in tensors and "runtime_top_k" not in tensors and "text_input" not in tensors
+    with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
+        direct_request(codec, ensemble_values(request, "a b", 0, log_probs=False))
+
+
 @pytest.mark.parametrize("message, status, param, text", [
     ("in ensemble 'ensemble', text_input has 100 tokens, over the engine's max_input_len 64",
      400, "prompt",
      "prompt has 100 tokens, over the engine's max_input_len 64"),
     ("max_tokens 5000 + 3 prompt tokens exceeds the engine's max_seq_len 1024", 400,
      "max_tokens", "max_tokens 5000 + 3 prompt tokens exceeds"),
+    ("max_tokens must be >= 1, got -1", 400, "max_tokens", "max_tokens must be >= 1, got -1"),
     ("runtime_top_p (top_p) must be in (0, 1], got 0", 400, "top_p", "top_p must be in"),
     ("Exceeds maximum queue size", 429, None, "the server is busy"),
     ("in ensemble 'ensemble', server busy: 64 requests waiting (limit 64)", 429, None,
@@ -209,7 +226,7 @@ def test_server_config_validates(tmp_path):
 
 
 def test_bench_protocols_one_per_server():
-    from builder.cli_bench import _BadInput, _targets
+    from builder.cli.bench import _BadInput, _targets
 
     targets = _targets("a:1", None, "openai,grpc", ("a:1", "b:2"), None, None, None)
     assert [(t.protocol, t.model) for t in targets] == [("openai", None), ("grpc", "ensemble")]

@@ -1,7 +1,7 @@
 """Progress lines with the elapsed time and the time left, on a fake clock."""
 import pytest
 
-from builder.progress import Eta, format_duration
+from builder.pipeline.progress import Eta, format_duration
 
 
 class _Clock:

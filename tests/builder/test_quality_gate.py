@@ -14,7 +14,8 @@ pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is th
 
 import tiny  # noqa: E402
 from builder.cli import main  # noqa: E402
-from builder.quality import QualityThresholds, compare  # noqa: E402
+from builder.quality.gate import compare  # noqa: E402
+from builder.quality.metrics import QualityThresholds  # noqa: E402
 from builder.quantize import CalibrationOptions, QuantizeOptions, quantize_engine  # noqa: E402
 
 THRESHOLDS = ["max_perplexity_increase_pct=10", "min_logit_cosine=0.8", "min_top1_agreement=none",
@@ -192,7 +193,7 @@ def test_check_with_too_little_text_names_the_minimum(engines, tmp_path):
 def test_the_gate_says_up_front_how_long_it_took_here_last_time(tmp_path, monkeypatch):
     """The estimate up front is the last measured time of this model's gate on this machine
     (a count extrapolates badly: the phases stretch unevenly with load)."""
-    from builder import quality_report
+    from builder.quality import report as quality_report
 
     monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path / "cache"))
     reference = tmp_path / "hf"

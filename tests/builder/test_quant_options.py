@@ -14,7 +14,7 @@ def test_defaults_from_an_empty_section():
 
 
 def test_from_a_spec_dataclass_like_section():
-    class Section:  # what builder.spec.QuantizationSpec carries
+    class Section:  # what builder.spec.build_spec.QuantizationSpec carries
         weights, kv_cache, group_size = "int4_awq", "fp8", 64
         exclude_modules = ["lm_head"]
         calibration = {"dataset": "data.jsonl", "samples": 8}

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.repository import (MODELS, SHIM_TEMPLATE, TEMPLATES_DIR, RepositoryOptions,
+from builder.repository.emit import (MODELS, SHIM_TEMPLATE, TEMPLATES_DIR, RepositoryOptions,
                                 emit_repository, portable_path, template_values)
-from builder.template import placeholders
+from builder.repository.template import placeholders
 from triton_backend.engine.config import EngineConfig, Limits, ModelShape
 
 
@@ -111,7 +111,7 @@ def test_off_switches_follow_the_engine_and_the_options(tmp_path):
 
 
 def test_the_serving_section_becomes_tensorrt_llm_parameters(tmp_path):
-    from builder.spec import ServingSpec
+    from builder.spec.build_spec import ServingSpec
 
     engine = make_engine_dir(tmp_path / "engines" / "t")
     repo = emit_repository(engine, tmp_path / "repo", RepositoryOptions(),

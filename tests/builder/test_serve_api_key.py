@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from builder.cli import main
-from builder.cli_serve import serve_command
+from builder.cli.serve import serve_command
 from deploy_helpers import REPO, all_objects, options
 
 API_KEY_ENV = "LLM_FORGE_API_KEY"

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.spec import SpecError, load_spec, parse_bytes, spec_from_dict
+from builder.spec.build_spec import SpecError, parse_bytes
+from builder.spec.load import load_spec, spec_from_dict
 from triton_backend.engine.config import EngineConfig
 
 BASE = {"name": "m", "checkpoint": "some/dir"}
@@ -121,7 +122,7 @@ def test_a_draft_engine_must_share_the_targets_tokenizer(tiny_engines, tmp_path)
     import shutil
 
     import tiny
-    from builder.speculative import check_draft_engine
+    from builder.pipeline.speculative import check_draft_engine
     from triton_backend.engine.speculative.draft_model import resolve_draft_engine
 
     target = tiny_engines("llama_gqa")

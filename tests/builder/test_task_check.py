@@ -4,8 +4,9 @@ import pytest
 import json
 
 from builder.errors import QualityGateError
-from builder.quality import QualityReport, QualityThresholds, _check, format_table
-from builder.task_check import (DEMO_QUESTION, QUICK_TASK_ITEMS, TASK_ITEMS, TaskItem, answered,
+from builder.quality.gate import _check, format_table
+from builder.quality.metrics import QualityReport, QualityThresholds
+from builder.quality.task_check import (DEMO_QUESTION, QUICK_TASK_ITEMS, TASK_ITEMS, TaskItem, answered,
                                 run_task_check)
 
 
@@ -148,7 +149,7 @@ def test_the_quick_set_is_a_spread_of_the_items_with_every_must_keep_one():
 
 
 def test_a_quick_gate_says_so_in_its_table_verdict_and_report(tmp_path, monkeypatch):
-    import builder.quality as quality
+    import builder.quality.gate as quality
 
     report = _gated(_task({1, 2}, {1, 2}, QUICK_TASK_ITEMS))
     report.mode, report.scope = "quick", {"windows": "2 of 8", "greedy_prompts": "2 of 8",
@@ -170,8 +171,8 @@ def test_a_quick_gate_says_so_in_its_table_verdict_and_report(tmp_path, monkeypa
 
 
 def test_quick_gate_flag_sets_the_spec_key_and_is_refused_where_no_gate_runs():
-    from builder.cli_engine import quick_gate_spec
-    from builder.spec import SpecError
+    from builder.cli.engine import quick_gate_spec
+    from builder.spec.build_spec import SpecError
 
     data = {"quantization": {"weights": "int4_rtn", "quality": {"min_task_retention": 0.8}}}
     quick_gate_spec(data)

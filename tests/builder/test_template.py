@@ -1,7 +1,7 @@
 """The template filler: all placeholders filled, nothing unknown, nothing left behind."""
 import pytest
 
-from builder.template import TemplateError, placeholders, render
+from builder.repository.template import TemplateError, placeholders, render
 
 
 def test_render_fills_every_placeholder_and_formats_bools():

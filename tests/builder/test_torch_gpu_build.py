@@ -16,12 +16,12 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import tiny
-from builder import convert
+from builder.pipeline import convert
 from builder.cli import main
-from builder.engine_builder import build_engine
-from builder.engine_files import engine_config_for
-from builder.repository import RepositoryOptions, emit_repository
-from builder.spec import spec_from_dict
+from builder.pipeline.engine_builder import build_engine
+from builder.pipeline.engine_files import engine_config_for
+from builder.repository.emit import RepositoryOptions, emit_repository
+from builder.spec.load import spec_from_dict
 from triton_backend.engine.config import EngineConfig
 
 pytestmark = pytest.mark.slow

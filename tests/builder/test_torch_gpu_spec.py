@@ -9,9 +9,10 @@ import yaml
 from click.testing import CliRunner
 
 from builder.cli import main
-from builder.hardware import PROFILES
-from builder.spec import SpecError, spec_from_dict
-from builder.torch_gpu import gpu_limits, kv_free_fraction
+from builder.spec.hardware import PROFILES
+from builder.spec.build_spec import SpecError
+from builder.spec.load import spec_from_dict
+from builder.spec.torch_gpu import gpu_limits, kv_free_fraction
 from deploy_helpers import KUBERNETES_VERSION, REPO, all_objects
 from triton_backend.engine.config import Limits, ModelShape
 

@@ -9,9 +9,10 @@ from click.testing import CliRunner
 
 import tiny
 from builder.cli import main
-from builder.engine_builder import build_engine, trtllm_command
-from builder.hardware import GPU_PROFILES, PROFILES, memory_plan, sized_limits
-from builder.spec import SpecError, spec_from_dict
+from builder.pipeline.engine_builder import build_engine, trtllm_command
+from builder.spec.hardware import GPU_PROFILES, PROFILES, memory_plan, sized_limits
+from builder.spec.build_spec import SpecError
+from builder.spec.load import spec_from_dict
 from triton_backend.engine.config import EngineConfig, Limits, ModelShape
 
 FLAGS = json.loads((Path(__file__).parents[1] / "data" / "trtllm_build_flags.json").read_text())

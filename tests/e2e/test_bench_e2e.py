@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 import tiny
-from builder.cli_bench import bench_command
+from builder.cli.bench import bench_command
 from triton_helpers import running_tritonserver
 
 pytestmark = pytest.mark.slow

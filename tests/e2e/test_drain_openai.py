@@ -13,7 +13,7 @@ import time
 import openai
 import pytest
 
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port
 from tests.triton_helpers import ForgeServe, build_tiny_engine
 

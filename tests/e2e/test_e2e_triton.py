@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from builder.client import decode_text, generate_http, stream_grpc, text_inputs
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.engine.faults import FAULT_FILE_ENV, inject
 
@@ -81,7 +81,7 @@ def grpc_request(server, model, inputs) -> list:
 def forge_generate_text(engine_dir, prompt, max_tokens) -> str:
     from click.testing import CliRunner
 
-    from builder.cli_engine import generate_command
+    from builder.cli.engine import generate_command
 
     result = CliRunner().invoke(generate_command, ["--engine", str(engine_dir), "--prompt", prompt,
                                                    "--max-tokens", str(max_tokens), "--raw",

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from builder.client import stream_grpc
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from tests.e2e.test_observability import wait_for
 from lora_helpers import ids_inputs as lora_ids_inputs
 from tests.triton_helpers import running_tritonserver

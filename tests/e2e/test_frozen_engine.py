@@ -19,8 +19,8 @@ import urllib.request
 import pytest
 
 from builder.client import generate_http, stream_grpc, text_inputs
-from builder.metrics_reader import scrape
-from builder.repository import RepositoryOptions, emit_repository
+from builder.client.metrics_reader import scrape
+from builder.repository.emit import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.serving_control import PROBE_REQUEST_ID, STOP_REQUEST_INPUTS
 

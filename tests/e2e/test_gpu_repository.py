@@ -11,10 +11,10 @@ import pytest
 from rich.console import Console
 
 import tiny
-from builder.engine_builder import build_engine
-from builder.repository import RepositoryOptions, emit_repository
+from builder.pipeline.engine_builder import build_engine
+from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import start_tritonserver
-from builder.spec import spec_from_dict
+from builder.spec.load import spec_from_dict
 
 pytestmark = pytest.mark.slow
 

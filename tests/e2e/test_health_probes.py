@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from builder.client import stream_grpc, text_inputs
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.health import DRAIN_PATH, LIVENESS_PATH, READINESS_PATH, STARTUP_PATH
 from tests.triton_helpers import ForgeServe, build_tiny_engine, children, engine_pid
 

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from builder.client import generate_http, stream_grpc, text_inputs
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from builder.client import stream_grpc
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from lora_helpers import ids_inputs
 from tests.triton_helpers import running_tritonserver
 from triton_backend.engine import Request
@@ -34,7 +34,7 @@ def server(repo):
 @pytest.fixture(scope="module")
 def nvidia_b(lora_build):
     """adapter-b as NVIDIA's tensors (fp16 on the wire, as TYPE_FP16 says)."""
-    from builder.lora import read_peft_adapter
+    from builder.pipeline.lora import read_peft_adapter
     from triton_backend.engine.config import EngineConfig
     from triton_backend.engine.lora.nvidia import nvidia_tensors
 

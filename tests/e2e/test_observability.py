@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from builder.client import stream_grpc
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 from triton_backend.models.metrics import HISTOGRAMS, METRIC_NAMES, ExecutorMetrics, outcome_of
 
@@ -267,7 +267,7 @@ def test_every_dashboard_metric_exists_in_a_real_scrape(server):
 
 @pytestmark_slow
 def test_the_metrics_reader_reads_every_executor_counter_of_a_real_scrape(server):
-    from builder.metrics_reader import scrape as read_engine_stats
+    from builder.client.metrics_reader import scrape as read_engine_stats
 
     stats = read_engine_stats(server.metrics_url).of("tensorrt_llm")
     published = {re.search(r'stat="([^"]+)"', labels).group(1) for name, labels in scrape(server)

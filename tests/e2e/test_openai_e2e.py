@@ -19,10 +19,10 @@ import pytest
 from rich.console import Console
 
 from builder.client import decode_text, stream_grpc, text_inputs
-from builder.engine_builder import build_engine
-from builder.repository import RepositoryOptions, emit_repository
+from builder.pipeline.engine_builder import build_engine
+from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port
-from builder.spec import spec_from_dict
+from builder.spec.load import spec_from_dict
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-openai"
@@ -260,7 +260,7 @@ BAD_REQUESTS = [  # (endpoint, arguments, exception, status, param, message star
     ("completions", dict(prompt=PROMPT, n=17), openai.BadRequestError, 400, "n",
      "n must be in [1, 16], got 17"),
     ("completions", dict(prompt=PROMPT, max_tokens=-1), openai.BadRequestError, 400,
-     "max_tokens", "max_tokens: Input should be greater than or equal to 1, got -1"),
+     "max_tokens", "max_tokens must be >= 1, got -1"),
     ("completions", dict(prompt=PROMPT, max_tokens=5000), openai.BadRequestError, 400,
      "max_tokens", "max_tokens 5000 + 7 prompt tokens exceeds the engine's max_seq_len 1024"),
     ("completions", dict(prompt=LONG_PROMPT, max_tokens=4), openai.BadRequestError, 400,
@@ -353,7 +353,7 @@ def test_triton_not_reachable_gets_503_and_no_template_gets_400(tmp_path):
 def test_apply_chat_template_input_and_forge_query_chat(served):
     from click.testing import CliRunner
 
-    from builder.cli_query import query_command
+    from builder.cli.query import query_command
 
     chat = served.client().chat.completions.create(
         model=NAME, max_tokens=32, messages=[{"role": "user", "content": QUESTION}])
@@ -381,7 +381,7 @@ def test_apply_chat_template_input_and_forge_query_chat(served):
 def test_forge_bench_compares_the_openai_and_grpc_paths(served, tmp_path):
     from click.testing import CliRunner
 
-    from builder.cli_bench import bench_command
+    from builder.cli.bench import bench_command
 
     out = tmp_path / "bench"
     openai_url = served.openai_url.removeprefix("http://").removesuffix("/v1")

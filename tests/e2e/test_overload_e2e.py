@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from builder.client import generate_http, stream_grpc, text_inputs
-from builder.repository import RepositoryOptions, emit_repository
-from builder.spec import ServingSpec
+from builder.repository.emit import RepositoryOptions, emit_repository
+from builder.spec.build_spec import ServingSpec
 from tests.e2e.test_observability import scrape, value, wait_for
 from tests.triton_helpers import build_tiny_engine, running_tritonserver
 
@@ -210,7 +210,7 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(server, mode
     count) until the batch drains. The hog keeps running throughout, so only the cancellation
     can take the waiting request out. Not the ensemble: Triton 2.51 does not pass an ensemble's
     cancellation to its running tensorrt_llm step (docs/triton-contract.md)."""
-    from builder.grpc_stream import GrpcStream, infer_inputs
+    from builder.client.grpc_stream import GrpcStream, infer_inputs
 
     hog = start_hog(server)
     inputs = (ids_request(3, 2) if model == "tensorrt_llm"

@@ -124,7 +124,7 @@ def test_start_refuses_a_missing_repository(tmp_path):
 def test_forge_repository_reports_bad_options_naming_the_field(tmp_path):
     from click.testing import CliRunner
 
-    from builder.cli_repository import repository_command
+    from builder.cli.repository import repository_command
 
     result = CliRunner().invoke(repository_command, ["--engine", str(tmp_path), "--output",
                                                      str(tmp_path / "r"), "--set", "decoupled=2"])
@@ -134,7 +134,7 @@ def test_forge_repository_reports_bad_options_naming_the_field(tmp_path):
 def test_forge_repository_starts_from_the_specs_sections_and_applies_set(tmp_path):
     from click.testing import CliRunner
 
-    from builder.cli_repository import repository_command
+    from builder.cli.repository import repository_command
     from tests.triton_helpers import build_tiny_engine
 
     engine = build_tiny_engine(tmp_path, spec_sections={
@@ -153,7 +153,7 @@ def test_forge_repository_starts_from_the_specs_sections_and_applies_set(tmp_pat
 def test_forge_query_reports_an_unreachable_server(protocol):
     from click.testing import CliRunner
 
-    from builder.cli_query import query_command
+    from builder.cli.query import query_command
 
     url = f"127.0.0.1:{free_port()}"
     result = CliRunner().invoke(query_command, ["hi", "--url", url, "--protocol", protocol])

@@ -12,7 +12,7 @@ import pytest
 
 from builder.bench.serve_memory import Sampler
 from builder.deploy.memory import MIB, estimate
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port
 from tests.triton_helpers import ForgeServe, build_tiny_engine
 from triton_backend.engine.config import EngineConfig

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from builder.client import decode_text, generate_http, stream_grpc, text_inputs
-from builder.repository import RepositoryOptions, emit_repository
+from builder.repository.emit import RepositoryOptions, emit_repository
 from builder.serving.serve import free_port, http_ok
 from builder.serving.drain import active_requests
 from builder.serving.supervisor import (NOT_READY_MODEL, Supervisor, control_request,

@@ -8,9 +8,9 @@ import pytest
 from rich.console import Console
 
 import tiny
-from builder.engine_builder import build_engine
-from builder.repository import RepositoryOptions, emit_repository
-from builder.spec import spec_from_dict
+from builder.pipeline.engine_builder import build_engine
+from builder.repository.emit import RepositoryOptions, emit_repository
+from builder.spec.load import spec_from_dict
 
 NVIDIA = json.loads((Path(__file__).parents[1] / "data" / "nvidia_tensorrt_llm_config_names.json")
                     .read_text())

@@ -32,9 +32,9 @@ def executor(tiny_engines, request):
 @pytest.mark.parametrize("make_request, message", [
     (lambda: Request([], 4), "input_token_ids: the prompt is empty"),
     (lambda: Request(list(range(1, 130)), 4), "more than max_input_len=128"),
-    (lambda: Request([5], 0), "max_tokens must be an integer >= 1, got 0"),
-    (lambda: Request([5], -3), "max_tokens must be an integer >= 1, got -3"),
-    (lambda: Request([5] * 100, 200), "exceeds max_seq_len=256; max_tokens may be at most 156"),
+    (lambda: Request([5], 0), "max_tokens must be >= 1, got 0"),
+    (lambda: Request([5], -3), "max_tokens must be >= 1, got -3"),
+    (lambda: Request([5] * 100, 200), "exceeds the engine's max_seq_len 256 (at most 156 for"),
     (lambda: Request([5, 99999], 4), "input_token_ids: token ids must be integers in [0, "),
     (lambda: Request([5], 4, stop_token_sequences=[[]]), "stop_words: each entry"),
     (lambda: Request([5], 4, SamplingParams(top_p=0.0)), "top_p must be > 0.0, got 0.0"),
@@ -152,3 +152,22 @@ def test_requests_admitted_while_a_gpu_step_runs_are_served(tiny_engines):
         assert calls and all(calls)
     finally:
         executor.shutdown()
+
+
+def test_a_request_is_validated_once_on_its_way_into_the_engine(tiny_engines, monkeypatch):
+    """Once per hop: the executor checks at enqueue and its loop admits without checking again;
+    a request its caller checked already (the engine process client, `validated=True`) is
+    prepared only."""
+    from triton_backend.engine import llm_engine
+
+    calls, check = [], llm_engine.validate_request
+    monkeypatch.setattr(llm_engine, "validate_request", lambda *a: calls.append(a) or check(*a))
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128),
+                         isolation="thread")
+    try:
+        assert collect(ex, ex.enqueue_request(Request([5, 6, 7], 3, ignore_eos=True)))[-1].error is None
+        assert len(calls) == 1
+        rid = ex.enqueue_request(Request([5, 6, 7], 3, ignore_eos=True), validated=True)
+        assert collect(ex, rid)[-1].num_output_tokens == 3 and len(calls) == 1
+    finally:
+        ex.shutdown()

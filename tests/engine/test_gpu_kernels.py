@@ -16,13 +16,18 @@ ROOT = Path(__file__).resolve().parents[2]
 TRITON_DIR = Path(os.environ.get("LLM_FORGE_TRITON_DIR", ROOT / ".venv" / "triton"))
 
 
-def _interpreted(*args: str, script: str = "gpu_kernel_checks.py") -> subprocess.CompletedProcess:
+def _interpreted(*args: str) -> subprocess.CompletedProcess:
+    return _interpreted_script("gpu_kernel_checks.py", *args)
+
+
+def _interpreted_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run tests/engine/`script` in a process of its own under Triton's interpreter."""
     assert (TRITON_DIR / "triton").is_dir(), (
         f"Triton is not installed in {TRITON_DIR}: `make setup` installs it there")
     env = dict(os.environ, TRITON_INTERPRET="1", LLM_FORGE_KERNELS="gpu",
                PYTHONPATH=os.pathsep.join([str(TRITON_DIR), str(ROOT)]))
-    return subprocess.run([sys.executable, str(Path(__file__).parent / script),
-                           *args], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, str(Path(__file__).parent / script), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_kernels_match_their_references_under_the_interpreter():
@@ -53,7 +58,7 @@ def test_the_bf16_tensor_core_branches_match_the_reference():
     """The paged kernel's 16-bit `tl.dot` branches (decodes, chunks over a prefix, GQA 3 and 4,
     split keys, an FP8 cache widened to bf16) under the interpreter, its bf16 dots emulated as a
     tensor core computes them (exact products, float32 sums), within bf16 tolerance."""
-    run = _interpreted(script="gpu_bf16_dot_checks.py")
+    run = _interpreted_script("gpu_bf16_dot_checks.py")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("bf16 dot") == 4, run.stdout
 
@@ -66,7 +71,7 @@ def test_fp8_activations_take_one_launch_per_projection_in_a_decode_step(tmp_pat
     import tiny
 
     engine_dir = tiny.build_engine(tmp_path, "llama_gqa", dtype="bfloat16")
-    run = _interpreted(str(engine_dir), script="gpu_launch_checks.py")
+    run = _interpreted_script("gpu_launch_checks.py", str(engine_dir))
     assert run.returncode == 0, run.stdout + run.stderr
     projections, layers = map(int, re.search(r"fp8 projections (\d+), layers (\d+)",
                                              run.stdout).groups())

@@ -50,7 +50,7 @@ def test_engine_directory_holds_the_adapters(lora_build):
 
 
 def test_build_key_covers_the_adapter_files(lora_build, tmp_path):
-    from builder.build_key import BuildKey
+    from builder.pipeline.build_key import BuildKey
 
     hf_dir, adapters, _ = lora_build
     adapter = lora_helpers.copy_adapter(adapters["adapter-b"], tmp_path / "b")
@@ -168,7 +168,7 @@ def test_adapters_sent_as_nvidia_tensors(lora_build, references):
 
 def peft_pairs(adapter_dir):
     """(layer, module, A, B scaled) of a PEFT adapter, as NVIDIA's converter lays them out."""
-    from builder.lora import read_peft_adapter
+    from builder.pipeline.lora import read_peft_adapter
     from triton_backend.engine.config import EngineConfig
 
     shape = EngineConfig.load(adapter_dir.parent / "engine-llama_gqa").model

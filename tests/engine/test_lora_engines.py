@@ -146,8 +146,8 @@ def test_trtllm_target_lora_flags_and_nvidia_layout(lora_build, tmp_path):
     import numpy as np
     from rich.console import Console
 
-    from builder.engine_builder import build_engine, trtllm_command
-    from builder.spec import spec_from_dict
+    from builder.pipeline.engine_builder import build_engine, trtllm_command
+    from builder.spec.load import spec_from_dict
 
     hf_dir, adapters, torch_engine = lora_build
     table = json.loads((Path(__file__).parents[1] / "data" / "trtllm_build_flags.json").read_text())

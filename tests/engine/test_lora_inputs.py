@@ -10,7 +10,8 @@ from click.testing import CliRunner
 import lora_helpers
 import tiny
 from builder.cli import main
-from builder.spec import SpecError, spec_from_dict
+from builder.spec.build_spec import SpecError
+from builder.spec.load import spec_from_dict
 from triton_backend.engine import Request
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.llm_engine import LLMEngine

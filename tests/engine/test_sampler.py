@@ -133,3 +133,20 @@ def test_infinite_logits_are_made_finite_before_a_draw():
     token, log_prob = Sampler()(rows, [chunk(1, SamplingParams(temperature=1.0, seed=3))],
                                 {1: EOS})[0]
     assert token == 4 and log_prob == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("scale,top_p", [(3.0, 0.9), (0.3, 0.95), (8.0, 0.5), (1.0, 0.999)])
+def test_top_p_over_a_wide_vocabulary_keeps_the_nucleus_a_full_sort_gives(scale, top_p):
+    """Gemma's 262,144 logits: the nucleus from the best thousand or the histogram cut is the
+    one the definition gives (the smallest prefix of the sorted probabilities reaching top_p,
+    computed here in float64), up to the tokens float32 sums may put on either side of its
+    boundary (one, or one in 10,000 where the nucleus is nearly the whole vocabulary)."""
+    from triton_backend.engine.sampler import _top_k_top_p
+
+    row = torch.randn(262_144, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
+    probs = torch.softmax(row.double(), dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    expected = set(order[(sorted_probs.cumsum(0) - sorted_probs) < top_p].tolist())
+    kept = set(torch.nonzero(torch.isfinite(_top_k_top_p(row, 0, top_p))).squeeze(1).tolist())
+    assert len(kept ^ expected) <= max(1, len(expected) // 10_000), (len(kept), len(expected))
+    assert len(expected) > 1

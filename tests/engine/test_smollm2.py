@@ -5,9 +5,9 @@ import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 
-from builder.checkpoint import resolve_checkpoint
-from builder.engine_builder import build_engine
-from builder.spec import spec_from_dict
+from builder.pipeline.checkpoint import resolve_checkpoint
+from builder.pipeline.engine_builder import build_engine
+from builder.spec.load import spec_from_dict
 from triton_backend.engine import Request, SamplingParams
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.offline import generate, prefill_logits

@@ -188,8 +188,8 @@ def _deep_engine(tmp) -> "os.PathLike":
     from rich.console import Console
 
     import tiny
-    from builder.engine_builder import build_engine
-    from builder.spec import spec_from_dict
+    from builder.pipeline.engine_builder import build_engine
+    from builder.spec.load import spec_from_dict
 
     checkpoint = tmp / "hf-deep"
     tokenizer = tiny.make_tokenizer(checkpoint)

@@ -8,9 +8,10 @@ from triton_backend.engine.config import Limits
 from triton_backend.engine.request import FinishReason, Response
 from triton_backend.models.detokenizer import (IncrementalDetokenizer, stop_strings_of,
                                                text_delta, visible_text)
-from triton_backend.models.request_converter import RequestDefaults, RequestError, parse_request
+from triton_backend.models.request_converter import (RequestDefaults, RequestError, check_output_len,
+                                                     parse_request)
 from triton_backend.models.response_converter import StreamState, build_outputs, coalesce
-from triton_backend.models.text_request import check_max_tokens, tensorrt_llm_inputs, text_value
+from triton_backend.models.text_request import tensorrt_llm_inputs, text_value
 from triton_backend.models.word_list import from_word_list, to_word_list
 
 LIMITS = Limits(max_batch_size=4, max_num_tokens=256, max_input_len=8, max_seq_len=20)
@@ -136,7 +137,7 @@ def test_text_value_refuses_non_utf8_naming_the_field():
     with pytest.raises(RequestError, match="text_input is required"):
         text_value({}, "text_input", "text_input")
     with pytest.raises(RequestError, match="max_tokens must be >= 1, got 0"):
-        check_max_tokens(0, 3, LIMITS)
+        check_output_len(0, 3, LIMITS)
 
 
 def test_bls_builds_tensorrt_llm_inputs_with_nvidia_names():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tiny
-from builder.naive import build_naive_engine
-from builder.spec import spec_from_dict
+from builder.pipeline.naive import build_naive_engine
+from builder.spec.load import spec_from_dict
 from triton_backend.engine import FinishReason, Request, SamplingParams
 from triton_backend.engine.guided import GuidedDecodingParams
 from triton_backend.naive import NaiveExecutor

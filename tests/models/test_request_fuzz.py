@@ -11,7 +11,8 @@ from hypothesis.extra import numpy as hnp
 from triton_backend.engine.config import Limits
 from triton_backend.engine.request import MAX_TIMEOUT_MS, PRIORITY_MAX, PRIORITY_MIN
 from triton_backend.models.request_converter import INPUT_NAMES, RequestError, parse_request
-from triton_backend.models.text_request import check_max_tokens, text_list, text_value
+from triton_backend.models.request_converter import check_output_len
+from triton_backend.models.text_request import text_list, text_value
 
 LIMITS = Limits(max_batch_size=4, max_num_tokens=256, max_input_len=64, max_seq_len=160)
 VOCAB = 383
@@ -84,7 +85,7 @@ def test_text_inputs_raise_only_the_field_naming_error(value, count, max_tokens)
     array = np.asarray([value] * count, dtype=object).reshape(1, count)
     for call in (lambda: text_value({"text_input": array}, "text_input", "text_input"),
                  lambda: text_list({"stop_words": array}, "stop_words", "stop_words"),
-                 lambda: check_max_tokens(max_tokens, 5, LIMITS)):
+                 lambda: check_output_len(max_tokens, 5, LIMITS)):
         try:
             call()
         except RequestError as exc:

@@ -42,6 +42,7 @@ class PrefillRun:
     query_start: torch.Tensor   # [B + 1] int32 row offsets from row_begin
     tokens_per_block: int
     keys_as_computed: bool = False
+    max_seq_len: int = 0        # the most keys a chunk sees (host-side, like the metadata's)
 
 
 @dataclass
@@ -65,29 +66,39 @@ class AttentionMetadata:
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, Hq, D]."""
+                    cache: PagedKVCache, meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, Hq, D].
+    `window`: each row sees only the last `window` keys up to its own (a local layer)."""
     cache.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     for chunk in meta.prefills:
-        out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk, scale)
+        out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk, scale,
+                                                           window)
     if meta.decode_token_index is not None:
-        out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale)
+        out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale, window)
     return out
 
 
 def prefill_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cache: PagedKVCache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    """One sequence's chunk: causal over its own new tokens, plus every cached token before."""
+                      cache: PagedKVCache, chunk: PrefillChunk, scale: float,
+                      window: int | None = None) -> torch.Tensor:
+    """One sequence's chunk: causal over its own new tokens, plus every cached token before
+    (within `window` keys of each row, when given)."""
     qs = q[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    q_len = chunk.q_end - chunk.q_start
+    k_len = q_len if chunk.key_slots is None else chunk.key_slots.numel()
     if chunk.key_slots is None:
         ks, vs = k[chunk.q_start:chunk.q_end], v[chunk.q_start:chunk.q_end]
-        mask, causal = None, True
     else:
         ks, vs = cache.gather(layer, chunk.key_slots, q.dtype)
-        q_len, k_len = chunk.q_end - chunk.q_start, chunk.key_slots.numel()
-        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + chunk.num_cached
-        mask, causal = torch.arange(k_len, device=q.device).unsqueeze(0) <= rows, False
+    mask, causal = None, True
+    if chunk.key_slots is not None or (window is not None and k_len > window):
+        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (k_len - q_len)
+        keys = torch.arange(k_len, device=q.device).unsqueeze(0)
+        mask, causal = keys <= rows, False
+        if window is not None:
+            mask &= keys > rows - window
     ks = ks.transpose(0, 1).unsqueeze(0)
     vs = vs.transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
@@ -96,9 +107,13 @@ def prefill_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _decode(layer: int, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
+            scale: float, window: int | None = None) -> torch.Tensor:
     qd = q[meta.decode_token_index].unsqueeze(2)            # [n, Hq, 1, D]
     ks, vs = cache.gather(layer, meta.decode_key_slots, q.dtype)  # [n, max_k, Hkv, D]
+    mask = meta.decode_key_mask
+    if window is not None:  # the real keys are the first num_keys: keep the last `window`
+        num_keys = mask.sum(dim=-1, keepdim=True)
+        mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= num_keys - window)
     o = F.scaled_dot_product_attention(qd, ks.transpose(1, 2), vs.transpose(1, 2),
-                                       attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True)
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -32,9 +32,13 @@ def _positive(name: str, value: Any) -> None:
              f"{name} must be an integer >= 1, got {value!r}")
 
 
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass
 class ModelShape:
-    """Shape of a decoder of one of the model families (`architecture`: engine/models/)."""
+    """Shape of a decoder of one of the model families (`architecture`: engine/families/)."""
 
     architecture: str
     vocab_size: int
@@ -52,9 +56,25 @@ class ModelShape:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    # Local attention: a layer whose type is "sliding_attention" sees the last `sliding_window`
+    # keys (its own included); None: every layer attends globally. `rope_local_theta`: the rotary
+    # base of those layers when it differs from `rope_theta` (Gemma 3).
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    # The attention's softmax scale; None: head_dim ** -0.5 (Gemma's query_pre_attn_scalar).
+    attention_scale: float | None = None
+    # Mixture of experts: each MoE layer routes a token to `num_experts_per_tok` of `num_experts`
+    # gated MLPs of `moe_intermediate_size`; `norm_topk_prob`: the kept routing weights are
+    # renormalised to sum to one. `dense_layers`: layers with a plain MLP instead.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # Which names exist is the family registry's (engine/models/), checked when a model is
+        # Which names exist is the family registry's (engine/families/), checked when a model is
         # built: reading a config stays free of torch.
         _require(isinstance(self.architecture, str) and self.architecture != "",
                  f"model.architecture must name a model family, got {self.architecture!r}")
@@ -64,7 +84,50 @@ class ModelShape:
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                  f"model.num_key_value_heads ({self.num_key_value_heads})")
-        _require(self.hidden_act == "silu", f"model.hidden_act must be 'silu', got {self.hidden_act!r}")
+        _require(self.hidden_act in HIDDEN_ACTS,
+                 f"model.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        self._check_attention_layers()
+        self._check_experts()
+
+    def _check_attention_layers(self) -> None:
+        layers, window = self.num_hidden_layers, self.sliding_window
+        if self.layer_types is not None:
+            _require(isinstance(self.layer_types, list) and len(self.layer_types) == layers,
+                     f"model.layer_types must list one type per layer ({layers}), got "
+                     f"{self.layer_types!r}")
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
+            _require(not bad, f"model.layer_types: {bad} not among {LAYER_TYPES}")
+        if window is not None:
+            _require(is_int(window) and 1 <= window <= self.max_position_embeddings,
+                     f"model.sliding_window must be an integer in [1, max_position_embeddings="
+                     f"{self.max_position_embeddings}], got {window!r}")
+        _require(window is not None or "sliding_attention" not in (self.layer_types or []),
+                 "model.layer_types has sliding_attention layers but model.sliding_window is "
+                 "not set")
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            _require(not self.num_experts_per_tok and not self.dense_layers,
+                     "model.num_experts_per_tok / model.dense_layers need model.num_experts")
+            return
+        _positive("model.num_experts", self.num_experts)
+        _positive("model.num_experts_per_tok", self.num_experts_per_tok)
+        _positive("model.moe_intermediate_size", self.moe_intermediate_size)
+        _require(self.num_experts_per_tok <= self.num_experts,
+                 f"model.num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                 f"model.num_experts ({self.num_experts})")
+        bad = [i for i in self.dense_layers if not is_int(i) or not 0 <= i < self.num_hidden_layers]
+        _require(not bad, f"model.dense_layers: {bad} are not layers of a "
+                          f"{self.num_hidden_layers}-layer model")
+
+    def window_of(self, layer: int) -> int | None:
+        """How many keys layer `layer` attends (its own included); None: all of them."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def q_size(self) -> int:

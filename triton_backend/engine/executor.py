@@ -85,13 +85,16 @@ class Executor(LoopMailbox):
             threading.Thread(target=self.run_loop, name="llm-forge-executor", daemon=True).start()
 
     # -- client verbs -------------------------------------------------------------------------
-    def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
+    def enqueue_request(self, request: Request, request_id: int | None = None, *,
+                        validated: bool = False) -> int:
         """Validate and queue `request`; returns its id. Raises ValueError naming the bad field,
         ServerBusy (a RuntimeError) when the admission limits are reached.
 
         `request_id` lets a caller that numbers requests itself (the engine process client)
-        choose the id; it must not be in use."""
-        self.engine.validate(request)
+        choose the id; it must not be in use. `validated`: that caller checked the request
+        against this engine already (a request is checked once per hop), so it is only
+        prepared here."""
+        (self.engine.prepare if validated else self.engine.validate)(request)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError(f"executor is shut down{self._down_reason}")
@@ -156,7 +159,7 @@ class Executor(LoopMailbox):
         finals = []
         for request_id, request in zip(self._pending_ids, self._pending):
             try:
-                self.engine.add_request(request, request_id=request_id)
+                self.engine.admit(request, request_id=request_id)
             except ValueError as exc:  # this request only
                 finals.append(Response(request_id, [], True, FinishReason.ERROR, error=str(exc)))
         self._pending.clear()

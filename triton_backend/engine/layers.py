@@ -1,4 +1,4 @@
-"""Building blocks of the Llama-family model: RMSNorm, rotary embedding, and the linear factory.
+"""Building blocks of the decoder: RMSNorm, rotary embedding, the gated MLP, and the linear factory.
 
 Every projection of the model is created by `make_linear`, so quantized linears (which consume the
 same weight names plus their scales) plug in at one place.
@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from triton_backend.engine.config import ModelShape, QuantConfig
+from triton_backend.engine.config import EngineConfig, ModelShape, QuantConfig
+from triton_backend.engine.lora.batch import LoRABatch
+from triton_backend.engine.ops import TorchOps
 
 
 class RMSNorm(nn.Module):
@@ -40,15 +42,42 @@ def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantCon
     return linear
 
 
-def _rope_inv_freq(shape: ModelShape) -> tuple[torch.Tensor, float]:
+class GatedMLP(nn.Module):
+    """proj(act(gate) * up), act SiLU or GELU-tanh (`model.hidden_act`). `prefix` and
+    `intermediate_size` default to the layer's own MLP (an expert passes its own)."""
+
+    def __init__(self, config: EngineConfig, layer: int, prefix: str | None = None,
+                 intermediate_size: int | None = None) -> None:
+        super().__init__()
+        shape, quant = config.model, config.quantization
+        prefix = prefix or f"transformer.layers.{layer}.mlp"
+        size = intermediate_size or shape.intermediate_size
+        self.layer = layer
+        self.silu = shape.hidden_act == "silu"
+        self.gate_up = make_linear(shape.hidden_size, 2 * size, shape.mlp_bias, quant,
+                                   f"{prefix}.gate_up")
+        self.proj = make_linear(size, shape.hidden_size, shape.mlp_bias, quant, f"{prefix}.proj")
+
+    def forward(self, x: torch.Tensor, ops: TorchOps, lora: LoRABatch | None = None
+                ) -> torch.Tensor:
+        act = ops.silu_mul if self.silu else ops.gelu_tanh_mul
+        if lora is None:
+            return self.proj(act(self.gate_up(x)))
+        h = act(lora.apply(self.layer, "gate_up", x, self.gate_up(x)))
+        return lora.apply(self.layer, "proj", h, self.proj(h))
+
+
+
+def _rope_inv_freq(shape: ModelShape, theta: float | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, exactly as transformers computes them (on the
-    CPU, so every device starts from the same tables)."""
+    CPU, so every device starts from the same tables). `theta`: a local layers' own base, which
+    rotates without scaling (Gemma 3)."""
     params = dict(shape.rope_scaling or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    if rope_type == "default" or theta is not None:
         dim = shape.head_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim
-        return 1.0 / (shape.rope_theta ** exponents), 1.0
+        return 1.0 / ((theta or shape.rope_theta) ** exponents), 1.0
     if rope_type == "dynamic":
         raise ValueError("model.rope_scaling: rope_type 'dynamic' is not supported by the runtime")
     from transformers import LlamaConfig
@@ -68,9 +97,9 @@ class RotaryEmbedding(nn.Module):
     computed in float32 on the CPU, then moved to `device`."""
 
     def __init__(self, shape: ModelShape, max_positions: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", theta: float | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = _rope_inv_freq(shape)
+        inv_freq, scaling = _rope_inv_freq(shape, theta)
         positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from triton_backend.engine import families
 from triton_backend.engine.block_manager import BlockManager
 from triton_backend.engine.config import AUTO_MIN_PREFILL_ROWS, EngineConfig
 from triton_backend.engine.device import resolve_device
@@ -73,8 +74,9 @@ class LLMEngine:
         dtype = runtime_dtype(self.config, self.device)
         # Advanced by whatever runs on the loop's thread (see progress.py): the watchdog's signal.
         self.progress = Progress()
-        self.lora = (AdapterCache(engine_dir, self.config, dtype, self.progress)
-                     if self.config.lora else None)
+        family = families.get(self.config.model.architecture)
+        self.lora = (AdapterCache(engine_dir, self.config, dtype, family.lora_parts(),
+                                  self.progress) if self.config.lora else None)
         self.speculator = None  # before the runner: a draft model's memory is not the KV pool's
         if self.config.speculative.enabled and enable_speculative_decoding is not False:
             from triton_backend.engine.speculative import make_speculator
@@ -119,10 +121,14 @@ class LLMEngine:
                          min_prefill_rows=AUTO_MIN_PREFILL_ROWS)
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming the field and the limit when `request` cannot be served.
-        A guided request's grammar is compiled here (once per distinct guide), so that the step
-        loop, which calls `add_request`, finds it compiled."""
+        """Raise ValueError naming the field and the limit when `request` cannot be served;
+        then `prepare` it."""
         self._check(request)
+        self.prepare(request)
+
+    def prepare(self, request: Request) -> None:
+        """Compile a guided request's grammar (once per distinct guide), so that the step loop,
+        which `admit`s it, finds it compiled. ValueError naming the guide when it is bad."""
         if request.guided_decoding is not None:
             self.grammars.compile(request.guided_decoding)
 
@@ -134,6 +140,10 @@ class LLMEngine:
     def add_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and queue `request` under `request_id` (a fresh id when None)."""
         self._check(request)
+        return self.admit(request, request_id)
+
+    def admit(self, request: Request, request_id: int | None = None) -> int:
+        """Queue `request`, which `validate` passed, under `request_id` (a fresh id when None)."""
         seq_id = next(self._ids) if request_id is None else request_id
         if seq_id in self.sequences:
             raise ValueError(f"request id {seq_id} is already in flight")

@@ -1,4 +1,4 @@
-"""The Llama-family decoder over packed tokens; families (`engine/models/`) build it, swapping in
+"""The Llama-family decoder over packed tokens; families (`engine/families/`) build it, swapping in
 their own attention module where they differ (e.g. Qwen3's QK-norm).
 
 Weight names follow TensorRT-LLM's checkpoint layout, with the gate/up projections fused:
@@ -16,8 +16,9 @@ from torch import nn
 from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.kv_cache import PagedKVCache
-from triton_backend.engine.layers import RMSNorm, RotaryEmbedding, make_linear
+from triton_backend.engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, make_linear
 from triton_backend.engine.lora.batch import LoRABatch
+from triton_backend.engine.moe import SparseMoE
 from triton_backend.engine.ops import TorchOps
 from triton_backend.engine.progress import Progress
 
@@ -31,7 +32,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = shape.num_attention_heads, shape.num_key_value_heads
         self.head_dim = shape.head_dim
         self.q_size, self.kv_size = shape.q_size, shape.kv_size
-        self.scale = shape.head_dim ** -0.5
+        self.scale = shape.attention_scale or shape.head_dim ** -0.5
+        self.window = shape.window_of(layer)  # None: attends every key
         self.qkv = make_linear(shape.hidden_size, self.q_size + 2 * self.kv_size,
                                shape.attention_bias, quant, f"{prefix}.qkv")
         self.dense = make_linear(self.q_size, shape.hidden_size, False, quant, f"{prefix}.dense")
@@ -48,28 +50,9 @@ class Attention(nn.Module):
                 lora: LoRABatch | None = None) -> torch.Tensor:
         qkv = self.project_qkv(x, ops, lora)
         o = ops.attention(self.layer, qkv, positions, rotary, cache, meta, self.num_heads,
-                          self.num_kv_heads, self.head_dim, self.scale)
+                          self.num_kv_heads, self.head_dim, self.scale, self.window)
         out = self.dense(o)
         return out if lora is None else lora.apply(self.layer, "dense", o, out)
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, config: EngineConfig, layer: int) -> None:
-        super().__init__()
-        shape, quant = config.model, config.quantization
-        prefix = f"transformer.layers.{layer}.mlp"
-        self.layer = layer
-        self.gate_up = make_linear(shape.hidden_size, 2 * shape.intermediate_size, shape.mlp_bias,
-                                   quant, f"{prefix}.gate_up")
-        self.proj = make_linear(shape.intermediate_size, shape.hidden_size, shape.mlp_bias, quant,
-                                f"{prefix}.proj")
-
-    def forward(self, x: torch.Tensor, ops: TorchOps, lora: LoRABatch | None = None
-                ) -> torch.Tensor:
-        if lora is None:
-            return self.proj(ops.silu_mul(self.gate_up(x)))
-        h = ops.silu_mul(lora.apply(self.layer, "gate_up", x, self.gate_up(x)))
-        return lora.apply(self.layer, "proj", h, self.proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -83,7 +66,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.attention = attention(config, layer)
         self.post_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = GatedMLP(config, layer)
+        self.mlp = SparseMoE(config, layer) if shape.is_moe_layer(layer) else GatedMLP(config, layer)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, cache: PagedKVCache, meta: AttentionMetadata,
@@ -99,12 +82,13 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: EngineConfig, attention: type[Attention] = Attention) -> None:
+    def __init__(self, config: EngineConfig, attention: type[Attention] = Attention,
+                 layer: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
         shape = config.model
         self.vocab_embedding = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.vocab_embedding.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, attention)
+        self.layers = nn.ModuleList(layer(config, i, attention)
                                     for i in range(shape.num_hidden_layers))
         self.ln_f = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
@@ -116,12 +100,19 @@ class CausalLM(nn.Module):
     `progress` advances after every decoder layer, so a long prefill shows the engine's watchdog
     that it moves (the runner shares its engine's counter here)."""
 
-    def __init__(self, config: EngineConfig, attention: type[Attention] = Attention) -> None:
+    # Multiplies the embeddings (Gemma: sqrt(hidden_size), rounded to the weights' dtype).
+    embedding_multiplier: float | None = None
+
+    def __init__(self, config: EngineConfig, attention: type[Attention] = Attention,
+                 layer: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
         shape = config.model
         self.config = config
-        self.transformer = Transformer(config, attention)
+        self.transformer = Transformer(config, attention, layer)
         self.rotary = RotaryEmbedding(shape, config.limits.max_seq_len)
+        # Local layers may rotate with a base of their own (Gemma 3: 10k local, 1M global).
+        self.rotary_local = self.rotary if shape.rope_local_theta is None else RotaryEmbedding(
+            shape, config.limits.max_seq_len, theta=shape.rope_local_theta)
         self.tie_word_embeddings = shape.tie_word_embeddings
         self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
@@ -134,9 +125,12 @@ class CausalLM(nn.Module):
                 ) -> torch.Tensor:
         """`lora`: the step's adapters and the rows each applies to (None: base model only)."""
         x = self.transformer.vocab_embedding(input_ids)
+        if self.embedding_multiplier is not None:
+            x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype, device=x.device)
         residual = None
         for layer in self.transformer.layers:
-            x, residual = layer(x, residual, positions, self.rotary, cache, meta, ops, lora)
+            rotary = self.rotary if layer.attention.window is None else self.rotary_local
+            x, residual = layer(x, residual, positions, rotary, cache, meta, ops, lora)
             self.progress.tick()
         if residual is None:  # a model without layers
             return self.transformer.ln_f(x, ops)

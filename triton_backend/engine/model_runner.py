@@ -136,6 +136,11 @@ class ModelRunner:
         from triton_backend.engine.gpu.sampling import DeviceSampler
         from triton_backend.engine.gpu.warmup import warm_up
 
+        shape = self.config.model
+        if shape.sliding_window is not None:
+            raise ValueError(f"model.sliding_window ({shape.sliding_window}): the GPU backend's "
+                             f"paged kernel does not attend local windows yet; run this engine "
+                             f"on the CPU (forge generate --device cpu)")
         self.device_sampler = DeviceSampler()
         self.ops.prepare_model(self.model)
         with warm_up(self.model, self.kv_cache, self.ops, self.num_blocks * self.tokens_per_block,
@@ -144,9 +149,11 @@ class ModelRunner:
                 self.capture_graphs()
 
     def _graph_sizes(self) -> list[int]:
-        """The decode batch sizes the GPU backend captures at load (none without graphs)."""
+        """The decode batch sizes the GPU backend captures at load (none without graphs). A
+        mixture of experts groups its rows by expert (a data-dependent shape), which a captured
+        graph cannot replay: its steps run eagerly."""
         if (self.ops.name != "gpu" or os.environ.get(CUDA_GRAPHS_ENV, "1") == "0"
-                or not self.enable_cuda_graphs):
+                or not self.enable_cuda_graphs or self.config.model.num_experts):
             return []
         from triton_backend.engine.gpu.graphs import capture_sizes
 
@@ -345,7 +352,8 @@ class ModelRunner:
         return PrefillRun(begin, begin + query_start[-1],
                           as_int([t + [0] * (width - len(t)) for t in tables]),
                           as_int(seq_lens), as_int(query_start),
-                          1 if as_computed else self.tokens_per_block, as_computed)
+                          1 if as_computed else self.tokens_per_block, as_computed,
+                          max(seq_lens))
 
     def _add_decodes(self, meta: AttentionMetadata, decodes: list[tuple[int, ScheduledChunk]]) -> None:
         """Padded key slots [n, max_k] and a mask of the real keys for all decodes at once."""

@@ -54,17 +54,27 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def sparse_moe(self, moe, x: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts MLP (`moe.SparseMoE`) over the step's rows."""
+        return moe.grouped(x, self)
+
     def attention(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary,
                   cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
-                  num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-        """Rotary on q and k, cache write, attention -> [T, num_heads * head_dim]."""
+                  num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
+                  ) -> torch.Tensor:
+        """Rotary on q and k, cache write, attention -> [T, num_heads * head_dim]. `window`:
+        a local layer's span (each row sees the last `window` keys up to its own)."""
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, num_heads, head_dim)
         k = k.view(-1, num_kv_heads, head_dim)
         v = v.view(-1, num_kv_heads, head_dim)
         q, k = rotary(positions, q, k)
-        return paged_attention(layer, q, k, v, cache, meta, scale).reshape(-1, q_size)
+        return paged_attention(layer, q, k, v, cache, meta, scale, window).reshape(-1, q_size)
 
 
 class CppOps(TorchOps):
@@ -103,10 +113,10 @@ class CppOps(TorchOps):
         return self._ops.silu_mul(gate_up.contiguous())
 
     def attention(self, layer, qkv, positions, rotary, cache, meta, num_heads, num_kv_heads,
-                  head_dim, scale):
+                  head_dim, scale, window=None):
         if not cache.kernel_reads(qkv.dtype):
             return super().attention(layer, qkv, positions, rotary, cache, meta, num_heads,
-                                     num_kv_heads, head_dim, scale)
+                                     num_kv_heads, head_dim, scale, window)
         qkv = qkv.contiguous()
         # A one-byte cache (int8, FP8) is quantized on write and widened on read by the kernels.
         k_scale, v_scale = cache.layer_scales(layer)
@@ -120,7 +130,7 @@ class CppOps(TorchOps):
         if rows:  # short queries (decodes): the paged kernel, in place over the cache
             out[:rows] = self._ops.paged_attention(
                 q[:rows], cache.k[layer], cache.v[layer], meta.block_tables, meta.seq_lens,
-                meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale)
+                meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale, window or 0)
         for run in meta.prefill_runs:  # long chunks: the prefill kernel, written into out
             span = slice(run.row_begin, run.row_end)
             keys, values, scales = cache.k[layer], cache.v[layer], (k_scale, v_scale)
@@ -128,6 +138,13 @@ class CppOps(TorchOps):
                 keys = qkv[span, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
                 values = qkv[span, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
                 scales = (1.0, 1.0)
+            if window is not None and run.max_seq_len > window:
+                # The prefill kernel attends every key up to a row; the paged kernel stops at
+                # the window (reading each key once per row: local layers' long prompts only).
+                out[span] = self._ops.paged_attention(
+                    q[span], keys.contiguous(), values.contiguous(), run.block_tables,
+                    run.seq_lens, run.query_start, run.tokens_per_block, scale, *scales, window)
+                continue
             self._ops.prefill_attention(out[span], q[span], keys, values, run.block_tables,
                                         run.seq_lens, run.query_start, run.tokens_per_block,
                                         scale, *scales)
@@ -136,5 +153,5 @@ class CppOps(TorchOps):
             v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
             for chunk in meta.prefills:
                 out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk,
-                                                                   scale)
+                                                                   scale, window)
         return out.view(-1, q_size)

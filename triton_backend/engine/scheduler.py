@@ -234,8 +234,7 @@ class Scheduler:
         the budget, and never more than it may still generate after the target's own token."""
         if not seq.draft_token_ids or seq.num_computed_tokens + num_new != seq.num_tokens:
             return 0
-        room = seq.request.max_tokens - seq.num_generated_tokens - 1
-        return max(0, min(len(seq.draft_token_ids), budget - num_new, room))
+        return max(0, min(len(seq.draft_token_ids), budget - num_new, seq.draft_room))
 
     def _chunk(self, seq: Sequence, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens

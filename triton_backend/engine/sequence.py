@@ -79,6 +79,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def draft_room(self) -> int:
+        """How many draft tokens a step could still keep: the target adds one token itself, so
+        drafts beyond max_tokens - 1 generated tokens never are."""
+        return self.request.max_tokens - self.num_generated_tokens - 1
+
+    @property
     def generated_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

@@ -12,6 +12,25 @@ MAX_WORDS = 256          # entries in one request's stop_words (or bad_words)
 MAX_WORDS_TOKENS = 1024  # tokens over all entries of one list
 
 
+def check_max_tokens(max_tokens: object, num_input: int, limits: Limits,
+                     field: str = "max_tokens") -> int:
+    """The output-length rule, its one home: an integer >= 1 that fits in max_seq_len with the
+    prompt's `num_input` tokens. Each hop a request crosses (the OpenAI endpoint,
+    preprocessing, the BLS, the tensorrt_llm model, an executor) checks it here once; the
+    ValueError names `field` as that hop's caller knows it."""
+    if max_tokens is None:
+        raise ValueError(f"{field} is required")
+    if not is_int(max_tokens):
+        raise ValueError(f"{field} must be an integer, got {max_tokens!r}")
+    if max_tokens < 1:
+        raise ValueError(f"{field} must be >= 1, got {max_tokens}")
+    if num_input + max_tokens > limits.max_seq_len:
+        raise ValueError(f"{field} {max_tokens} + {num_input} prompt tokens exceeds the engine's "
+                         f"max_seq_len {limits.max_seq_len} (at most "
+                         f"{limits.max_seq_len - num_input} for this prompt)")
+    return max_tokens
+
+
 def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
     """Raise ValueError naming the field and the limit when `request` cannot be served."""
     prompt = request.input_token_ids
@@ -22,12 +41,7 @@ def validate_request(request: Request, limits: Limits, vocab_size: int) -> None:
                          f"max_input_len={limits.max_input_len}")
     if any(not is_int(t) or not 0 <= t < vocab_size for t in prompt):
         raise ValueError(f"input_token_ids: token ids must be integers in [0, {vocab_size})")
-    if not is_int(request.max_tokens) or request.max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
-    if len(prompt) + request.max_tokens > limits.max_seq_len:
-        raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens "
-                         f"({request.max_tokens}) exceeds max_seq_len={limits.max_seq_len}; "
-                         f"max_tokens may be at most {limits.max_seq_len - len(prompt)}")
+    check_max_tokens(request.max_tokens, len(prompt), limits)
     if request.sampling.min_tokens > request.max_tokens:
         raise ValueError(f"min_tokens ({request.sampling.min_tokens}) must be <= max_tokens "
                          f"({request.max_tokens})")

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig
-from triton_backend.engine import models
+from triton_backend.engine import families
 from triton_backend.engine.model import CausalLM
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,7 +25,7 @@ def load_model(engine_dir: str | Path, config: EngineConfig, device: torch.devic
     """Build the model for `config` and load `model.safetensors` into it (every key must match)."""
     dtype = runtime_dtype(config, device)
     with torch.device("meta"):
-        model = models.get(config.model.architecture).build(config)
+        model = families.get(config.model.architecture).build(config)
     state = load_file(str(Path(engine_dir) / WEIGHTS_FILE), device=str(device))
     hook = getattr(model, "prepare_state_dict", None)
     if hook is not None:

@@ -10,11 +10,11 @@ from transformers import AutoTokenizer
 
 from triton_backend.engine.config import EngineConfig
 from triton_backend.models.model_params import ModelParams
-from triton_backend.models.request_converter import RequestError, scalar
+from triton_backend.models.request_converter import RequestError, check_output_len, scalar
 from triton_backend.models.triton_io import (error_response, limit_compute_threads, make_response,
                                               read_inputs)
-from triton_backend.models.text_request import (check_max_tokens, encode_words, prompt_ids,
-                                                 text_list, text_value)
+from triton_backend.models.text_request import (encode_words, prompt_ids, text_list,
+                                                 text_value)
 from triton_backend.models.word_list import to_word_list
 
 INPUT_NAMES = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT",
@@ -25,7 +25,7 @@ def preprocess(inputs: dict, tokenizer, limits, add_special_tokens: bool) -> dic
     """Output tensors of one request (batch dimension 1)."""
     ids = prompt_ids(tokenizer, text_value(inputs, "QUERY", "text_input"), add_special_tokens,
                      limits, bool(scalar(inputs, "APPLY_CHAT_TEMPLATE") or False))
-    max_tokens = check_max_tokens(scalar(inputs, "REQUEST_OUTPUT_LEN"), len(ids), limits)
+    max_tokens = check_output_len(scalar(inputs, "REQUEST_OUTPUT_LEN"), len(ids), limits)
     stop = encode_words(tokenizer, text_list(inputs, "STOP_WORDS_DICT", "stop_words"),
                         "stop_words")
     bad = encode_words(tokenizer, text_list(inputs, "BAD_WORDS_DICT", "bad_words"), "bad_words")

@@ -18,7 +18,7 @@ from triton_backend.engine.numbers import is_int
 from triton_backend.engine.request import (MAX_TIMEOUT_MS, MAX_TOP_LOG_PROBS, PRIORITY_MAX,
                                            PRIORITY_MIN, Request)
 from triton_backend.engine.sampling_params import SamplingParams
-from triton_backend.engine.validation import check_word_limits
+from triton_backend.engine.validation import check_max_tokens, check_word_limits
 from triton_backend.models.word_list import from_word_list
 
 # SamplingParams field -> the tensorrt_llm input that carries it.
@@ -126,20 +126,15 @@ def _input_ids(inputs: Mapping[str, np.ndarray], vocab_size: int) -> list[int]:
     return ids
 
 
-def _check_lengths(num_input: int, max_tokens, limits: Limits) -> int:
-    if max_tokens is None:
-        raise RequestError("request_output_len (max_tokens) is required")
-    if max_tokens < 1:
-        raise RequestError(f"request_output_len (max_tokens) must be >= 1, got {max_tokens}")
-    if num_input > limits.max_input_len:
-        raise RequestError(f"input_ids: prompt has {num_input} tokens, over the engine's "
-                           f"max_input_len {limits.max_input_len}")
-    if num_input + max_tokens > limits.max_seq_len:
-        raise RequestError(
-            f"request_output_len (max_tokens) {max_tokens} + {num_input} prompt tokens exceeds "
-            f"the engine's max_seq_len {limits.max_seq_len} (at most "
-            f"{limits.max_seq_len - num_input} for this prompt)")
-    return int(max_tokens)
+def check_output_len(max_tokens, num_input: int, limits: Limits, field: str = "max_tokens") -> int:
+    """The engine's output-length rule (`validation.check_max_tokens`) on a request input (a
+    whole float read as an int), refused as a `RequestError`."""
+    try:
+        if max_tokens is not None and not isinstance(max_tokens, bool):
+            max_tokens = as_integer(max_tokens, field)
+        return check_max_tokens(max_tokens, num_input, limits, field)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _refuse_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
@@ -264,7 +259,11 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: Limits, vocab_size: 
         return ParsedRequest(request=None, stop=True)
     _refuse_unsupported(inputs)
     ids = _input_ids(inputs, vocab_size)
-    max_tokens = _check_lengths(len(ids), integer(inputs, "request_output_len"), limits)
+    if len(ids) > limits.max_input_len:
+        raise RequestError(f"input_ids: prompt has {len(ids)} tokens, over the engine's "
+                           f"max_input_len {limits.max_input_len}")
+    max_tokens = check_output_len(scalar(inputs, "request_output_len"), len(ids), limits,
+                                  "request_output_len (max_tokens)")
     end_id = integer(inputs, "end_id")
     words = {}
     for name in ("stop_words_list", "bad_words_list"):

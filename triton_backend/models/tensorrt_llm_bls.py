@@ -21,11 +21,11 @@ from transformers import AutoTokenizer
 from triton_backend.engine.config import EngineConfig
 from triton_backend.models.detokenizer import IncrementalDetokenizer, stop_strings_of
 from triton_backend.models.model_params import ModelParams
-from triton_backend.models.request_converter import RequestError, scalar
+from triton_backend.models.request_converter import RequestError, check_output_len, scalar
 from triton_backend.models.response_converter import (ERROR_AS_OUTPUT, ERROR_OUTPUT,
                                                       PERF_METRIC_OUTPUTS)
 from triton_backend.models.text_request import (LORA_ARRAY_INPUTS, PASSTHROUGH_INPUTS,
-                                                 check_max_tokens, encode_words, prompt_ids,
+                                                 encode_words, prompt_ids,
                                                  tensorrt_llm_inputs, text_list, text_value)
 from triton_backend.models.triton_io import (FINAL, limit_compute_threads, make_response,
                                               read_inputs, send_error, stop_request)
@@ -185,7 +185,7 @@ class BlsModel:
         ids = prompt_ids(self.tokenizer, text_value(inputs, "text_input", "text_input"),
                          self.add_special_tokens, self.limits,
                          bool(scalar(inputs, "apply_chat_template") or False))
-        max_tokens = check_max_tokens(scalar(inputs, "max_tokens"), len(ids), self.limits)
+        max_tokens = check_output_len(scalar(inputs, "max_tokens"), len(ids), self.limits)
         stop = encode_words(self.tokenizer, text_list(inputs, "stop_words", "stop_words"),
                             "stop_words")
         bad = encode_words(self.tokenizer, text_list(inputs, "bad_words", "bad_words"),

@@ -12,7 +12,7 @@ import numpy as np
 
 from triton_backend.engine.config import Limits
 from triton_backend.engine.validation import MAX_WORDS, MAX_WORDS_TOKENS
-from triton_backend.models.request_converter import RequestError, as_integer, scalar
+from triton_backend.models.request_converter import RequestError, scalar
 from triton_backend.models.word_list import to_word_list
 
 # No tokenizer this project serves has a token longer than this many characters, so a prompt
@@ -132,24 +132,12 @@ def prompt_ids(tokenizer: TextTokenizer, text: str, add_special_tokens: bool,
     return ids
 
 
-def check_max_tokens(max_tokens, num_input: int, limits: Limits) -> int:
-    """`max_tokens` must be >= 1 and fit in max_seq_len together with the prompt."""
-    if max_tokens is None:
-        raise RequestError("max_tokens is required")
-    max_tokens = as_integer(max_tokens, "max_tokens")
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
-    if num_input + max_tokens > limits.max_seq_len:
-        raise RequestError(f"max_tokens {max_tokens} + {num_input} prompt tokens exceeds the "
-                           f"engine's max_seq_len {limits.max_seq_len} (at most "
-                           f"{limits.max_seq_len - num_input} for this prompt)")
-    return int(max_tokens)
-
-
-def tensorrt_llm_inputs(inputs: Mapping[str, np.ndarray], ids: list[int], max_tokens: int,
+def tensorrt_llm_inputs(inputs: Mapping[str, object], ids: list[int], max_tokens: int,
                         stop_words: list[list[int]], bad_words: list[list[int]],
                         streaming: bool) -> dict[str, np.ndarray]:
-    """The `tensorrt_llm` model's inputs for one BLS request (batch dimension 1)."""
+    """The `tensorrt_llm` model's inputs for one request (batch dimension 1). `inputs`: the
+    BLS's input arrays, or plain values by the same names (the OpenAI endpoint's direct path);
+    only the names of `PASSTHROUGH_INPUTS` and `LORA_ARRAY_INPUTS` are read."""
     tensors = {
         "input_ids": np.asarray([ids], dtype=np.int32),
         "input_lengths": np.asarray([[len(ids)]], dtype=np.int32),

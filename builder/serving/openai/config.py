@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.repository_target import repository_parameters
+from builder.repository.target import repository_parameters
 from triton_backend.engine.config import EngineConfig, Limits
 
 # tensorrt_llm: token ids, tokenized and detokenized by the endpoint (direct.py); the fewest

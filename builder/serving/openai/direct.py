@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from builder.client import text_inputs
 from triton_backend.engine.config import Limits
 from triton_backend.models.detokenizer import IncrementalDetokenizer, stop_strings_of
-from triton_backend.models.request_converter import RequestError
-from triton_backend.models.text_request import (check_max_tokens, encode_words, prompt_ids,
+from triton_backend.models.request_converter import RequestError, check_output_len
+from triton_backend.models.text_request import (encode_words, prompt_ids,
                                                 tensorrt_llm_inputs)
 
 # What the endpoint reads of each `tensorrt_llm` response (log probs only when asked for).
@@ -44,16 +43,15 @@ class DirectRequest:
 
 
 def direct_request(codec: TextCodec, values: dict[str, object]) -> DirectRequest:
-    """The `tensorrt_llm` request for ensemble-named `values`; raises `RequestError` with the
-    message the ensemble would give for the same input."""
+    """The `tensorrt_llm` request for `values` (plain values by the names the BLS reads), built
+    as the BLS builds its inner request; raises `RequestError` with the message the ensemble
+    would give for the same input."""
     tokenizer = codec.tokenizer
     ids = prompt_ids(tokenizer, str(values["text_input"]), codec.add_special_tokens, codec.limits)
-    max_tokens = check_max_tokens(values.get("max_tokens"), len(ids), codec.limits)
+    max_tokens = check_output_len(values.get("max_tokens"), len(ids), codec.limits)
     stop = encode_words(tokenizer, list(values.get("stop_words") or []), "stop_words")
-    inputs = text_inputs(**{name: value for name, value in values.items()
-                            if name not in ("text_input", "stop_words", "stream", "top_log_probs")})
     # Always streamed inside: chunks are where a client that went away is noticed.
-    tensors = tensorrt_llm_inputs(inputs, ids, max_tokens, stop, [], streaming=True)
+    tensors = tensorrt_llm_inputs(values, ids, max_tokens, stop, [], streaming=True)
     if values.get("top_log_probs"):  # the tensorrt_llm model's own input (not the ensemble's)
         tensors["top_log_probs"] = np.asarray([[values["top_log_probs"]]], dtype=np.int32)
     stop_strings = stop_strings_of(tokenizer, stop, codec.skip_special_tokens)

@@ -31,7 +31,7 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None  # the engine's output-length rule checks it, at the hop
     temperature: float | None = Field(None, ge=0.0, le=2.0, **FiniteFloat)
     top_p: float | None = Field(None, gt=0.0, le=1.0, **FiniteFloat)
     n: int | None = None
@@ -77,7 +77,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tool_choice: Any = None
@@ -86,7 +86,7 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` replaces the deprecated `max_tokens` when both are sent."""
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
 def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:

@@ -115,7 +115,8 @@ class OpenAIService:
     def completion(self, request: CompletionRequest) -> Generation:
         prompt = check_completion(request)  # first: a field's text may not even be text
         task_id = self._check_model(request)
-        max_tokens = request.max_tokens or mapping.COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = (mapping.COMPLETIONS_DEFAULT_MAX_TOKENS if request.max_tokens is None
+                      else request.max_tokens)
         log_probs = request.logprobs is not None
         guide = request_guide(request)
         values = mapping.ensemble_values(request, prompt, max_tokens, log_probs, guide, task_id)
@@ -128,7 +129,8 @@ class OpenAIService:
         task_id = self._check_model(request)
         guide = tools.guide if tools else request_guide(request)
         prompt = self.renderer.render(request.messages, tools.tools if tools else None)
-        max_tokens = request.requested_max_tokens or self._remaining_context(prompt)
+        max_tokens = request.requested_max_tokens
+        max_tokens = self._remaining_context(prompt) if max_tokens is None else max_tokens
         values = mapping.ensemble_values(request, prompt, max_tokens, request.logprobs, guide,
                                          task_id)
         top = request.top_logprobs or 0

@@ -22,7 +22,7 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
 from builder.client import text_inputs
-from builder.grpc_stream import infer_inputs
+from builder.client.grpc_stream import infer_inputs
 from builder.serving.openai.direct import (DIRECT_LOG_PROB_OUTPUTS, DIRECT_OUTPUTS,
                                            DIRECT_TOP_OUTPUTS, RequestError, TextCodec,
                                            direct_request)

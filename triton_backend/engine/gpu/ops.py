@@ -19,11 +19,13 @@ import torch
 
 from triton_backend.engine.attention import AttentionMetadata, _decode, prefill_attention
 from triton_backend.engine.gpu import fused
+from triton_backend.engine.gpu.moe import fused_moe, stacked_experts
 from triton_backend.engine.gpu.paged_attention import (launch_constants, paged_attention,
                                                        paged_attention_reference, variant_key)
 from triton_backend.engine.gpu.triton_support import available, interpreted
 from triton_backend.engine.gpu.variants import VARIANTS
 from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.moe import route
 from triton_backend.engine.ops import TorchOps
 
 KV_KINDS = {"auto": 0, "int8": 1, "fp8": 2}  # the fused cache write's formats
@@ -116,9 +118,19 @@ class GpuOps(TorchOps):
             return super().silu_mul(gate_up)
         return fused.silu_mul(gate_up.contiguous())
 
+    def sparse_moe(self, moe, x):
+        stacked = stacked_experts(moe) if self.use_kernel else None
+        if stacked is None:
+            return super().sparse_moe(moe, x)
+        weights, experts = route(moe.router(x), moe.top_k, moe.renormalise)
+        return fused_moe(x.contiguous(), *stacked, weights, experts, silu=moe.experts[0].silu)
+
     def attention(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rotary,
                   cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
-                  num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                  num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
+                  ) -> torch.Tensor:
+        if window is not None:  # refused at load (model_runner): never reached by a step
+            raise ValueError("the GPU backend does not attend sliding windows")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
         kv_kind = KV_KINDS[getattr(cache, "kv_dtype", "auto")]

@@ -70,7 +70,7 @@ def _warm_steps(model, kv_cache, num_sms: int, max_seq_len: int, pad_slot: int,
         for rows in [1, *query_buckets(shape.num_attention_heads, shape.num_key_value_heads,
                                        shape.head_dim, 1)]:
             run = PrefillRun(0, rows, ints([list(range(rows))]), ints([0]), ints([0, rows]), 1,
-                             keys_as_computed=True)
+                             keys_as_computed=True, max_seq_len=rows)
             steps.append((rows, AttentionMetadata(slot_mapping=slots(rows), prefill_runs=[run])))
     return steps
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from triton_backend.engine import models
+from triton_backend.engine import families
 from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.kernels.linear import PackedBf16Linear
 from triton_backend.engine.kv_cache import PagedKVCache
@@ -57,8 +57,12 @@ class DecodeForward:
         # The step in one parallel region of the C++ side where its projections allow (packed
         # INT4 or bf16 tiles, no LoRA rows); False: op by op (the same values, for tests).
         self.single_region = True
-        # The C++ side computes the Llama layer and nothing else: a family must declare it.
-        self.supported = models.get(shape.architecture).fused_decode and self._gather(model, dtype)
+        # The C++ side computes the Llama layer and nothing else (global attention, one dense
+        # SiLU MLP, the default scale): a family must declare it, and its shape must be one.
+        llama_layers = (shape.sliding_window is None and not shape.num_experts
+                        and shape.hidden_act == "silu" and shape.attention_scale is None)
+        self.supported = (families.get(shape.architecture).fused_decode and llama_layers
+                          and self._gather(model, dtype))
 
     def _gather(self, model: nn.Module, dtype: torch.dtype) -> bool:
         for layer in model.transformer.layers:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from triton_backend.engine.config import EngineConfig, LoraAdapterInfo
-from triton_backend.engine.lora.layout import check_runtime_state, fuse, parse_key
+from triton_backend.engine.lora.layout import Projections, check_runtime_state, fuse, parse_key
 from triton_backend.engine.lora.nvidia import contributions_from_nvidia
 from triton_backend.engine.progress import Progress
 
@@ -68,12 +68,13 @@ class ResidentAdapter:
 
 class AdapterCache:
     def __init__(self, engine_dir: str | Path, config: EngineConfig, dtype: torch.dtype,
-                 progress: Progress | None = None) -> None:
-        """`progress`: the engine's progress count (a new one if None)."""
+                 lora_parts: list, progress: Progress | None = None) -> None:
+        """`lora_parts`: the projections the engine's model family lets adapters touch (its
+        `lora_parts()`); `progress`: the engine's progress count (a new one if None)."""
         if config.lora is None:
             raise ValueError("lora: the engine was built without a lora section")
         self.engine_dir = Path(engine_dir)
-        self.shape = config.model
+        self.shape, self.projections = config.model, Projections.of(lora_parts)
         self.limits = config.lora
         self.dtype = dtype
         self.storage_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
@@ -136,10 +137,10 @@ class AdapterCache:
             raise ValueError(f"lora_task_id {task_id}: other weights are cached under this id "
                              f"and in use by requests in flight")
         started = time.perf_counter()
-        contributions = contributions_from_nvidia(weights, config, self.shape,
+        contributions = contributions_from_nvidia(weights, config, self.shape, self.projections,
                                                   self.limits.max_rank, task_id)
         self.progress.tick()
-        state = fuse(contributions, self.shape, self.storage_dtype)
+        state = fuse(contributions, self.shape, self.projections, self.storage_dtype)
         self.progress.tick()
         self.stats["lora_load_seconds"] += time.perf_counter() - started
         self._drop(task_id)
@@ -151,7 +152,8 @@ class AdapterCache:
         started = time.perf_counter()
         state = load_file(str(self.engine_dir / info.file))
         self.progress.tick()
-        check_runtime_state(f"lora.adapters.{info.name}", state, self.shape)
+        check_runtime_state(f"lora.adapters.{info.name}", state, self.shape,
+                            self.projections)
         self.stats["lora_load_seconds"] += time.perf_counter() - started
         return HostAdapter(info.task_id, info.name, state, info.sha256, True)
 
@@ -199,7 +201,7 @@ class AdapterCache:
             self.progress.tick()
             if key.endswith(".lora_a"):
                 a, b = state[key], state[f"{key[:-len('.lora_a')]}.lora_b"]
-                slot = parse_key(key, self.shape)
+                slot = parse_key(key, self.projections)
                 pairs[slot] = (a.float().t().contiguous(), b.float().t().contiguous())
                 if a.dtype == torch.bfloat16:
                     stored[slot] = (a.t().contiguous(), b.t().contiguous())

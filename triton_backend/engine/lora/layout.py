@@ -8,17 +8,17 @@ owns (rows of a part the adapter leaves alone stay zero). The scaling (alpha / r
 B. Keys: `transformer.layers.{i}.{attention.qkv|attention.dense|mlp.gate_up|mlp.proj}.lora_a`
 ([R, in]) and `.lora_b` ([out, R]).
 
-Both sources, a PEFT checkpoint (`builder/lora.py`) and NVIDIA's `lora_weights`/`lora_config`
-request tensors (`nvidia.py`), are turned into `Contribution`s and go through `fuse`.
+Both sources, a PEFT checkpoint (`builder/pipeline/lora.py`) and NVIDIA's `lora_weights`/
+`lora_config` request tensors (`nvidia.py`), are turned into `Contribution`s and go through
+`fuse`. Which projections exist is the model family's (`Projections.of(family.lora_parts())`),
+handed in by whoever holds the family: nothing here looks a family up.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from triton_backend.engine import models
 from triton_backend.engine.config import ModelShape
 
 
@@ -31,17 +31,15 @@ class Projections:
     hf_parent: dict[str, str]               # q_proj -> self_attn
     runtime_prefix: dict[str, str]          # qkv -> attention.qkv
 
+    @classmethod
+    def of(cls, parts: list[tuple[str, str, str, int]]) -> "Projections":
+        """From a family's `lora_parts()`: (HF parent, HF projection, runtime name, part index)."""
+        return cls({name: (runtime.split(".")[1], index) for _, name, runtime, index in parts},
+                   {name: parent for parent, name, _, _ in parts},
+                   {runtime.split(".")[1]: runtime for _, _, runtime, _ in parts})
+
     def hf_module_name(self, layer: int, module: str) -> str:
         return f"model.layers.{layer}.{self.hf_parent[module]}.{module}"
-
-
-@functools.cache
-def projections(architecture: str) -> Projections:
-    """The LoRA projections of the family an engine config's `model.architecture` names."""
-    parts = models.get(architecture).lora_parts()
-    return Projections({name: (runtime.split(".")[1], index) for _, name, runtime, index in parts},
-                       {name: parent for parent, name, _, _ in parts},
-                       {runtime.split(".")[1]: runtime for _, _, runtime, _ in parts})
 
 
 class AdapterError(ValueError):
@@ -68,9 +66,9 @@ def runtime_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
             "proj": (shape.intermediate_size, shape.hidden_size)}
 
 
-def hf_part(shape: ModelShape, module: str) -> tuple[str, int, int, int]:
+def hf_part(shape: ModelShape, names: Projections, module: str) -> tuple[str, int, int, int]:
     """(runtime projection, in_features, first output row, output rows) of an HF projection."""
-    runtime, part = projections(shape.architecture).hf_modules[module]
+    runtime, part = names.hf_modules[module]
     in_features = runtime_dims(shape)[runtime][0]
     sizes = {"qkv": [shape.q_size, shape.kv_size, shape.kv_size],
              "dense": [shape.hidden_size],
@@ -104,7 +102,7 @@ def check_pair(where: str, a: torch.Tensor, b: torch.Tensor, in_features: int, o
     return rank
 
 
-def fuse(contributions: list[Contribution], shape: ModelShape,
+def fuse(contributions: list[Contribution], shape: ModelShape, names: Projections,
          dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The runtime state dict of an adapter (see the module docstring), in `dtype`."""
     grouped: dict[tuple[int, str], list[Contribution]] = {}
@@ -114,7 +112,7 @@ def fuse(contributions: list[Contribution], shape: ModelShape,
                                f"{shape.num_hidden_layers} layers (an adapter for another base "
                                f"model?)")
         grouped.setdefault((c.layer, c.module), []).append(c)
-    dims, prefix = runtime_dims(shape), projections(shape.architecture).runtime_prefix
+    dims, prefix = runtime_dims(shape), names.runtime_prefix
     state: dict[str, torch.Tensor] = {}
     for (layer, module), parts in sorted(grouped.items()):
         in_features, out_features = dims[module]
@@ -132,22 +130,22 @@ def fuse(contributions: list[Contribution], shape: ModelShape,
     return state
 
 
-def parse_key(key: str, shape: ModelShape) -> tuple[int, str]:
+def parse_key(key: str, names: Projections) -> tuple[int, str]:
     """(layer, runtime projection) of a runtime-layout key's prefix."""
     parts = key.split(".")
-    prefix = projections(shape.architecture).runtime_prefix
-    module = {v: k for k, v in prefix.items()}[".".join(parts[3:5])]
+    module = {v: k for k, v in names.runtime_prefix.items()}[".".join(parts[3:5])]
     return int(parts[2]), module
 
 
-def check_runtime_state(where: str, state: dict[str, torch.Tensor], shape: ModelShape) -> None:
+def check_runtime_state(where: str, state: dict[str, torch.Tensor], shape: ModelShape,
+                        names: Projections) -> None:
     """A runtime-layout state dict (read back from the engine directory) fits `shape`."""
     dims = runtime_dims(shape)
     for key, tensor in state.items():
         if not key.endswith((".lora_a", ".lora_b")):
             raise AdapterError(f"{where}: unexpected key {key!r}")
         try:
-            layer, module = parse_key(key, shape)
+            layer, module = parse_key(key, names)
         except (KeyError, ValueError, IndexError):
             raise AdapterError(f"{where}: unexpected key {key!r}") from None
         if layer >= shape.num_hidden_layers:
@@ -161,14 +159,14 @@ def check_runtime_state(where: str, state: dict[str, torch.Tensor], shape: Model
 
 
 def hf_contribution(where: str, layer: int, module: str, a: torch.Tensor, b: torch.Tensor,
-                    shape: ModelShape, max_rank: int) -> Contribution:
+                    shape: ModelShape, names: Projections, max_rank: int) -> Contribution:
     """Check the pair (A [r, in], B [out, r], scaling folded in) on HF projection `module` of
     `layer` against the base and place it in the fused projection."""
-    supported = projections(shape.architecture).hf_modules
+    supported = names.hf_modules
     if module not in supported:
         raise AdapterError(f"{where}: LoRA on {module!r} is not supported (supported: "
                            f"{sorted(supported)})")
-    runtime, in_features, row_offset, rows = hf_part(shape, module)
+    runtime, in_features, row_offset, rows = hf_part(shape, names, module)
     if not 0 <= layer < shape.num_hidden_layers:
         raise AdapterError(f"{where}: layer {layer} does not exist, the base model has "
                            f"{shape.num_hidden_layers} layers (an adapter for another base model?)")

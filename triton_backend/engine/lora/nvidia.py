@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from triton_backend.engine.config import ModelShape
-from triton_backend.engine.lora.layout import (AdapterError, Contribution, check_pair,
-                                               hf_contribution, hf_part, runtime_dims)
+from triton_backend.engine.lora.layout import (AdapterError, Contribution, Projections,
+                                               check_pair, hf_contribution, hf_part, runtime_dims)
 
 MODULE_IDS = {"attn_qkv": 0, "attn_q": 1, "attn_k": 2, "attn_v": 3, "attn_dense": 4,
               "mlp_h_to_4h": 5, "mlp_4h_to_h": 6, "mlp_gate": 7}
@@ -35,7 +35,7 @@ def _squeeze_batch(name: str, array: np.ndarray, dims: int) -> np.ndarray:
 
 
 def contributions_from_nvidia(weights: np.ndarray, config: np.ndarray, shape: ModelShape,
-                              max_rank: int, task_id: int) -> list[Contribution]:
+                              names: Projections, max_rank: int, task_id: int) -> list[Contribution]:
     """Parse and check NVIDIA's tensors against the base model."""
     weights = _squeeze_batch("lora_weights", np.asarray(weights), 2)
     config = _squeeze_batch("lora_config", np.asarray(config), 2)
@@ -56,7 +56,7 @@ def contributions_from_nvidia(weights: np.ndarray, config: np.ndarray, shape: Mo
         if name == "attn_qkv":
             in_features, out_features = runtime_dims(shape)["qkv"]
         else:
-            _, in_features, _, out_features = hf_part(shape, NVIDIA_TO_HF[name])
+            _, in_features, _, out_features = hf_part(shape, names, NVIDIA_TO_HF[name])
         size = rank * (in_features + out_features)
         if row.numel() < size:
             raise AdapterError(f"{where}: lora_weights row has {row.numel()} values, module "
@@ -72,7 +72,7 @@ def contributions_from_nvidia(weights: np.ndarray, config: np.ndarray, shape: Mo
             out.append(Contribution(layer, "qkv", 0, a, b, where))
         else:
             out.append(hf_contribution(where, int(layer), NVIDIA_TO_HF[name], a, b, shape,
-                                       max_rank))
+                                       names, max_rank))
     return out
 
 

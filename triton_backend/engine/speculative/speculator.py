@@ -27,11 +27,9 @@ class Speculator:
             return
         decoding, room = [], {}
         for seq in running:
-            # Drafts beyond max_tokens - 1 could never be kept: the target adds one token itself.
-            left = seq.request.max_tokens - seq.num_generated_tokens - 1
-            if seq.num_computed_tokens == seq.num_tokens - 1 and left > 0:
+            if seq.num_computed_tokens == seq.num_tokens - 1 and seq.draft_room > 0:
                 decoding.append(seq)
-                room[seq.seq_id] = min(left, self.config.num_draft_tokens)
+                room[seq.seq_id] = min(seq.draft_room, self.config.num_draft_tokens)
             else:
                 seq.draft_token_ids = []
         if decoding:

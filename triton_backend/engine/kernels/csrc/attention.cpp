@@ -261,9 +261,10 @@ template <typename T>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start,
-                          const Geometry& g, float k_scale, float v_scale, at::Tensor& out) {
-  step::AttentionPlan plan =
-      step::plan_attention(g, block_tables, seq_lens, query_start, at::get_num_threads());
+                          const Geometry& g, float k_scale, float v_scale, int64_t window,
+                          at::Tensor& out) {
+  step::AttentionPlan plan = step::plan_attention(g, block_tables, seq_lens, query_start,
+                                                  at::get_num_threads(), window);
   const T* qp = q.data_ptr<T>();
   step::with_cache_type<T>(k_cache, v_cache, [&](auto* tag) {
     using C = std::remove_pointer_t<decltype(tag)>;
@@ -286,7 +287,7 @@ namespace step {
 
 AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start,
-                             int64_t threads) {
+                             int64_t threads, int64_t window) {
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous() && query_start.is_contiguous(),
@@ -304,6 +305,10 @@ AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
   // run). Which heads share an item changes no head's arithmetic.
   const int64_t Hkv = g.num_kv_heads, psize = g.partial_size();
   std::vector<int64_t> num_keys_of(starts[num_seqs]);
+  // A local layer's row reads keys [first_key, num_keys): the window ends at the row itself.
+  auto first_key = [window](int64_t num_keys) {
+    return window > 0 ? std::max<int64_t>(0, num_keys - window) : 0;
+  };
   int64_t pairs = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     for (int64_t row = starts[b]; row < starts[b + 1]; ++row) {
@@ -311,17 +316,18 @@ AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
       TORCH_CHECK(num_keys >= 1 && num_keys <= g.max_blocks * g.tokens_per_block,
                   "a row sees ", num_keys, " keys, outside its block table");
       num_keys_of[row] = num_keys;
-      pairs += (num_keys + kPart - 1) / kPart;
+      pairs += (num_keys - first_key(num_keys) + kPart - 1) / kPart;
     }
   }
   const bool all_heads = pairs >= 4 * std::max<int64_t>(1, threads);
   int64_t base = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     for (int64_t row = starts[b]; row < starts[b + 1]; ++row) {
-      const int64_t num_keys = num_keys_of[row], P = (num_keys + kPart - 1) / kPart;
+      const int64_t num_keys = num_keys_of[row], key0 = first_key(num_keys);
+      const int64_t P = (num_keys - key0 + kPart - 1) / kPart;
       for (int64_t h = 0; h < Hkv; ++h) plan.first.push_back(base + h * P);
       for (int64_t p = 0; p < P; ++p) {
-        const int64_t kb = p * kPart, ke = std::min(kb + kPart, num_keys);
+        const int64_t kb = key0 + p * kPart, ke = std::min(kb + kPart, num_keys);
         if (all_heads) {
           plan.items.push_back({row, 0, Hkv, kb, ke, b, base + p, P * psize});
         } else {
@@ -375,7 +381,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
                            int64_t tokens_per_block, double scale, double k_scale,
-                           double v_scale) {
+                           double v_scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the cache must be contiguous [slots, Hkv, D]");
@@ -386,10 +392,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kBFloat16)
     paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, query_start,
-                                       g, k_scale, v_scale, out);
+                                       g, k_scale, v_scale, window, out);
   else
     paged_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, query_start, g,
-                                k_scale, v_scale, out);
+                                k_scale, v_scale, window, out);
   return out;
 }
 

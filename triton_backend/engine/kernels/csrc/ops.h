@@ -69,7 +69,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,
                            int64_t tokens_per_block, double scale, double k_scale = 1.0,
-                           double v_scale = 1.0);
+                           double v_scale = 1.0, int64_t window = 0);
 // The same contract for chunks of many query rows, blocked like a GEMM (prefill_attention.cpp),
 // written into `out` (q's shape).
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,

@@ -25,7 +25,7 @@ TORCH_LIBRARY(llm_forge, m) {
         &llm_forge::rope_write_cache);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start, int tokens_per_block, float scale, "
-        "float k_scale=1.0, float v_scale=1.0) -> Tensor",
+        "float k_scale=1.0, float v_scale=1.0, int window=0) -> Tensor",
         &llm_forge::paged_attention);
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start, int tokens_per_block, "

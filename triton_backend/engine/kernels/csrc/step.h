@@ -101,10 +101,11 @@ struct AttentionPlan {
   int64_t groups() const { return static_cast<int64_t>(first.size()) - 1; }
 };
 // Checks the tables' dtypes and shapes, the head geometry and every row's key count against its
-// block table (TORCH_CHECK).
+// block table (TORCH_CHECK). `window` > 0: each row attends only its last `window` keys (a
+// local attention layer).
 AttentionPlan plan_attention(const Geometry& g, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start,
-                             int64_t threads);
+                             int64_t threads, int64_t window = 0);
 // Item i of the plan over a cache of C (see with_cache_type); a one-byte cache's values are
 // stored / scale, its layer's k_scale and v_scale (1 for a cache in the activations' dtype).
 template <typename T, typename C>

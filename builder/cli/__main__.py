@@ -1,0 +1,3 @@
+from builder.cli import main
+
+main()

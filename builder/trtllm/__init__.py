@@ -1,0 +1,2 @@
+"""The trtllm target: TensorRT-LLM checkpoint per rank, `trtllm-build` (`build`) and LoRA
+(`lora`), assembled by `engine`."""

@@ -1,0 +1,48 @@
+"""Qwen3 (dense): the Llama layout plus an RMSNorm over each head of q and of k before the rotary
+embedding (QK-norm), and no QKV bias.
+
+Runtime names of the two norms follow TensorRT-LLM's Qwen3 checkpoint:
+`transformer.layers.{i}.attention.q_layernorm.weight` / `.k_layernorm.weight` ([head_dim]).
+The C++ one-call decode path does not compute QK-norm, so decode steps take the Python model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.layers import RMSNorm
+from triton_backend.engine.lora.batch import LoRABatch
+from triton_backend.engine.model import Attention
+from triton_backend.engine.families.llama import LlamaFamily, Weight
+from triton_backend.engine.ops import TorchOps
+
+
+class QKNormAttention(Attention):
+    def __init__(self, config: EngineConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        shape = config.model
+        self.q_layernorm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+        self.k_layernorm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+
+    def project_qkv(self, x: torch.Tensor, ops: TorchOps, lora: LoRABatch | None) -> torch.Tensor:
+        qkv = super().project_qkv(x, ops, lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_layernorm(q.reshape(-1, self.head_dim), ops).reshape(q.shape)
+        k = self.k_layernorm(k.reshape(-1, self.head_dim), ops).reshape(k.shape)
+        return torch.cat((q, k, v), dim=-1)
+
+
+class Qwen3Family(LlamaFamily):
+    layer_weights = LlamaFamily.layer_weights + (
+        Weight("attention.q_layernorm", ("self_attn.q_norm",)),
+        Weight("attention.k_layernorm", ("self_attn.k_norm",)),
+    )
+    fused_decode = False
+
+    def attention_class(self) -> type[nn.Module]:
+        return QKNormAttention
+
+
+QWEN3 = Qwen3Family("qwen3", ("qwen3",), example=dict(num_key_value_heads=2))
+FAMILIES = (QWEN3,)
