@@ -11,6 +11,7 @@ same counts beside measured seconds) confirms or falsifies it.
 from __future__ import annotations
 
 from builder.gpu_check import models, parity
+from builder.gpu_check.plan import GPU_TARGETS, Settings, shape_runs
 
 H100_SMS = 132
 CPU_SMS = 4  # what the GPU backend assumes off CUDA (gpu/ops.py)
@@ -39,7 +40,6 @@ def capture_sizes(settings) -> list[int]:
 
 
 def _variants(settings) -> set[tuple]:
-    from builder.gpu_check.run import shape_runs
     from triton_backend.engine.gpu.warmup import planned_variant_names
 
     sms = H100_SMS if settings.device == "cuda" else CPU_SMS
@@ -62,7 +62,6 @@ def plan_counts(settings) -> dict[str, int]:
     """What a run of `settings` counts: one build and one load per shape run (a GPU's float32
     companion included) and the FP8 engine, the check's capture sizes per load, the kernel
     variants of its runs, the reference runs (speed runs also time `generate`)."""
-    from builder.gpu_check.run import shape_runs
 
     runs = shape_runs(settings)
     engines = len(runs) + (1 if settings.fp8 else 0)
@@ -77,11 +76,9 @@ def plan_counts(settings) -> dict[str, int]:
 def cold_gpu_run(settings, totals: dict) -> dict:
     """Seconds per term and in all for the GPU plan (`Settings.for_device("cuda")` with this
     run's fp8 / serve choices); `counts_match`: this run's totals are its own plan's counts."""
-    from builder.gpu_check.run import GPU_TARGETS, Settings
 
     plan = Settings.for_device("cuda", settings.work)
     plan.fp8, plan.serve = settings.fp8, settings.serve
-    from builder.gpu_check.run import shape_runs
 
     counts = plan_counts(plan)
     runs = shape_runs(plan)

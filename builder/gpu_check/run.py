@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -25,37 +24,10 @@ import torch
 from builder.gpu_check import estimate, models, shape_checks, speed
 from builder.gpu_check.fused_ops import check_fused_ops
 from builder.gpu_check.ledger import Ledger, count
+from builder.gpu_check.plan import (GPU_TARGETS, MIN_FP8_SPEEDUP, MIN_RATIO_TO_TRANSFORMERS,
+                                    Settings, shape_runs)
 from triton_backend.engine.gpu.graphs import CAPTURE_SIZES_ENV
 from triton_backend.engine.gpu.variants import VARIANTS
-
-# The issue's targets for the 1.07B shape on an H100-class GPU (output tok/s, in-process).
-GPU_TARGETS = {1: 450.0, 16: 5000.0, 64: 15000.0}
-MIN_RATIO_TO_TRANSFORMERS = 5.0
-MIN_FP8_SPEEDUP = 1.3
-
-
-@dataclass
-class Settings:
-    device: str
-    work: Path
-    concurrencies: list[int]
-    prompt_len: int
-    new_tokens: int
-    shapes: tuple[models.Shape, ...]
-    fp8: bool = True
-    serve: bool = True
-    tokenizer: Path | None = None  # a saved SmolLM2 tokenizer; None: the demo package's
-    read_rate: float = 0.0  # bytes/s, measured at the start
-    # The whole run's budget: on a GPU well past the estimate (5 minutes) yet inside the window
-    # a device is lent for; None on a CPU, where CI's own timeout stands.
-    budget_s: float | None = None
-
-    @classmethod
-    def for_device(cls, device: str, work: Path) -> "Settings":
-        if device == "cuda":
-            return cls(device, work, [1, 16, 64], 128, 128, models.GPU_SHAPES, budget_s=420.0)
-        return cls(device, work, [1, 4], 32, 12, models.CPU_SHAPES)
-
 
 @dataclass
 class Report:
@@ -165,18 +137,6 @@ def run_checks(settings: Settings, say: Callable[[str], None],
                    lambda: check_served(largest.need("engine_dir"), settings, report, say,
                                         ledger.remaining))
     return report
-
-
-def shape_runs(settings: Settings) -> list[shape_checks.ShapeRun]:
-    """Each shape in the engine's dtype (bf16 on a GPU: the close rule, float32 on a CPU: the
-    exact one), and on a GPU the smaller shape once more in float32 for the exact rule."""
-    gpu = settings.device == "cuda"
-    runs = [shape_checks.ShapeRun(shape, "bfloat16" if gpu else "float32")
-            for shape in settings.shapes]
-    if gpu:
-        runs.append(shape_checks.ShapeRun(settings.shapes[0], "float32", measure_speed=False,
-                                          companion=True))
-    return runs
 
 
 def _shape(run: shape_checks.ShapeRun, settings: Settings, report: Report, ledger: Ledger) -> None:
