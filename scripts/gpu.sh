@@ -33,6 +33,11 @@ PYVER="${GPU_PYTHON_VERSION:-3.12}"
 VENV_PY="${VENV:-.venv}/bin/python"
 NEEDED=(llguidance gguf nvidia-modelopt omegaconf pulp pydantic pydantic-core annotated-types
         typing-inspection typing-extensions)
+# A host without the project's own dependencies (a bare CUDA torch) takes them too, e.g.
+# GPU_WHEELS_EXTRA="transformers tokenizers safetensors huggingface-hub accelerate click rich
+# markdown-it-py mdurl pygments": pinned like the rest, counted against the same 64 MiB.
+read -r -a EXTRA <<< "${GPU_WHEELS_EXTRA:-}"
+NEEDED+=("${EXTRA[@]}")
 CARRY_MIB=64  # what one device call carries
 
 case "${1:-}" in
