@@ -30,7 +30,6 @@ VARIANTS = {"fp32": ("float32", "none", "none"), "bf16": ("bfloat16", "none", "n
             "bf16+kv_fp8": ("bfloat16", "none", "fp8"), "bf16+kv_int8": ("bfloat16", "none", "int8"),
             "int4_awq+kv_fp8": ("bfloat16", "int4_awq", "fp8"),
             "int4_zp": ("bfloat16", "int4_rtn", "none")}  # int4_rtn with `zero_point: true`
-DEFAULT_VARIANTS = "fp32,bf16,int4_awq,int4_rtn,fp8,bf16+kv_fp8"
 
 
 @dataclass(frozen=True)

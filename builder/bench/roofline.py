@@ -27,13 +27,15 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 7) -> float:
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every projection (with its quantization scales),
-    the norms and the LM head. The embedding table counts only when it is the LM head (tied);
-    a lookup reads one row. Tables of rotary angles read one row per token and are left out.
+    the norms and the LM head. The embedding table counts only when it is the LM head (tied, and
+    no head of its own, such as a packed or int8 one, replaced it); a lookup reads one row. Tables of rotary angles read one row per token and are left out.
     A mixture of experts reads `num_experts_per_tok` of its experts a token: their share of the
     experts' bytes counts (the active parameters' roofline, the one a c=1 decode is held to)."""
     from triton_backend.engine.moe import SparseMoE
 
-    tied = getattr(model, "tie_word_embeddings", False)
+    # The embedding table is the LM head only while no LM head of its own replaced it (an int8
+    # head quantized at load leaves the table for lookups alone).
+    tied = getattr(model, "tie_word_embeddings", False) and getattr(model, "lm_head", None) is None
     active = {f"{name}.experts.": module.top_k / len(module.experts)
               for name, module in model.named_modules() if isinstance(module, SparseMoE)}
     total = 0.0

@@ -1,5 +1,4 @@
-"""`forge`: the command line. Each command lives in its own module; this file only gathers them
-(`python -m builder.cli` runs it, `__main__.py`).
+"""`forge`: the command line. Each command lives in its own module; this file only gathers them.
 
 Exit codes: 0 ok, 1 internal error, 2 bad input (the message names the field and the limit),
 3 quality gate failed, 4 `forge engine --check` found the engine out of date.
@@ -26,14 +25,8 @@ def main() -> None:
     """llm-forge: build an LLM engine and a Triton model repository from one spec, then serve it."""
 
 
-main.add_command(engine_command)
-main.add_command(generate_command)
-main.add_command(bench_command)
-main.add_command(check_command)
-main.add_command(repository_command)
-main.add_command(serve_command)
-main.add_command(query_command)
-main.add_command(drain_command)
-main.add_command(deploy_command)
-main.add_command(gpu_check_command)
+for command in (engine_command, generate_command, bench_command, check_command,
+                repository_command, serve_command, query_command, drain_command, deploy_command,
+                gpu_check_command):
+    main.add_command(command)
 

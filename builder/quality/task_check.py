@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from builder.pipeline.progress import Eta
+from triton_backend.models.text_request import chat_prompt_ids
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,6 @@ def answered(reply: str, item: TaskItem) -> bool:
     flags = 0 if item.exact_case else re.IGNORECASE
     return any(re.search(rf"(?<![\w]){re.escape(answer)}(?![\w])", reply, flags)
                for answer in item.answers)
-
-
-def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                        add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in transformers 5
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
 
 
 def _reply(tokenizer, token_ids: list[int], eos_ids: frozenset[int]) -> str:

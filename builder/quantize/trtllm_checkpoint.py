@@ -26,7 +26,6 @@ CONFIG_FILE = "config.json"
 RANK0_FILE = "rank0.safetensors"
 CHECKPOINT_DIR = "trtllm_checkpoint"
 
-QUANT_ALGOS = {"int4_awq": "W4A16_AWQ", "int4_rtn": "W4A16_AWQ", "fp8": "FP8", "none": None}
 KV_CACHE_QUANT_ALGOS = {"fp8": "FP8", "int8": "INT8", "none": None}
 
 

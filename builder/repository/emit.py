@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from builder.pipeline.install import swap_in
-from builder.repository import device as repository_device
-from builder.repository import trtllm as repository_trtllm
+from builder.repository import device as repository_device, trtllm as repository_trtllm
 from builder.repository.options import RepositoryOptions
 from builder.repository.template import render
 from triton_backend.engine.config import EngineConfig

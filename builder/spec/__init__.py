@@ -1,2 +1,1 @@
-"""What to build: the build spec (`build_spec`: `BuildSpec` and its sections, each field checked on
-its own), the deployment section, the hardware profiles and the torch target on a GPU."""
+"""What to build: the build spec, its checks across sections, the hardware profiles."""

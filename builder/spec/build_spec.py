@@ -1,10 +1,6 @@
-"""The build spec as plain data: `BuildSpec` and its sections, each field checked on its own.
-
-Bad values raise `SpecError` (a ValueError) naming the key, e.g.
-`limits.max_batch_size: must be an integer >= 1, got 0`. What one section means for another
-(a target on a hardware, a quantization the quantizer takes) is `checks.py`'s; reading the YAML
-is `load.py`'s.
-"""
+"""The build spec as plain data: `BuildSpec` and its sections, each field checked on its own
+(`SpecError` naming the key, e.g. `limits.max_batch_size: must be an integer >= 1, got 0`).
+Checks across sections are `checks.py`'s, reading the YAML `load.py`'s."""
 from __future__ import annotations
 
 import re
@@ -12,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from builder.pipeline.lora import LoraSpec
 from builder.spec.deployment import DeploymentSpec
 from builder.spec.hardware import PROFILES
-from builder.pipeline.lora import LoraSpec
 from triton_backend.engine.config import DTYPES, KVCacheConfig, Limits, SpeculativeConfig
 from triton_backend.engine.numbers import is_int, is_number
 
@@ -26,6 +22,12 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
 
 class SpecError(ValueError):
     """A build spec problem; the message names the key."""
+
+
+def section_error(key: str, exc: Exception) -> SpecError:
+    """`exc`'s message as a SpecError naming the section `key` (unless it names it already)."""
+    message = str(exc)
+    return SpecError(message if message.startswith((f"{key}.", f"{key}:")) else f"{key}: {message}")
 
 
 def parse_bytes(key: str, value: Any) -> int:
@@ -164,6 +166,7 @@ class BuildSpec:
             raise SpecError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.hardware not in HARDWARE_PROFILES:
             raise SpecError(f"hardware: must be one of {list(HARDWARE_PROFILES)}, got {self.hardware!r}")
+
     @property
     def output_dir(self) -> Path:
         return Path(self.output) if self.output else Path("engines") / self.name

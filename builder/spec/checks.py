@@ -1,18 +1,16 @@
-"""What one section of a build spec means for another, checked once the sections are read:
-the quantization the quantizer and the gate take, the repository options, the target on its
-hardware (the trtllm target's GPU, the torch target on the CPU or a GPU: `torch_gpu.py`), the
-adapters and the deployment. Every error is a `SpecError` naming the key."""
+"""What one section of a build spec means for another, checked once the sections are read (the
+quantizer's and the gate's options, the repository's, the target on its hardware, adapters,
+deployment). Every error is a `SpecError` naming the key."""
 from __future__ import annotations
 
 from builder.spec import torch_gpu
-from builder.spec.build_spec import BuildSpec, QuantizationSpec, SpecError
+from builder.spec.build_spec import BuildSpec, QuantizationSpec, SpecError, section_error
 from builder.spec.hardware import ANY_GPU, FP8_PROFILES, GPU_PROFILES, PROFILES
 
 TRTLLM_DTYPES = ("bfloat16", "float16")  # TensorRT-LLM's GEMM/attention plugins run in 16 bits
 
 
 def check_spec(spec: BuildSpec) -> None:
-    """Every check across sections, in the order a reader meets the sections."""
     check_quantization(spec.quantization)
     check_repository(spec.repository, spec.target)
     if spec.lora is not None and spec.target == "naive":
@@ -38,9 +36,7 @@ def check_quantization(section: QuantizationSpec) -> None:
         QuantizeOptions.from_spec(section)
         QualityThresholds.from_spec(section.quality)
     except (TypeError, ValueError) as exc:
-        message = str(exc)
-        raise SpecError(message if message.startswith("quantization")
-                        else f"quantization: {message}") from None
+        raise section_error("quantization", exc) from None
 
 
 def check_repository(raw: object, target: str) -> None:
@@ -51,9 +47,7 @@ def check_repository(raw: object, target: str) -> None:
     try:
         RepositoryOptions.from_dict(raw)
     except (TypeError, ValueError) as exc:
-        message = str(exc)
-        raise SpecError(message if message.startswith("repository") else f"repository: {message}") \
-            from None
+        raise section_error("repository", exc) from None
     if raw.get("tensorrt_llm_backend") == "tensorrtllm" and target != "trtllm":
         raise SpecError("repository.tensorrt_llm_backend: 'tensorrtllm' (NVIDIA's C++ backend) "
                         f"serves trtllm engines only; target is {target!r}")
@@ -90,15 +84,14 @@ def _check_trtllm(spec: BuildSpec) -> None:
     if spec.speculative.enabled:
         raise SpecError(f"speculative.mode: {spec.speculative.mode!r} runs on the torch target; "
                         f"TensorRT-LLM's speculative decoding is not wired up (use mode: none)")
-    quantization = spec.quantization
-    if quantization.zero_point:
+    if spec.quantization.zero_point:
         raise SpecError("quantization.zero_point: the trtllm target's INT4 (W4A16_AWQ) is "
                         "symmetric; zero-point INT4 runs on the torch target")
-    if quantization.lm_head != "none":
-        raise SpecError(f"quantization.lm_head: {quantization.lm_head!r} runs on the "
+    if spec.quantization.lm_head != "none":
+        raise SpecError(f"quantization.lm_head: {spec.quantization.lm_head!r} runs on the "
                         f"torch target's CPU kernels; use none for trtllm")
     profile = PROFILES[spec.hardware]
     for key in ("weights", "kv_cache"):
-        if getattr(quantization, key) == "fp8" and not profile.fp8:
+        if getattr(spec.quantization, key) == "fp8" and not profile.fp8:
             raise SpecError(f"quantization.{key}: fp8 needs FP8 tensor cores (SM >= 89: "
                             f"{', '.join(FP8_PROFILES)}); {spec.hardware} is SM {profile.sm}")

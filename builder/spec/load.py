@@ -1,6 +1,5 @@
-"""Reading a build spec: YAML -> sections -> `BuildSpec` -> the checks across sections.
-
-Unknown keys and bad values raise `SpecError` naming the key."""
+"""Reading a build spec: YAML -> sections -> `BuildSpec` -> the checks across sections
+(`checks.py`). Unknown keys and bad values raise `SpecError` naming the key."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +11,7 @@ import yaml
 
 from builder.pipeline.lora import LoraSpec
 from builder.spec.build_spec import (BuildSpec, ParallelismSpec, QuantizationSpec, ServingSpec,
-                                     SpecError, parse_bytes)
+                                     SpecError, parse_bytes, section_error)
 from builder.spec.checks import check_spec
 from builder.spec.deployment import DeploymentSpec, check_keys
 from triton_backend.engine.config import KVCacheConfig, Limits, SpeculativeConfig
@@ -34,9 +33,7 @@ def _build_section(key: str, klass: type, raw: Any) -> Any:
     except SpecError:
         raise
     except (TypeError, ValueError) as exc:
-        message = str(exc)
-        raise SpecError(message if message.startswith(f"{key}.") or message.startswith(f"{key}:")
-                        else f"{key}: {message}") from None
+        raise section_error(key, exc) from None
 
 
 def spec_from_dict(data: dict, source: Path | None = None) -> BuildSpec:

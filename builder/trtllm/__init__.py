@@ -1,2 +1,1 @@
-"""The trtllm target: TensorRT-LLM checkpoint per rank, `trtllm-build` (`build`) and LoRA
-(`lora`), assembled by `engine`."""
+"""The trtllm target: TensorRT-LLM checkpoint per rank, `trtllm-build`, LoRA."""

@@ -80,7 +80,9 @@ def test_zero_point_engines_decode_through_the_fast_path_with_the_python_models_
         pytest.skip("the C++ kernels did not build")
     engine_dir = zero_point_engine[0]
     qkv = LLMEngine(engine_dir).runner.model.transformer.layers[0].attention.qkv
-    assert qkv.kernel == "cpu_int4pack"  # the kernel with zeros, whatever this machine's plan
+    # Both CPU kernels take the zeros (ours folds them into its packed offsets); which one runs
+    # is this machine's measured INT4 plan, and under load the measurement can go either way.
+    assert qkv.kernel in ("cpp_int4", "cpu_int4pack")
     with_fast, without, steps = _fast_and_python_ids(engine_dir)
     assert steps > 10 and with_fast == without
 

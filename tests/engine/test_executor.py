@@ -155,9 +155,7 @@ def test_requests_admitted_while_a_gpu_step_runs_are_served(tiny_engines):
 
 
 def test_a_request_is_validated_once_on_its_way_into_the_engine(tiny_engines, monkeypatch):
-    """Once per hop: the executor checks at enqueue and its loop admits without checking again;
-    a request its caller checked already (the engine process client, `validated=True`) is
-    prepared only."""
+    """Once per hop: the executor checks at enqueue and its loop admits without checking again."""
     from triton_backend.engine import llm_engine
 
     calls, check = [], llm_engine.validate_request
@@ -165,9 +163,7 @@ def test_a_request_is_validated_once_on_its_way_into_the_engine(tiny_engines, mo
     ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128),
                          isolation="thread")
     try:
-        assert collect(ex, ex.enqueue_request(Request([5, 6, 7], 3, ignore_eos=True)))[-1].error is None
-        assert len(calls) == 1
-        rid = ex.enqueue_request(Request([5, 6, 7], 3, ignore_eos=True), validated=True)
-        assert collect(ex, rid)[-1].num_output_tokens == 3 and len(calls) == 1
+        final = collect(ex, ex.enqueue_request(Request([5, 6, 7], 3, ignore_eos=True)))[-1]
+        assert final.error is None and final.num_output_tokens == 3 and len(calls) == 1
     finally:
         ex.shutdown()

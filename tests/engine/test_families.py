@@ -13,7 +13,8 @@ from triton_backend.engine import families
 
 
 def test_every_family_is_found_by_its_name_and_its_model_types():
-    assert families.architectures() == ["llama", "mistral", "qwen2", "qwen3"]
+    assert families.architectures() == ["gemma3", "llama", "mistral", "mixtral", "qwen2", "qwen3",
+                                        "qwen3_moe"]
     for name in families.architectures():
         family = families.get(name)
         assert all(families.for_model_type(t) is family for t in family.model_types)
@@ -21,10 +22,12 @@ def test_every_family_is_found_by_its_name_and_its_model_types():
 
 def test_an_unknown_family_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"checkpoint: model_type 'gpt2' is not supported "
-                                         r"\(supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]\)"):
+                                         r"\(supported: \['gemma3', 'gemma3_text', 'llama', "
+                                         r"'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]\)"):
         families.for_model_type("gpt2")
-    with pytest.raises(ValueError, match=r"model.architecture must be one of \['llama', 'mistral', "
-                                         r"'qwen2', 'qwen3'\], got 'gpt2'"):
+    with pytest.raises(ValueError, match=r"model.architecture must be one of \['gemma3', 'llama', "
+                                         r"'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\], "
+                                         r"got 'gpt2'"):
         families.get("gpt2")
 
 
@@ -77,3 +80,45 @@ def test_a_missing_weight_is_named(tmp_path):
     with pytest.raises(ValueError, match="checkpoint: weight 'model.layers.1.mlp.up_proj.weight' "
                                          "is missing"):
         convert_state_dict(load_file(str(hf_dir / "model.safetensors")), shape, torch.float32)
+
+
+def test_a_multimodal_gemma3_checkpoint_is_read_as_its_text_model(tmp_path):
+    """`gemma3` (Gemma3ForConditionalGeneration): text_config and the language model's weights,
+    the vision tower left out; its text-only logits are the engine's."""
+    import transformers
+
+    from triton_backend.engine.offline import prefill_logits
+
+    tokenizer = tiny.make_tokenizer(tmp_path / "hf")
+    text = {**families.get("gemma3").example, "vocab_size": len(tokenizer), "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16,
+            "max_position_embeddings": 256}
+    config = transformers.Gemma3Config(
+        text_config=text, mm_tokens_per_image=4,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for name, p in model.named_parameters():
+        if "language_model" in name:
+            torch.nn.init.normal_(p, mean=0.0, std=0.3 if "norm" in name else 0.15)
+    model.save_pretrained(str(tmp_path / "hf"))
+    assert read_hf_config(tmp_path / "hf")["model_type"] == "gemma3"
+    engine = _build(tmp_path)
+    ids = list(range(5, 60))
+    with torch.inference_mode():
+        theirs = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(engine, ids), theirs, atol=1e-3, rtol=0)
+
+
+def _build(tmp_path):
+    from rich.console import Console
+
+    from builder.pipeline.engine_builder import build_engine
+    from builder.spec.load import spec_from_dict
+
+    return build_engine(spec_from_dict({
+        "name": "gemma3-multimodal", "checkpoint": str(tmp_path / "hf"), "dtype": "float32",
+        "output": str(tmp_path / "engine"), "kv_cache": {"tokens_per_block": 8, "num_blocks": 64},
+        "limits": {"max_batch_size": 4, "max_num_tokens": 128, "max_input_len": 100,
+                   "max_seq_len": 200}}), console=Console(quiet=True), emit_repository=False)

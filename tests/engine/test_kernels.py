@@ -65,6 +65,30 @@ def test_silu_mul_matches_torch(dtype):
     _close(CppOps().silu_mul(gate_up), TorchOps().silu_mul(gate_up), dtype, exact_bf16=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_in_place_matches_the_split_norms(dtype):
+    """QK-norm over the fused projection in place: every q and k head normed, v untouched."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim = 4, 2, 40
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q_weight, k_weight = torch.randn(head_dim).to(dtype), torch.randn(head_dim).to(dtype)
+    theirs = TorchOps().qk_norm(qkv.clone(), q_weight, k_weight, heads, kv_heads, 1e-6)
+    ours = CppOps().qk_norm(qkv.clone(), q_weight, k_weight, heads, kv_heads, 1e-6)
+    _close(ours, theirs, dtype, exact_bf16=True)  # rounded where torch rounds, as rms_norm
+    assert torch.equal(ours[:, -kv_heads * head_dim:], qkv[:, -kv_heads * head_dim:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_matches_torch(dtype):
+    """Gemma's gate: GELU's tanh form, as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)); large
+    negative and positive gates included (no overflow to NaN)."""
+    gate_up = (torch.randn(5, 2 * 67) * 4).to(dtype)  # odd width: the scalar tail runs too
+    gate_up[0, :3] = torch.tensor([-80.0, 80.0, 0.0])
+    ours, theirs = CppOps().gelu_tanh_mul(gate_up), TorchOps().gelu_tanh_mul(gate_up)
+    assert bool(torch.isfinite(ours).all())
+    _close(ours, theirs, dtype, exact_bf16=False)
+
+
 def _layouts():
     """Every packed layout, the ones this CPU cannot run marked skipped (named, not hidden)."""
     if not load_cpu_kernels():

@@ -85,16 +85,13 @@ class Executor(LoopMailbox):
             threading.Thread(target=self.run_loop, name="llm-forge-executor", daemon=True).start()
 
     # -- client verbs -------------------------------------------------------------------------
-    def enqueue_request(self, request: Request, request_id: int | None = None, *,
-                        validated: bool = False) -> int:
+    def enqueue_request(self, request: Request, request_id: int | None = None) -> int:
         """Validate and queue `request`; returns its id. Raises ValueError naming the bad field,
         ServerBusy (a RuntimeError) when the admission limits are reached.
 
         `request_id` lets a caller that numbers requests itself (the engine process client)
-        choose the id; it must not be in use. `validated`: that caller checked the request
-        against this engine already (a request is checked once per hop), so it is only
-        prepared here."""
-        (self.engine.prepare if validated else self.engine.validate)(request)
+        choose the id; it must not be in use. Checked here once: the loop admits it as it is."""
+        self.engine.validate(request)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError(f"executor is shut down{self._down_reason}")

@@ -121,14 +121,10 @@ class LLMEngine:
                          min_prefill_rows=AUTO_MIN_PREFILL_ROWS)
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming the field and the limit when `request` cannot be served;
-        then `prepare` it."""
+        """Raise ValueError naming the field and the limit when `request` cannot be served.
+        A guided request's grammar is compiled here (once per distinct guide), so that the step
+        loop, which `admit`s it, finds it compiled."""
         self._check(request)
-        self.prepare(request)
-
-    def prepare(self, request: Request) -> None:
-        """Compile a guided request's grammar (once per distinct guide), so that the step loop,
-        which `admit`s it, finds it compiled. ValueError naming the guide when it is bad."""
         if request.guided_decoding is not None:
             self.grammars.compile(request.guided_decoding)
 

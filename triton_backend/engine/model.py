@@ -55,6 +55,15 @@ class Attention(nn.Module):
         return out if lora is None else lora.apply(self.layer, "dense", o, out)
 
 
+def first_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, ops: TorchOps
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's first norm: (normed input, residual stream), the previous block's output `x`
+    added into the stream first (the first block's input is the stream itself)."""
+    if residual is None:
+        return norm(x, ops), x
+    return norm(x, ops, residual)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden state so each RMSNorm can
     take the residual add with it (one fused op instead of add + norm)."""
@@ -72,10 +81,7 @@ class DecoderLayer(nn.Module):
                 rotary: RotaryEmbedding, cache: PagedKVCache, meta: AttentionMetadata,
                 ops: TorchOps, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream without it); the next norm adds them."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x, ops)
-        else:
-            h, residual = self.input_layernorm(x, ops, residual)
+        h, residual = first_norm(self.input_layernorm, x, residual, ops)
         h = self.attention(h, positions, rotary, cache, meta, ops, lora)
         h, residual = self.post_layernorm(h, ops, residual)
         return self.mlp(h, ops, lora), residual

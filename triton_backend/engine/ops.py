@@ -58,6 +58,16 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def qk_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+        """RMSNorm over each query and key head of the fused projection [T, q + 2 kv]."""
+        head_dim = q_weight.numel()
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                             num_kv_heads * head_dim], dim=-1)
+        q = self.rms_norm(q.reshape(-1, head_dim), q_weight, eps).reshape(q.shape)
+        k = self.rms_norm(k.reshape(-1, head_dim), k_weight, eps).reshape(k.shape)
+        return torch.cat((q, k, v), dim=-1)
+
     def sparse_moe(self, moe, x: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts MLP (`moe.SparseMoE`) over the step's rows."""
         return moe.grouped(x, self)
@@ -111,6 +121,14 @@ class CppOps(TorchOps):
 
     def silu_mul(self, gate_up):
         return self._ops.silu_mul(gate_up.contiguous())
+
+    def gelu_tanh_mul(self, gate_up):
+        return self._ops.gelu_tanh_mul(gate_up.contiguous())
+
+    def qk_norm(self, qkv, q_weight, k_weight, num_heads, num_kv_heads, eps):
+        qkv = qkv.contiguous()  # normed in place: the projection's own output
+        self._ops.qk_norm_(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+        return qkv
 
     def attention(self, layer, qkv, positions, rotary, cache, meta, num_heads, num_kv_heads,
                   head_dim, scale, window=None):

@@ -80,8 +80,7 @@ class Sequence:
 
     @property
     def draft_room(self) -> int:
-        """How many draft tokens a step could still keep: the target adds one token itself, so
-        drafts beyond max_tokens - 1 generated tokens never are."""
+        """Draft tokens a step could still keep (the target adds one token of its own)."""
         return self.request.max_tokens - self.num_generated_tokens - 1
 
     @property

@@ -12,12 +12,11 @@ MAX_WORDS = 256          # entries in one request's stop_words (or bad_words)
 MAX_WORDS_TOKENS = 1024  # tokens over all entries of one list
 
 
-def check_max_tokens(max_tokens: object, num_input: int, limits: Limits,
+def check_max_tokens(max_tokens: int | None, num_input: int, limits: Limits,
                      field: str = "max_tokens") -> int:
     """The output-length rule, its one home: an integer >= 1 that fits in max_seq_len with the
-    prompt's `num_input` tokens. Each hop a request crosses (the OpenAI endpoint,
-    preprocessing, the BLS, the tensorrt_llm model, an executor) checks it here once; the
-    ValueError names `field` as that hop's caller knows it."""
+    prompt's `num_input` tokens. Every hop a request crosses (the OpenAI endpoint, preprocessing,
+    the BLS, the tensorrt_llm model, an executor) checks it here once, naming `field`."""
     if max_tokens is None:
         raise ValueError(f"{field} is required")
     if not is_int(max_tokens):

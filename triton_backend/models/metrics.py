@@ -68,7 +68,6 @@ HISTOGRAMS = {
     "nv_llm_output_token_len": ("Generated tokens per request", TOKEN_BUCKETS),
 }
 OUTCOMES = ("completed", "cancelled", "error", "rejected", "timeout", "invalid")
-BUSY_MARKER = "server busy"                 # admission.ServerBusy's messages start with it
 DEADLINE_MARKER = "exceeded its deadline"   # llm_engine.deadline_error
 LORA_REQUEST_METRIC = "nv_trt_llm_lora_request_metrics"  # registered by LoRA engines only
 LORA_INFO_METRIC = "vllm:lora_requests_info"               # registered by LoRA engines only

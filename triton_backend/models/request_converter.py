@@ -127,8 +127,7 @@ def _input_ids(inputs: Mapping[str, np.ndarray], vocab_size: int) -> list[int]:
 
 
 def check_output_len(max_tokens, num_input: int, limits: Limits, field: str = "max_tokens") -> int:
-    """The engine's output-length rule (`validation.check_max_tokens`) on a request input (a
-    whole float read as an int), refused as a `RequestError`."""
+    """`validation.check_max_tokens` on an input (a whole float is an int), as a RequestError."""
     try:
         if max_tokens is not None and not isinstance(max_tokens, bool):
             max_tokens = as_integer(max_tokens, field)

@@ -28,7 +28,7 @@ from triton_backend.engine.families.qwen3 import QKNormAttention
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from triton_backend.engine.lora.batch import LoRABatch
-from triton_backend.engine.model import CausalLM
+from triton_backend.engine.model import CausalLM, first_norm
 from triton_backend.engine.ops import TorchOps
 
 # Where a multimodal checkpoint keeps the text model (transformers 5, then 4.x).
@@ -54,10 +54,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, cache: PagedKVCache, meta: AttentionMetadata,
                 ops: TorchOps, lora: LoRABatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x, ops)
-        else:
-            h, residual = self.input_layernorm(x, ops, residual)
+        h, residual = first_norm(self.input_layernorm, x, residual, ops)
         h = self.post_layernorm(self.attention(h, positions, rotary, cache, meta, ops, lora), ops)
         h, residual = self.pre_feedforward_layernorm(h, ops, residual)
         return self.post_feedforward_layernorm(self.mlp(h, ops, lora), ops), residual

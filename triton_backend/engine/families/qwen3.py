@@ -27,10 +27,8 @@ class QKNormAttention(Attention):
 
     def project_qkv(self, x: torch.Tensor, ops: TorchOps, lora: LoRABatch | None) -> torch.Tensor:
         qkv = super().project_qkv(x, ops, lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_layernorm(q.reshape(-1, self.head_dim), ops).reshape(q.shape)
-        k = self.k_layernorm(k.reshape(-1, self.head_dim), ops).reshape(k.shape)
-        return torch.cat((q, k, v), dim=-1)
+        return ops.qk_norm(qkv, self.q_layernorm.weight, self.k_layernorm.weight, self.num_heads,
+                           self.num_kv_heads, self.q_layernorm.eps)
 
 
 class Qwen3Family(LlamaFamily):

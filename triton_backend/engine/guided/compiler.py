@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from triton_backend.engine.guided.params import GUIDE_FIELD, GuidedDecodingParams
 
 DEFAULT_CACHE_SIZE = 128
@@ -167,8 +165,3 @@ def grammar_text(params: GuidedDecodingParams) -> str:
         raise
     except Exception as exc:  # the library's own message, under our field name
         raise GuideError(f"{GUIDE_FIELD}: invalid {kind}: {exc}") from None
-
-
-def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """bool [vocab_size] from one int32 bitmask row (bit i of word w is token 32 w + i)."""
-    return np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)

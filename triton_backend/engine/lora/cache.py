@@ -39,8 +39,6 @@ from triton_backend.engine.lora.layout import Projections, check_runtime_state, 
 from triton_backend.engine.lora.nvidia import contributions_from_nvidia
 from triton_backend.engine.progress import Progress
 
-MAX_TASK_ID = 2**64 - 1  # lora_task_id is a UINT64
-
 
 @dataclass
 class HostAdapter:
@@ -69,8 +67,7 @@ class ResidentAdapter:
 class AdapterCache:
     def __init__(self, engine_dir: str | Path, config: EngineConfig, dtype: torch.dtype,
                  lora_parts: list, progress: Progress | None = None) -> None:
-        """`lora_parts`: the projections the engine's model family lets adapters touch (its
-        `lora_parts()`); `progress`: the engine's progress count (a new one if None)."""
+        """`lora_parts`: the model family's; `progress`: the engine's count (a new one if None)."""
         if config.lora is None:
             raise ValueError("lora: the engine was built without a lora section")
         self.engine_dir = Path(engine_dir)

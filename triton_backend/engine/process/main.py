@@ -89,7 +89,7 @@ def _read_requests(channel: _Channel, executor) -> None:
             if kind == "enqueue":
                 _, request_id, request = message
                 try:
-                    executor.enqueue_request(request, request_id=request_id, validated=True)
+                    executor.enqueue_request(request, request_id=request_id)
                 except (ValueError, RuntimeError) as exc:  # checked by the client; still final
                     channel.send(("responses", [Response(request_id, [], True, FinishReason.ERROR,
                                                          error=str(exc))], executor.get_stats(),

@@ -1,5 +1,5 @@
-// Fused per-layer ops of the Llama-family decoder: RMSNorm (with the residual add folded in),
-// SiLU(gate) * up, and rotary embedding with the KV-cache write folded in.
+// Fused per-layer ops of the decoder: RMSNorm (with the residual add folded in), SiLU(gate) * up
+// and GELU-tanh(gate) * up, and rotary embedding with the KV-cache write folded in.
 //
 // Each replaces several torch ops (and their per-op dispatch cost) with one pass over the rows,
 // and rounds where the torch ops round (an intermediate stored as bf16 is rounded as bf16 here
@@ -28,6 +28,24 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, do
   });
 }
 
+// Each query and key head of each row normed in place (QK-norm: Qwen3, Gemma 3): no split of
+// q / k out of the fused projection, no copy back.
+template <typename T>
+void qk_norm_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, int64_t Hq,
+                  int64_t Hkv, double eps) {
+  const int64_t D = qw.size(0), rows = qkv.size(0), width = qkv.size(1), heads = Hq + Hkv;
+  T* p = qkv.data_ptr<T>();
+  const T* qwp = qw.data_ptr<T>();
+  const T* kwp = kw.data_ptr<T>();
+  at::parallel_for(0, rows * heads, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t r = i / heads, h = i % heads;
+      T* x = p + r * width + h * D;
+      layer_row::rms_norm(x, h < Hq ? qwp : kwp, x, D, (float)eps);
+    }
+  });
+}
+
 template <typename T>
 void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
                        at::Tensor& out, double eps) {
@@ -42,15 +60,19 @@ void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tens
   });
 }
 
-template <typename T>
-void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+template <typename T, bool Gelu>
+void gated_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t I = out.size(-1), rows = out.numel() / I;
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) layer_row::silu_mul(gp + r * 2 * I, op + r * I, I);
+    for (int64_t r = b; r < e; ++r) {
+      if constexpr (Gelu) layer_row::gelu_tanh_mul(gp + r * 2 * I, op + r * I, I);
+      else layer_row::silu_mul(gp + r * 2 * I, op + r * I, I);
+    }
   });
 }
+
 
 // Rotate q and k of each token in place (rotate-half form, as Llama) and write k and v into the
 // layer's cache at the token's slot (quantized with the layer's scales for a one-byte cache).
@@ -88,6 +110,18 @@ void check_rows(const at::Tensor& x, const char* name) {
               name, " must be bf16 or fp32");
 }
 
+template <bool Gelu>
+at::Tensor gated_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  auto sizes = gate_up.sizes().vec();
+  TORCH_CHECK(sizes.back() % 2 == 0, "gate_up must have an even last dimension");
+  sizes.back() /= 2;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) gated_mul_impl<at::BFloat16, Gelu>(gate_up, out);
+  else gated_mul_impl<float, Gelu>(gate_up, out);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -112,16 +146,24 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  auto sizes = gate_up.sizes().vec();
-  TORCH_CHECK(sizes.back() % 2 == 0, "gate_up must have an even last dimension");
-  sizes.back() /= 2;
-  at::Tensor out = at::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == at::kBFloat16) silu_mul_impl<at::BFloat16>(gate_up, out);
-  else silu_mul_impl<float>(gate_up, out);
-  return out;
+void qk_norm_(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+              int64_t num_q_heads, int64_t num_kv_heads, double eps) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && q_weight.is_contiguous() && k_weight.is_contiguous() &&
+                  q_weight.scalar_type() == qkv.scalar_type() &&
+                  k_weight.scalar_type() == qkv.scalar_type() &&
+                  q_weight.numel() == k_weight.numel() &&
+                  qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * q_weight.numel(),
+              "qk_norm_: qkv [T, (Hq + 2 Hkv) D] and weights [D] of its dtype");
+  if (qkv.scalar_type() == at::kBFloat16)
+    qk_norm_impl<at::BFloat16>(qkv, q_weight, k_weight, num_q_heads, num_kv_heads, eps);
+  else
+    qk_norm_impl<float>(qkv, q_weight, k_weight, num_q_heads, num_kv_heads, eps);
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return gated_mul<false>(gate_up); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return gated_mul<true>(gate_up); }
 
 void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,

@@ -102,6 +102,42 @@ void silu_mul(const T* g, T* o, int64_t I) {
   }
 }
 
+// out[0, I) = gelu_tanh(gate) * up for one row of gate_up (Gemma's gate): the tanh form of
+// GELU is x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), so it is SiLU's arithmetic with another
+// argument of the sigmoid (and no overflow: exp(-a) only ever grows to inf, giving 0).
+template <typename T>
+void gelu_tanh_mul(const T* g, T* o, int64_t I) {
+  const T* u = g + I;
+  constexpr float kScale = 2.f * 0.7978845608028654f, kCube = 0.044715f;
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, bf16>::value) {
+    for (; i + 16 <= I; i += 16) {
+      const __m512 x = load16(g + i);
+      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 a = _mm512_mul_ps(_mm512_set1_ps(kScale),
+                                     _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kCube), x3)));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
+      const __m512 s = widen16(round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                          round16(_mm512_mul_ps(s, load16(u + i))));
+    }
+  }
+#endif
+  for (; i + kLanes <= I; i += kLanes) {
+    vf x = load(g + i);
+    vf a = splat(kScale) * (x + splat(kCube) * x * x * x);
+    vf s = round_to<T>(x / (splat(1.f) + vexp(-a)));  // F.gelu rounds its output
+    store(o + i, s * load(u + i));
+  }
+  for (; i < I; ++i) {
+    float x = to_float(g[i]);
+    float a = kScale * (x + kCube * x * x * x);
+    float s = round_to<T>(x / (1.f + std::exp(-a)));
+    o[i] = static_cast<T>(s * to_float(u[i]));
+  }
+}
+
 // A cache element from a fp32 value, as quant/kv_cache.py's quantize_kv stores it: x / scale,
 // int8 rounded half to even and clamped to [-128, 127], FP8 e4m3 clamped to +-448 (torch's own
 // conversion), bit for bit.

@@ -65,6 +65,9 @@ void rope_write_cache(at::Tensor qkv, const at::Tensor& positions, const at::Ten
                       const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads,
                       at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                       double k_scale = 1.0, double v_scale = 1.0);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
+void qk_norm_(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+              int64_t num_q_heads, int64_t num_kv_heads, double eps);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start,

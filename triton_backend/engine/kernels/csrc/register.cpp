@@ -19,6 +19,9 @@ TORCH_LIBRARY(llm_forge, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &llm_forge::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &llm_forge::silu_mul);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &llm_forge::gelu_tanh_mul);
+  m.def("qk_norm_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_q_heads, "
+        "int num_kv_heads, float eps) -> ()", &llm_forge::qk_norm_);
   m.def("rope_write_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
         "int num_q_heads, int num_kv_heads, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> ()",
