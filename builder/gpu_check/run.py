@@ -1,48 +1,33 @@
 """`forge gpu-check`: prove the engine on a GPU (or, with `--device cpu`, run the same checks on
 small shapes here, the GPU backend's step on the CPU) and write one JSON, print one table.
 
-Per shape: a random-weight checkpoint and its engine (`forge engine`), parity with transformers
-on the same device (prefill logits; greedy ids of a batch with a prefix-cache hit, with the
-captured decode steps and without), the engine's output tok/s at each concurrency beside
-transformers' `generate` and the memory roofline; then FP8 weights against bf16 on the largest
-shape, and `forge serve` through the OpenAI endpoint where `tritonserver` imports. Checks with
-targets decide the exit code; on a CPU the speed targets are reported, not applied.
+Per shape (`shape_checks.py`): a random-weight checkpoint and its engine (`forge engine`),
+transformers' reference, our engine loaded once, parity with transformers on the same device
+(prefill logits; greedy ids of a batch with a prefix-cache hit, without the captured decode steps
+and with them), the engine's output tok/s at each concurrency beside transformers' `generate`
+and the memory roofline; then FP8 weights against bf16 on the largest shape, and `forge serve`
+through the OpenAI endpoint where `tritonserver` imports. Each is a check of the ledger
+(`ledger.py`: its own budget, its time and counts, the report written after it). Checks with
+targets decide the exit code, and so does a check that failed or ran out of time; on a CPU the
+speed targets are reported, not applied. `estimate.py` turns the counts into the cold GPU run's
+expected time.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from builder.gpu_check import models, parity, speed
-
-# The issue's targets for the 1.07B shape on an H100-class GPU (output tok/s, in-process).
-GPU_TARGETS = {1: 450.0, 16: 5000.0, 64: 15000.0}
-MIN_RATIO_TO_TRANSFORMERS = 5.0
-MIN_FP8_SPEEDUP = 1.3
-
-
-@dataclass
-class Settings:
-    device: str
-    work: Path
-    concurrencies: list[int]
-    prompt_len: int
-    new_tokens: int
-    shapes: tuple[models.Shape, ...]
-    fp8: bool = True
-    serve: bool = True
-
-    @classmethod
-    def for_device(cls, device: str, work: Path) -> "Settings":
-        if device == "cuda":
-            return cls(device, work, [1, 16, 64], 128, 128, models.GPU_SHAPES)
-        return cls(device, work, [1, 4], 32, 12, models.CPU_SHAPES)
-
+from builder.gpu_check import estimate, models, shape_checks, speed
+from builder.gpu_check.fused_ops import check_fused_ops
+from builder.gpu_check.ledger import Ledger, count
+from builder.gpu_check.plan import (GPU_TARGETS, MIN_FP8_SPEEDUP, MIN_RATIO_TO_TRANSFORMERS,
+                                    Settings, shape_runs)
+from triton_backend.engine.gpu.graphs import CAPTURE_SIZES_ENV
+from triton_backend.engine.gpu.variants import VARIANTS
 
 @dataclass
 class Report:
@@ -50,6 +35,8 @@ class Report:
     shapes: dict = field(default_factory=dict)
     checks: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    ledger: Ledger | None = None
+    _machine: dict | None = None
 
     def check(self, name: str, passed: bool, value, target: str, applied: bool = True) -> None:
         self.checks.append({"name": name, "passed": bool(passed), "value": value,
@@ -57,14 +44,23 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(c["passed"] for c in self.checks if c["applied"])
+        broken = self.ledger is not None and any(
+            r.status in ("failed", "timed out", "not run") for r in self.ledger.records)
+        return not broken and all(c["passed"] for c in self.checks if c["applied"])
 
     def to_dict(self) -> dict:
         s = self.settings
-        return {"device": s.device, "machine": machine(s.device), "work": str(s.work),
+        if self._machine is None:
+            self._machine = machine(s.device)
+        ledger = {}
+        if self.ledger is not None:
+            totals = self.ledger.totals()
+            ledger = {"ledger": self.ledger.to_list(), "totals": totals,
+                      "cold_gpu_estimate": estimate.cold_gpu_run(s, totals)}
+        return {"device": s.device, "machine": self._machine, "work": str(s.work),
                 "concurrencies": s.concurrencies, "prompt_len": s.prompt_len,
                 "new_tokens": s.new_tokens, "shapes": self.shapes, **self.extra,
-                "checks": self.checks, "passed": self.passed}
+                "checks": self.checks, **ledger, "passed": self.passed}
 
 
 def machine(device: str) -> dict:
@@ -82,131 +78,144 @@ def machine(device: str) -> dict:
     return info
 
 
-def run_checks(settings: Settings, say: Callable[[str], None]) -> Report:
+@dataclass(frozen=True)
+class Targets:
+    tok_s: dict[int, float]
+    min_ratio: float
+
+
+TARGETS = Targets(GPU_TARGETS, MIN_RATIO_TO_TRANSFORMERS)
+# Each check's budget in seconds, on a GPU (the planned cold run fits 5 minutes: estimate.py)
+# and on a CPU (the small shapes on 2 cores, the C++ kernels built already).
+BUDGETS = {"build": (60, 240), "transformers": (30, 120), "engine load": (30, 120),
+           "parity eager": (15, 120), "graph capture": (15, 60), "parity graphs": (15, 120),
+           "speed": (30, 120), "fused ops": (20, 30), "fp8 build and gate": (150, 300),
+           "fp8 speed": (30, 120), "served": (60, 300)}
+
+
+def _budget(settings: Settings, check: str) -> float:
+    return BUDGETS[check][0 if settings.device == "cuda" else 1]
+
+
+def run_checks(settings: Settings, say: Callable[[str], None],
+               write: Callable[[Report], None] = lambda report: None) -> Report:
+    """Every check in order through one ledger; `write(report)` after each."""
     if settings.device == "cpu":  # the GPU backend's step, its kernels' references
         os.environ["LLM_FORGE_KERNELS"] = "gpu"
+    else:  # float32 means float32: the exact rule's GEMMs without TF32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    # Capture only the batch sizes the checks run: the parity batch (3 rows, then 1) and each
+    # concurrency; serving captures many more.
+    os.environ.setdefault(CAPTURE_SIZES_ENV, ",".join(
+        str(c) for c in estimate.capture_sizes(settings)))
     report = Report(settings)
-    read_rate = speed.memory_read_rate(settings.device)
-    report.extra["memory_read_gb_s"] = read_rate / 1e9
-    say(f"memory read rate {read_rate / 1e9:.0f} GB/s")
-    engines = {}
-    for shape in settings.shapes:
-        engines[shape.name] = _check_shape(shape, settings, report, read_rate, say)
-    largest = settings.shapes[-1]
+    ledger = Ledger(lambda: write(report), say, total_s=settings.budget_s)
+    report.ledger = ledger
+    VARIANTS.hook_compiles()
+    settings.read_rate = speed.memory_read_rate(settings.device)
+    report.extra["memory_read_gb_s"] = settings.read_rate / 1e9
+    say(f"memory read rate {settings.read_rate / 1e9:.0f} GB/s")
+    if settings.tokenizer is None or not (settings.tokenizer / "tokenizer_config.json").is_file():
+        settings.tokenizer = models.save_tokenizer(settings.work / "tokenizer", settings.tokenizer)
+    for run in shape_runs(settings):
+        _shape(run, settings, report, ledger)
+        if not run.companion:
+            largest = run
+    ledger.run("fused ops", _budget(settings, "fused ops"),
+               lambda: check_fused_ops(largest.shape, settings, report))
     if settings.fp8:
-        _check_fp8(largest, engines[largest.name], settings, report, say)
+        fp8 = {}
+        ledger.run(f"{largest.shape.name}: fp8 build and gate", _budget(settings, "fp8 build and gate"),
+                   lambda: _fp8_build(largest, settings, report, ledger.remaining, fp8))
+        ledger.run(f"{largest.shape.name}: fp8 speed", _budget(settings, "fp8 speed"),
+                   lambda: _fp8_speed(largest, settings, report, fp8))
     if settings.serve:
         from builder.gpu_check.served import check_served
 
-        check_served(engines[largest.name], settings, report, say)
+        ledger.run("served", _budget(settings, "served"),
+                   lambda: check_served(largest.need("engine_dir"), settings, report, say,
+                                        ledger.remaining))
     return report
 
 
-def _check_shape(shape: models.Shape, settings: Settings, report: Report, read_rate: float,
-                 say: Callable[[str], None]) -> Path:
-    device, work = settings.device, settings.work
-    say(f"{shape.name}: checkpoint and engine ({shape.parameters / 1e9:.2f}B parameters)")
-    checkpoint = models.make_checkpoint(shape, work / "checkpoints" / shape.name)
-    engine_dir = models.build_engine(shape, checkpoint, work, device,
-                                     max_batch_size=max(settings.concurrencies))
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = parity.reference_model(checkpoint, dtype, device)
-    prompts = parity.parity_prompts(shape.vocab_size)
-    say(f"{shape.name}: parity with transformers")
-    expected = parity.reference_continuations(model, prompts, parity.PARITY_TOKENS)
-    prefill = parity.prefill_logits_diff(model, engine_dir, prompts[1], device)
-    say(f"{shape.name}: transformers generate at c={settings.concurrencies}")
-    reference = speed.transformers_throughput(model, settings.concurrencies, settings.prompt_len,
-                                              settings.new_tokens, shape.vocab_size, device)
-    del model
-    _free(device)
-    runs = {mode: parity.engine_continuations(engine_dir, prompts, parity.PARITY_TOKENS, device,
-                                              cuda_graphs=mode == "graphs")
-            for mode in ("graphs", "eager")}
-    say(f"{shape.name}: the engine at c={settings.concurrencies}")
-    ours = speed.engine_throughput(engine_dir, settings.concurrencies, settings.prompt_len,
-                                   settings.new_tokens, shape.vocab_size, device)
-    _free(device)
-    weights = speed.weight_bytes(engine_dir)
-    result = {"parameters": shape.parameters, "weight_bytes": weights,
-              "roofline_c1_tok_s": read_rate / weights, "prefill_logits": prefill,
-              "parity": {}, "speed": []}
-    for mode, run in runs.items():
-        match = parity.greedy_parity(expected, run["ids"])
-        result["parity"][mode] = {**match, **{k: v for k, v in run.items() if k != "ids"}}
-        report.check(f"{shape.name} greedy ids = transformers ({mode})", match["exact"],
-                     f"{match['matched_tokens']}/{match['total_tokens']}", "all")
-    report.check(f"{shape.name} prefix-cache hit in the parity batch",
-                 runs["graphs"]["prefix_hit_tokens"] >= parity.SHARED_PREFIX,
-                 runs["graphs"]["prefix_hit_tokens"], f">= {parity.SHARED_PREFIX} tokens")
-    report.check(f"{shape.name} prefill top-1 = transformers", prefill["top1_agreement"] == 1.0,
-                 round(prefill["top1_agreement"], 4), "1.0")
-    is_gpu = device == "cuda"
-    for row, ref in zip(ours, reference):
-        c = row["concurrency"]
-        ratio = row["tok_s"] / ref["tok_s"]
-        result["speed"].append({**row, "transformers_tok_s": ref["tok_s"], "ratio": ratio})
-        report.check(f"{shape.name} c={c} >= {MIN_RATIO_TO_TRANSFORMERS:g}x transformers",
-                     ratio >= MIN_RATIO_TO_TRANSFORMERS, round(ratio, 2),
-                     f">= {MIN_RATIO_TO_TRANSFORMERS:g}x", applied=is_gpu)
-        if shape is settings.shapes[-1] and c in GPU_TARGETS:
-            report.check(f"{shape.name} c={c} tok/s", row["tok_s"] >= GPU_TARGETS[c],
-                         round(row["tok_s"], 1), f">= {GPU_TARGETS[c]:g}", applied=is_gpu)
-    report.shapes[shape.name] = result
-    return engine_dir
+def _shape(run: shape_checks.ShapeRun, settings: Settings, report: Report, ledger: Ledger) -> None:
+    name = run.name
+    say = ledger.say
+    say(f"{name}: {run.shape.parameters / 1e9:.2f}B parameters, {run.dtype}")
+    steps = [("build", lambda: shape_checks.build(run, settings, ledger.remaining)),
+             ("transformers", lambda: shape_checks.reference(run, settings)),
+             ("engine load", lambda: shape_checks.load(run, settings)),
+             ("parity eager", lambda: shape_checks.parity_eager(run, report)),
+             ("graph capture", lambda: shape_checks.capture(run)),
+             ("parity graphs", lambda: shape_checks.parity_graphs(run, report)),
+             ("speed", lambda: shape_checks.throughput(run, settings, report, TARGETS))]
+    if not run.measure_speed:
+        steps.pop()
+    report.shapes[name] = run.result
+    for check, step in steps:
+        ledger.run(f"{name}: {check}", _budget(settings, check), step)
+    shape_checks.close(run, settings)
 
 
-def _check_fp8(shape: models.Shape, bf16_dir: Path, settings: Settings, report: Report,
-               say: Callable[[str], None]) -> None:
-    say(f"{shape.name}: FP8 weights (ModelOpt, the quality gate) against bf16")
+def _fp8_build(run: shape_checks.ShapeRun, settings: Settings, report: Report, remaining,
+               fp8: dict) -> None:
+    """The FP8 engine (ModelOpt) through the quality gate, as any quantized build. An engine
+    the gate rejects is kept and still measured. The gate is applied on a GPU; on a CPU's small
+    random shapes it is reported: there FP8's rounding is as large as the gaps between a random
+    model's top logits on real text, so its top-1 agreement says little about FP8 itself."""
+    shape = run.shape
     try:
-        fp8_dir = models.build_engine(shape, settings.work / "checkpoints" / shape.name,
-                                      settings.work, settings.device, weights="fp8",
-                                      max_batch_size=max(settings.concurrencies),
-                                      quick_gate=settings.device == "cpu")
+        fp8["engine_dir"] = models.build_engine(
+            shape, run.need("checkpoint"), settings.work, settings.device, weights="fp8",
+            max_batch_size=max(settings.concurrencies), quick_gate=settings.device == "cpu",
+            timeout=remaining())
+    except models.GateRejected as exc:
+        fp8["engine_dir"] = exc.kept
     except RuntimeError as exc:
         report.extra["fp8"] = {"error": str(exc)[-2000:]}
-        report.check(f"{shape.name} FP8 build and gate", False, "failed", "passes")
-        return
-    quality = json.loads((fp8_dir / "quality.json").read_text())
-    kernels = fp8_kernels(fp8_dir, settings.device)
-    c = max(settings.concurrencies)
-    runs = {}
-    for name, engine_dir in (("bf16", bf16_dir), ("fp8", fp8_dir)):
-        runs[name] = speed.engine_throughput(engine_dir, [c], settings.prompt_len,
-                                             settings.new_tokens, shape.vocab_size,
-                                             settings.device)[0]
-        _free(settings.device)
-    ratio = runs["fp8"]["tok_s"] / runs["bf16"]["tok_s"]
-    report.extra["fp8"] = {"concurrency": c, "bf16": runs["bf16"], "fp8": runs["fp8"],
-                           "speedup": ratio, "kernels": kernels, "quality": quality}
+        report.check(f"{shape.name} FP8 build", False, "failed", "an engine")
+        raise
+    report.check(f"{shape.name} FP8 build", True, fp8["engine_dir"].name, "an engine")
+    quality = json.loads((fp8["engine_dir"] / "quality.json").read_text())
+    report.extra["fp8"] = {"quality": quality, "engine": fp8["engine_dir"].name}
     report.check(f"{shape.name} FP8 gate", not quality.get("failures"),
-                 quality.get("failures") or "passed", "passes")
-    report.check(f"{shape.name} FP8 >= {MIN_FP8_SPEEDUP:g}x bf16 at c={c}",
+                 quality.get("failures") or "passed", "passes",
+                 applied=settings.device == "cuda")
+
+
+def _fp8_speed(run: shape_checks.ShapeRun, settings: Settings, report: Report, fp8: dict) -> None:
+    """FP8 against bf16 at the largest concurrency: bf16's figure is the shape's own speed."""
+    from triton_backend.engine.llm_engine import LLMEngine
+
+    if "engine_dir" not in fp8:
+        raise shape_checks.Skipped("needs the FP8 engine, which its build did not give")
+    c = max(settings.concurrencies)
+    bf16 = next((row for row in run.result["speed"] if row["concurrency"] == c), None)
+    if bf16 is None:
+        raise shape_checks.Skipped(f"needs the bf16 speed at c={c}, which its check did not give")
+    count("engine_loads")
+    engine = LLMEngine(fp8["engine_dir"], device=settings.device)
+    count("graph_captures", len(engine.runner.graphs.sizes) if engine.runner.graphs else 0)
+    kernels = fp8_kernels(engine.runner.model)
+    ours = speed.engine_throughput(engine, [c], settings.prompt_len, settings.new_tokens,
+                                   run.shape.vocab_size, settings.device)[0]
+    del engine
+    shape_checks.free(settings.device)
+    ratio = ours["tok_s"] / bf16["tok_s"]
+    report.extra.setdefault("fp8", {}).update(concurrency=c, bf16=bf16, fp8=ours, speedup=ratio,
+                                              kernels=kernels)
+    report.check(f"{run.shape.name} FP8 >= {MIN_FP8_SPEEDUP:g}x bf16 at c={c}",
                  ratio >= MIN_FP8_SPEEDUP, round(ratio, 2), f">= {MIN_FP8_SPEEDUP:g}x",
                  applied=settings.device == "cuda")
 
 
-def fp8_kernels(engine_dir: Path, device: str) -> dict[str, int]:
+def fp8_kernels(model) -> dict[str, int]:
     """How many FP8 projections run each kernel here: `scaled_mm` (FP8 tensor cores) or
     `dequant` (the weight widened per call, where FP8 GEMMs are not native)."""
-    from triton_backend.engine.config import EngineConfig
-    from triton_backend.engine.weights import load_model
-
-    model = load_model(engine_dir, EngineConfig.load(engine_dir), torch.device(device))
     counts: dict[str, int] = {}
     for module in model.modules():
         kernel = getattr(module, "kernel", None)
         if isinstance(kernel, str):
             counts[kernel] = counts.get(kernel, 0) + 1
-    del model
-    _free(device)
     return counts
-
-
-def _free(device: str) -> None:
-    import gc
-
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()

@@ -60,10 +60,11 @@ def _demo_request(port: int, model: str) -> dict:
         return json.loads(response.read())
 
 
-def _bench(port: int, concurrency: int, prompt_len: int, new_tokens: int, work: Path) -> float:
+def _bench(port: int, concurrency: int, prompt_len: int, new_tokens: int, work: Path,
+           timeout: float | None) -> float:
     """Output tok/s of `forge bench` (OpenAI completions, every request max_tokens long)."""
     workload = work / "served-workload.jsonl"
-    words = " ".join(f"w{i % 250}" for i in range(prompt_len))
+    words = " ".join(DEMO_QUESTION.split()[i % 6] for i in range(prompt_len))
     workload.write_text("".join(json.dumps({"prompt": words, "max_tokens": new_tokens}) + "\n"
                                 for _ in range(4 * concurrency)))
     out = work / "served-bench"
@@ -71,7 +72,10 @@ def _bench(port: int, concurrency: int, prompt_len: int, new_tokens: int, work: 
                "--protocol", "openai", "--workload", str(workload), "--concurrency",
                str(concurrency), "--requests", "3x", "--fixed-output", "--warmup", "2",
                "--out", str(out), "--no-plots"]
-    run = subprocess.run(command, capture_output=True, text=True)
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"forge bench did not finish in the check's {timeout:.0f} s") from None
     if run.returncode != 0:
         raise RuntimeError(f"forge bench exited {run.returncode}:\n{run.stdout[-2000:]}"
                            f"{run.stderr[-2000:]}")
@@ -79,7 +83,9 @@ def _bench(port: int, concurrency: int, prompt_len: int, new_tokens: int, work: 
     return float(result["targets"][0]["levels"][0]["output_tokens_per_s"])
 
 
-def check_served(engine_dir: Path, settings, report, say: Callable[[str], None]) -> None:
+def check_served(engine_dir: Path, settings, report, say: Callable[[str], None],
+                 remaining: Callable[[], float | None] = lambda: None) -> None:
+    """`remaining`: seconds left to the check, which bound the waits for the server and bench."""
     if not tritonserver_available():
         report.extra["served"] = {"skipped": "no tritonserver on PATH and no nvidia-pytriton"}
         say("served: skipped (no tritonserver here)")
@@ -90,9 +96,10 @@ def check_served(engine_dir: Path, settings, report, say: Callable[[str], None])
     say(f"served: forge serve {repository.name}, the OpenAI demo request, forge bench c={c}")
     server = _start(repository, port, log)
     try:
-        _wait_ready(server, log)
+        _wait_ready(server, log, remaining() or 600.0)
         answer = _demo_request(port, engine_dir.name)
-        served = _bench(port, c, settings.prompt_len, settings.new_tokens, settings.work)
+        served = _bench(port, c, settings.prompt_len, settings.new_tokens, settings.work,
+                        remaining())
     except (RuntimeError, OSError, KeyError, ValueError) as exc:
         report.extra["served"] = {"error": str(exc)[-2000:]}
         report.check("served: forge serve answers", False, "failed", "answers")

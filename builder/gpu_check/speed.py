@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from builder.gpu_check.ledger import count
+
 
 def _sync(device: str) -> None:
     if device == "cuda":
@@ -39,13 +41,10 @@ def _timed_run(engine, prompts: list[list[int]], new_tokens: int, device: str
     return time.perf_counter() - start, steps
 
 
-def engine_throughput(engine_dir: Path, concurrencies: list[int], prompt_len: int,
-                      new_tokens: int, vocab_size: int, device: str, cuda_graphs: bool = True
-                      ) -> list[dict]:
-    from triton_backend.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(engine_dir, device=device, enable_prefix_caching=False,
-                       enable_cuda_graphs=cuda_graphs)
+def engine_throughput(engine, concurrencies: list[int], prompt_len: int, new_tokens: int,
+                      vocab_size: int, device: str) -> list[dict]:
+    """Output tok/s of `engine` (loaded once by the caller) at each concurrency, after a short
+    run of the same batch size; random prompts, so the prefix cache finds nothing."""
     rows = []
     for c in concurrencies:
         _timed_run(engine, random_prompts(c, prompt_len, vocab_size, seed=100 + c), 4, device)
@@ -54,7 +53,6 @@ def engine_throughput(engine_dir: Path, concurrencies: list[int], prompt_len: in
         decode = steps[len(steps) // 2:]  # the second half: decode-only steps
         rows.append({"concurrency": c, "tok_s": c * new_tokens / seconds, "seconds": seconds,
                      "decode_step_ms": 1e3 * statistics.median(decode)})
-    del engine
     return rows
 
 
@@ -63,6 +61,7 @@ def transformers_throughput(model, concurrencies: list[int], prompt_len: int, ne
                             vocab_size: int, device: str) -> list[dict]:
     rows = []
     for c in concurrencies:
+        count("reference_runs", 2)
         ids = torch.tensor(random_prompts(c, prompt_len, vocab_size, seed=c), device=device)
         mask = torch.ones_like(ids)
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2,

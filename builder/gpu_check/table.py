@@ -28,3 +28,40 @@ def checks_table(report: dict) -> Table:
         result = ("pass" if check["passed"] else "FAIL") if check["applied"] else "reported"
         table.add_row(check["name"], str(check["value"]), check["target"], result)
     return table
+
+
+def ledger_table(report: dict) -> Table:
+    """Each check's status, time against its budget, and what it cost in counts."""
+    totals = report.get("totals", {})
+    table = Table(title=f"time per check ({totals.get('seconds', 0):.1f} s in all)")
+    for header in ("check", "status", "seconds", "budget s", "triton variants", "captures",
+                   "builds", "loads", "reference runs"):
+        table.add_column(header, justify="left" if header in ("check", "status") else "right")
+    for record in report.get("ledger", []):
+        c = record["counts"]
+        table.add_row(record["name"], record["status"], f"{record['seconds']:.1f}",
+                      f"{record['budget_s']:.0f}", str(c["kernel_variants"]),
+                      str(c["graph_captures"]), str(c["engine_builds"]), str(c["engine_loads"]),
+                      str(c["reference_runs"]))
+    table.add_row("all", "", f"{totals.get('seconds', 0):.1f}", "",
+                  str(totals.get("kernel_variants", 0)), str(totals.get("graph_captures", 0)),
+                  str(totals.get("engine_builds", 0)), str(totals.get("engine_loads", 0)),
+                  str(totals.get("reference_runs", 0)))
+    return table
+
+
+def estimate_lines(report: dict) -> list[str]:
+    estimate = report.get("cold_gpu_estimate")
+    if not estimate:
+        return []
+    terms = ", ".join(f"{name} {seconds:g} s" for name, seconds in estimate["terms"].items())
+    verdict = "fits" if estimate["fits_5_minutes"] else "does NOT fit"
+    plan, here = estimate["gpu_plan"], estimate["this_run"]
+    match = ("equal this run's plan" if here["counts_match"]
+             else f"differ from this run's plan {here['planned']}")
+    return [f"cold GPU run estimated at {estimate['seconds']:g} s ({verdict} 5 minutes): {terms}",
+            f"  the GPU plan: {plan['engine_builds']} engine builds, {plan['engine_loads']} loads, "
+            f"{plan['graph_captures']} graph captures (batch sizes {plan['capture_sizes']}), "
+            f"{plan['kernel_variants']} Triton compiles, {plan['reference_runs']} reference runs",
+            f"  counted here: {here['measured']} ({match}; Triton compiles seen: "
+            f"{report['totals'].get('triton_compiles', 0)})"]

@@ -67,8 +67,16 @@ def test_padded_rows_write_only_the_block_nobody_owns(tiny_engines):
     assert runner.graphs.num_replays == replays + 1
     changed = (runner.kv_cache.k != before).flatten(2).any(dim=2)  # [layers, slots]
     written = {int(s) for s in changed.any(dim=0).nonzero()}
-    owned = {engine.sequences[i].block_table[17 // tpb] * tpb + 17 % tpb for i in ids}
-    assert written == owned | {40 * tpb}
+    owned = [engine.sequences[i].block_table[17 // tpb] * tpb + 17 % tpb for i in ids]
+    assert written == set(owned) | {40 * tpb}
+    # The step's inputs: one contiguous run of ids, positions, slots for its 4 rows (the copy
+    # from pinned memory is one contiguous block, not a slice of a wider buffer).
+    graphs = runner.graphs
+    inputs = graphs._longs(4)
+    assert all(row.is_contiguous() for row in inputs)
+    assert inputs.data_ptr() == graphs.device_inputs.longs.data_ptr()
+    assert inputs[1].tolist() == [17, 17, 17, 0] and inputs[2].tolist() == owned + [40 * tpb]
+    assert inputs[0, 3] == 0 and torch.equal(inputs.flatten(), graphs.host_longs[:12])
 
 
 def test_seeded_draws_do_not_depend_on_the_batch(tiny_engines):

@@ -36,3 +36,12 @@ def check_cuda_visible(device: torch.device, hardware: str) -> None:
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) are "
                          f"visible")
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`. To a CUDA device it goes through pinned
+    memory with a non-blocking copy, queued behind the work already launched instead of waiting
+    for it (torch keeps the pinned buffer until the copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -2,15 +2,21 @@
 
 The pool is an explicit block count, else a memory budget, else the engine's own setting. On a
 CUDA GPU the budget can instead be a fraction of the memory left free once the weights are
-loaded and a step of `max_num_tokens` rows has run (`kv_cache_free_gpu_mem_fraction`, as
-TensorRT-LLM sizes its cache), measured by the runner that owns the device (`free_gpu_bytes`).
+loaded and what a step holds is set aside (`step_reserve`: the activations of `max_num_tokens`
+rows, a full chunk's logits, the sampler's temporaries, the captured graphs' outputs)
+(`kv_cache_free_gpu_mem_fraction`, as TensorRT-LLM sizes its cache).
 """
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_token(config: EngineConfig, dtype: torch.dtype) -> int:
@@ -53,40 +59,86 @@ def make_kv_cache(config: EngineConfig, dtype: torch.dtype, device: torch.device
     return PagedKVCache(config.model, num_blocks, config.kv_cache.tokens_per_block, dtype, device)
 
 
-# cuBLAS workspaces, the CUDA graphs' pool and the allocator's slack, beside a step's tensors.
+# cuBLAS workspaces, the CUDA context's own allocations and the allocator's slack.
 GPU_RUNTIME_RESERVE_BYTES = 512 * 2**20
+# The device sampler's float32/int64 [rows, V] temporaries per logit, as gpu/sampling.py makes
+# them at most (a seeded top-k/top-p row): about 13 float32 copies (the logits, NaN-cleaned,
+# scaled, log-softmaxed, sorted, masked twice, softmaxed, summed, scattered back, the noise and
+# its two logs), 4 int64 (the sort order, the hashed ids, their bits, the ranks) and 3 masks.
+SAMPLER_BYTES_PER_LOGIT = 13 * 4 + 4 * 8 + 3
 
 
-def step_activation_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
-    """An upper bound on the memory one step's tensors take at once: `max_num_tokens` rows
-    through a layer (hidden and residual, QKV and its rotated copies, the attention output, the
-    gate/up projection and its product, each once more for the op producing the next) and the
-    float32 logits of every row that samples (drafts included), with their softmax copies."""
-    shape, limits = config.model, config.limits
+@dataclass(frozen=True)
+class StepReserve:
+    """The GPU memory kept out of the KV pool, in bytes, by what holds it."""
+
+    activations: int     # max_num_tokens rows through a layer
+    prefill_logits: int  # the [max_num_tokens, V] logits of a full chunk asked for all rows
+    sampler: int         # the device sampler's temporaries over every sampling row
+    graphs: int          # each captured size's logits kept, and the largest one's activations
+    runtime: int = GPU_RUNTIME_RESERVE_BYTES
+
+    @property
+    def total(self) -> int:
+        return (self.activations + self.prefill_logits + self.sampler + self.graphs
+                + self.runtime)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name.replace('_', ' ')} {value / 2**20:.0f}"
+                          for name, value in self.__dict__.items())
+        return f"{self.total / 2**30:.2f} GiB ({parts} MiB)"
+
+
+def _activation_bytes_per_row(config: EngineConfig, dtype: torch.dtype) -> int:
+    """A row through a layer: hidden and residual, QKV and its rotated copies, the attention
+    output, the gate/up projection and its product, each once more for the op producing the
+    next."""
+    shape = config.model
     per_row = (4 * shape.hidden_size + 3 * (shape.q_size + 2 * shape.kv_size)
                + 3 * shape.intermediate_size)
-    element = dtype.itemsize
-    sampling_rows = limits.max_batch_size * (1 + config.speculative.num_draft_tokens)
-    logits = 4 * sampling_rows * shape.vocab_size * 4
-    return 2 * limits.max_num_tokens * per_row * element + logits
+    return 2 * per_row * dtype.itemsize
+
+
+def step_reserve(config: EngineConfig, dtype: torch.dtype,
+                 graph_sizes: list[int] | tuple[int, ...] = ()) -> StepReserve:
+    """What a step can hold besides the weights and the KV pool: `max_num_tokens` rows of
+    activations, a full chunk's logits (the LM head's output in `dtype`, then float32), the
+    sampler's temporaries over `max_batch_size` rows (and their drafts, with speculative
+    decoding on), and, for decode graphs
+    captured at `graph_sizes`, the logits each graph keeps as its output (float32, with its
+    greedy picks) plus the largest graph's activations and LM head output in their shared pool."""
+    limits, vocab = config.limits, config.model.vocab_size
+    per_row = _activation_bytes_per_row(config, dtype)
+    spec = config.speculative
+    sampling_rows = limits.max_batch_size * (1 + (spec.num_draft_tokens if spec.enabled else 0))
+    graphs = 0
+    if graph_sizes:
+        largest = max(graph_sizes)
+        graphs = (sum(size * (vocab * 4 + 2 * 8) for size in graph_sizes)
+                  + largest * (per_row + vocab * dtype.itemsize))
+    return StepReserve(activations=limits.max_num_tokens * per_row,
+                       prefill_logits=limits.max_num_tokens * vocab * (dtype.itemsize + 4),
+                       sampler=sampling_rows * vocab * SAMPLER_BYTES_PER_LOGIT, graphs=graphs)
 
 
 def free_memory_blocks(config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                       fraction: float) -> int:
-    """Blocks for `fraction` of the GPU memory free now (weights loaded), once a step's
-    activations and the runtime's reserve are set aside. Raises ValueError naming the fraction
-    when not even one sequence of max_seq_len tokens fits."""
+                       fraction: float, graph_sizes: list[int] | tuple[int, ...] = ()) -> int:
+    """Blocks for `fraction` of the GPU memory free now (weights loaded), once the step's
+    reserve (`step_reserve`, logged) is set aside. Raises ValueError naming the fraction and the
+    reserve when not even one sequence of max_seq_len tokens fits."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    reserve = step_activation_bytes(config, dtype) + GPU_RUNTIME_RESERVE_BYTES
-    budget = int(max(0, free - reserve) * fraction)
+    reserve = step_reserve(config, dtype, graph_sizes)
+    log.info("KV pool on %s: %.2f GiB free after loading, %s kept for a step", device,
+             free / 2**30, reserve.describe())
+    budget = int(max(0, free - reserve.total) * fraction)
     blocks = blocks_in(config, dtype, budget)
     tokens = blocks * config.kv_cache.tokens_per_block
     if tokens < config.limits.max_seq_len:
         raise ValueError(
             f"kv_cache_free_gpu_mem_fraction {fraction}: {free / 2**30:.2f} GiB of "
-            f"{total / 2**30:.2f} GiB are free on {device} after loading, {reserve / 2**30:.2f} "
-            f"GiB are kept for a step's activations, and the rest holds {tokens} tokens, fewer "
-            f"than limits.max_seq_len ({config.limits.max_seq_len})")
+            f"{total / 2**30:.2f} GiB are free on {device} after loading, "
+            f"{reserve.describe()} are kept for a step, and the rest holds {tokens} tokens, "
+            f"fewer than limits.max_seq_len ({config.limits.max_seq_len})")
     return blocks

@@ -20,6 +20,7 @@ import torch
 
 from triton_backend.engine.attention import AttentionMetadata, PrefillChunk, PrefillRun
 from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.device import host_to_device
 from triton_backend.engine.kv_pool import free_memory_blocks, make_kv_cache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
@@ -79,7 +80,8 @@ class ModelRunner:
             if self.device.type != "cuda" or kv_free_fraction is None:
                 raise ValueError("the KV pool needs a block count, a memory budget, or a CUDA "
                                  "device and kv_cache_free_gpu_mem_fraction")
-            num_blocks = free_memory_blocks(config, self.dtype, self.device, kv_free_fraction)
+            num_blocks = free_memory_blocks(config, self.dtype, self.device, kv_free_fraction,
+                                            self._graph_sizes())
         # The blocks the block manager hands out; the GPU backend's captured steps write their
         # padded rows to one more block, which nobody owns.
         self.num_blocks = num_blocks
@@ -128,10 +130,11 @@ class ModelRunner:
             self.one_call_max_rows = max(1, ONE_CALL_MAX_WORK // max(1, weights))
 
     def _prepare_gpu_backend(self) -> None:
-        """Sampling on the device, and decode steps captured as CUDA graphs (unless turned
-        off), their padded rows writing to the block past the pool."""
-        from triton_backend.engine.gpu.graphs import DecodeGraphs
+        """Sampling on the device, every Triton kernel variant compiled (gpu/warmup.py), and
+        decode steps captured as CUDA graphs (unless turned off), their padded rows writing to
+        the block past the pool."""
         from triton_backend.engine.gpu.sampling import DeviceSampler
+        from triton_backend.engine.gpu.warmup import warm_up
 
         shape = self.config.model
         if shape.sliding_window is not None:
@@ -139,11 +142,27 @@ class ModelRunner:
                              f"paged kernel does not attend local windows yet; run this engine "
                              f"on the CPU (forge generate --device cpu)")
         self.device_sampler = DeviceSampler()
-        # A mixture of experts groups its rows by expert on the host (a data-dependent shape),
-        # which a captured graph cannot replay: its steps run eagerly.
-        if (os.environ.get(CUDA_GRAPHS_ENV, "1") == "0" or not self.enable_cuda_graphs
-                or shape.num_experts):
-            return
+        self.ops.prepare_model(self.model)
+        with warm_up(self.model, self.kv_cache, self.ops, self.num_blocks * self.tokens_per_block,
+                     self.config.limits.max_seq_len):
+            if self._graph_sizes():
+                self.capture_graphs()
+
+    def _graph_sizes(self) -> list[int]:
+        """The decode batch sizes the GPU backend captures at load (none without graphs). A
+        mixture of experts groups its rows by expert (a data-dependent shape), which a captured
+        graph cannot replay: its steps run eagerly."""
+        if (self.ops.name != "gpu" or os.environ.get(CUDA_GRAPHS_ENV, "1") == "0"
+                or not self.enable_cuda_graphs or self.config.model.num_experts):
+            return []
+        from triton_backend.engine.gpu.graphs import capture_sizes
+
+        return capture_sizes(self.config.limits.max_batch_size)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode steps (GPU backend); from then on they replay."""
+        from triton_backend.engine.gpu.graphs import DecodeGraphs
+
         limits = self.config.limits
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, limits.max_batch_size,
                                    limits.max_seq_len, self.num_blocks * self.tokens_per_block,
@@ -152,10 +171,13 @@ class ModelRunner:
             self.graphs.capture()
 
     def graph_stats(self) -> dict[str, int]:
-        """Captured decode graphs and how many steps replayed one (0 without graphs)."""
+        """Captured decode graphs and how many steps replayed one (0 without graphs); on the GPU
+        backend, its kernel variants and those first met after the start-up warm-up."""
         graphs = self.graphs
-        return {"cuda_graphs": len(graphs.graphs) if graphs is not None else 0,
-                "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+        stats = {"cuda_graphs": len(graphs.graphs) if graphs is not None else 0,
+                 "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+        kernel_stats = getattr(self.ops, "kernel_stats", None)
+        return {**stats, **kernel_stats()} if kernel_stats is not None else stats
 
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's sampling state (its generator or seed)."""
@@ -200,7 +222,7 @@ class ModelRunner:
         sampling_chunks = [c for c in chunks if c.needs_sample]
         if not sampling_chunks:
             return RunnerOutput({}, all_logits)
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = host_to_device(sample_rows, torch.long, self.device)
         logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
         return self._sample(logits, sampling_chunks, eos_ids, all_logits)
 
@@ -292,7 +314,7 @@ class ModelRunner:
         return self._long(ids), self._long(positions), meta, sample_rows
 
     def _long(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return host_to_device(values, torch.long, self.device)
 
     def _add_kernel_chunks(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:
         """Block tables (0-padded), key counts and row offsets of the packed-first chunks."""
@@ -302,7 +324,7 @@ class ModelRunner:
         query_start = [0]
         for chunk in chunks:
             query_start.append(query_start[-1] + len(chunk.new_token_ids))
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+        as_int = lambda xs: host_to_device(xs, torch.int32, self.device)  # noqa: E731
         meta.kernel_rows = query_start[-1]
         meta.block_tables, meta.seq_lens = as_int(tables), as_int(seq_lens)
         meta.query_start = as_int(query_start)
@@ -326,7 +348,7 @@ class ModelRunner:
                 tables.append(chunk.block_table)
                 seq_lens.append(chunk.num_computed_tokens + q_len)
         width = max(len(t) for t in tables)
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+        as_int = lambda xs: host_to_device(xs, torch.int32, self.device)  # noqa: E731
         return PrefillRun(begin, begin + query_start[-1],
                           as_int([t + [0] * (width - len(t)) for t in tables]),
                           as_int(seq_lens), as_int(query_start),

@@ -15,6 +15,7 @@ padding run eagerly on each "replay", so the CPU tests exercise everything but t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,16 +26,33 @@ from triton_backend.engine.scheduler import ScheduledChunk
 log = logging.getLogger(__name__)
 
 
+CAPTURE_SIZES_ENV = "LLM_FORGE_CUDA_GRAPH_BATCH_SIZES"
+
+
 def capture_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 to 64, every 16 to 256, and max_batch_size itself."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
+    """1, 2, 4, 8, then every 8 to 64, every 16 to 256, and max_batch_size itself; or the sizes
+    `LLM_FORGE_CUDA_GRAPH_BATCH_SIZES` lists (comma separated; max_batch_size is always one), as
+    `forge gpu-check` captures only the batches it runs: each capture costs start-up time."""
+    given = os.environ.get(CAPTURE_SIZES_ENV, "").strip()
+    if given:
+        try:
+            sizes = [int(size) for size in given.split(",")]
+        except ValueError:
+            raise ValueError(f"{CAPTURE_SIZES_ENV}: {given!r} is not a comma-separated list of "
+                             f"batch sizes") from None
+        if min(sizes) < 1:
+            raise ValueError(f"{CAPTURE_SIZES_ENV}: {given!r}: batch sizes start at 1")
+    else:
+        sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
 @dataclass
 class StaticInputs:
-    """The persistent buffers a captured step reads: int64 [3, P] (ids, positions, slots) and
-    int32 [P, 1 + W] (keys per sequence, then its block table), filled by one copy each."""
+    """The persistent buffers a captured step reads: int64 [3 * largest], whose first 3 * P
+    hold the P rows' ids, then positions, then slots (so the step of size P reads, and its copy
+    writes, one contiguous run), and int32 [P, 1 + W] (keys per sequence, then its block table;
+    its first P rows are contiguous too), each filled by one copy from pinned memory."""
 
     longs: torch.Tensor
     ints: torch.Tensor
@@ -56,11 +74,11 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch_size)
         largest = self.sizes[-1]
         self.device_inputs = StaticInputs(
-            torch.zeros(3, largest, dtype=torch.int64, device=device),
+            torch.zeros(3 * largest, dtype=torch.int64, device=device),
             torch.zeros(largest, 1 + self.max_blocks, dtype=torch.int32, device=device),
             torch.arange(largest + 1, dtype=torch.int32, device=device))
         pin = device.type == "cuda"
-        self.host_longs = torch.zeros(3, largest, dtype=torch.int64, device="cpu",
+        self.host_longs = torch.zeros(3 * largest, dtype=torch.int64, device="cpu",
                                       pin_memory=pin)
         self.host_ints = torch.zeros(largest, 1 + self.max_blocks, dtype=torch.int32,
                                      device="cpu", pin_memory=pin)
@@ -78,18 +96,21 @@ class DecodeGraphs:
     def _padded(self, batch: int) -> int:
         return next(size for size in self.sizes if size >= batch)
 
+    def _longs(self, size: int) -> torch.Tensor:
+        """[3, size]: ids, positions, slots of a step of `size` rows, each row contiguous."""
+        return self.device_inputs.longs[:3 * size].view(3, size)
+
     def _meta(self, size: int) -> AttentionMetadata:
-        longs, ints = self.device_inputs.longs, self.device_inputs.ints
-        return AttentionMetadata(slot_mapping=longs[2, :size], kernel_rows=size,
+        longs, ints = self._longs(size), self.device_inputs.ints
+        return AttentionMetadata(slot_mapping=longs[2], kernel_rows=size,
                                  block_tables=ints[:size, 1:], seq_lens=ints[:size, 0],
                                  query_start=self.device_inputs.query_start[:size + 1],
                                  max_query_len=1, max_seq_len=self.max_seq_len)
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [P, V] float32, greedy picks [P, 2] float64: token id and its log prob)."""
-        longs = self.device_inputs.longs
-        hidden = self.model(longs[0, :size], longs[1, :size], self.kv_cache, self._meta(size),
-                            self.ops)
+        longs = self._longs(size)
+        hidden = self.model(longs[0], longs[1], self.kv_cache, self._meta(size), self.ops)
         logits = self.model.logits(hidden)
         best, token = logits.max(dim=-1)
         log_prob = best - torch.logsumexp(logits, dim=-1)
@@ -100,14 +121,13 @@ class DecodeGraphs:
         rows only, so no sequence's cache is written."""
         if self.device.type != "cuda":
             return
-        self._fill_padding(0, self.sizes[-1])
-        self.device_inputs.longs.copy_(self.host_longs)
-        self.device_inputs.ints.copy_(self.host_ints)
         pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
+                self._fill_padding(size, 0)
+                self._copy_inputs(size, non_blocking=False)
                 self._forward(size)  # compiles the kernels and warms the allocator
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -118,10 +138,22 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured %d decode graphs (batch sizes %s)", len(self.graphs), self.sizes)
 
-    def _fill_padding(self, start: int, end: int) -> None:
-        self._host_longs[:2, start:end] = 0
-        self._host_longs[2, start:end] = self.pad_slot
-        self._host_ints[start:end] = 0
+    def _host_view(self, size: int):
+        return self._host_longs[:3 * size].reshape(3, size)
+
+    def _fill_padding(self, size: int, start: int) -> None:
+        """Rows [start, size) of a step of `size` rows: attend nothing, write the spare block."""
+        longs = self._host_view(size)
+        longs[:2, start:] = 0
+        longs[2, start:] = self.pad_slot
+        self._host_ints[start:size] = 0
+
+    def _copy_inputs(self, size: int, non_blocking: bool = True) -> None:
+        """Two contiguous copies from pinned memory, queued behind the previous step (while
+        capturing, waited for: the next size refills the same host buffer at once)."""
+        self.device_inputs.longs[:3 * size].copy_(self.host_longs[:3 * size],
+                                                  non_blocking=non_blocking)
+        self.device_inputs.ints[:size].copy_(self.host_ints[:size], non_blocking=non_blocking)
 
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch the step (asynchronously on CUDA): (logits [B, V], greedy picks [B, 2]),
@@ -129,7 +161,7 @@ class DecodeGraphs:
         batch = len(chunks)
         size = self._padded(batch)
         tpb = self.tokens_per_block
-        longs, ints = self._host_longs, self._host_ints  # numpy views: cheap element writes
+        longs, ints = self._host_view(size), self._host_ints  # numpy views: cheap writes
         positions = [c.num_computed_tokens for c in chunks]
         longs[0, :batch] = [c.new_token_ids[0] for c in chunks]
         longs[1, :batch] = positions
@@ -139,9 +171,8 @@ class DecodeGraphs:
         ints[:batch, 0] += 1
         for i, chunk in enumerate(chunks):
             ints[i, 1:1 + len(chunk.block_table)] = chunk.block_table
-        self._fill_padding(batch, size)
-        self.device_inputs.longs[:, :size].copy_(self.host_longs[:, :size], non_blocking=True)
-        self.device_inputs.ints[:size].copy_(self.host_ints[:size], non_blocking=True)
+        self._fill_padding(size, batch)
+        self._copy_inputs(size)
         self.num_replays += 1
         graph = self.graphs.get(size)
         if graph is None:  # off CUDA: the same step, eagerly

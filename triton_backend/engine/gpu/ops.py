@@ -2,10 +2,12 @@
 with the KV-cache write as one Triton kernel each (`fused.py`), and attention that reads the
 paged cache in place (the Triton kernel of `paged_attention.py`).
 
-Every chunk with a cached prefix, and every decode, goes to the paged kernel in one launch per
-layer; a prompt's first chunk is attended by torch's SDPA over its own keys as computed (flash
-attention on a GPU: the prefill logits equal transformers' on the same device, and over a
-one-byte cache the first chunk sees its keys unrounded, as TensorRT-LLM's context phase does).
+Every chunk goes to the paged kernel, all of a step's in one launch per layer: decodes, chunks
+over a cached prefix and prompts' first chunks alike (varlen, causal, GQA, the keys read from
+the cache where the rotary kernel has just written them), so a prefill of many prompts is not
+one attention call per sequence and layer. Over a one-byte cache a prompt's first chunk attends
+its keys as computed, unrounded (as TensorRT-LLM's context phase does): the same kernel, run
+over the step's own rotated keys and values as a cache of one-token blocks (`prefill_runs`).
 Nothing here reads the device from the host, so a decode step can be captured in a CUDA graph.
 
 Off CUDA (the tests, `forge gpu-check --device cpu`) the same step runs with the kernel's torch
@@ -18,8 +20,10 @@ import torch
 from triton_backend.engine.attention import AttentionMetadata, _decode, prefill_attention
 from triton_backend.engine.gpu import fused
 from triton_backend.engine.gpu.moe import fused_moe, stacked_experts
-from triton_backend.engine.gpu.paged_attention import paged_attention, paged_attention_reference
+from triton_backend.engine.gpu.paged_attention import (launch_constants, paged_attention,
+                                                       paged_attention_reference, variant_key)
 from triton_backend.engine.gpu.triton_support import available, interpreted
+from triton_backend.engine.gpu.variants import VARIANTS
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.moe import route
 from triton_backend.engine.ops import TorchOps
@@ -36,12 +40,25 @@ def _cache_views(cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.T
     return k_cache, v_cache
 
 
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256
+
+
 def split_count(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits of the keys for a decode batch: enough programs to fill the GPU's SMs twice when the
-    batch is small, each split at least 256 keys long, at most 16."""
+    batch is small, each split at least 256 keys long, at most 16; rounded down to a power of
+    two, so a step of any length meets one of a few kernel variants, all compiled at start-up
+    (`split_buckets`), instead of a new one at each 256-key boundary."""
     programs = max(1, batch * num_kv_heads)
     wanted = -(-2 * num_sms // programs)
-    return max(1, min(16, wanted, max_seq_len // 256 or 1))
+    splits = max(1, min(MAX_SPLITS, wanted, max_seq_len // MIN_KEYS_PER_SPLIT or 1))
+    return 1 << (splits.bit_length() - 1)
+
+
+def split_buckets(num_kv_heads: int, max_seq_len: int, num_sms: int) -> list[int]:
+    """Every split count an engine of `max_seq_len` can meet (a batch of one is the most)."""
+    most = split_count(1, num_kv_heads, max_seq_len, num_sms)
+    return [1 << i for i in range(most.bit_length())]
 
 
 class GpuOps(TorchOps):
@@ -57,24 +74,46 @@ class GpuOps(TorchOps):
         self.use_kernel = device.type == "cuda" or (available() and interpreted())
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
+        if device.type == "cuda":
+            VARIANTS.hook_compiles()
 
     def reads_cache_in_place(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
         return True
 
     def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
-        return num_computed > 0  # a first chunk: SDPA over its keys as computed
+        return num_computed > 0 or not one_byte_cache
+
+    def prefills_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
+        return True  # a first chunk over a one-byte cache: its keys as computed
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """At load: FP8 projections quantize their input in one kernel (gpu/fp8.py)."""
+        if self.use_kernel:
+            from triton_backend.engine.gpu.fp8 import fuse_fp8_inputs
+
+            fuse_fp8_inputs(model)
+
+    def kernel_stats(self) -> dict[str, int]:
+        """For the engine's stats: kernel variants launched in this process, and those first
+        launched after the start-up warm-up (each a compile while serving, on a GPU)."""
+        return {"triton_kernel_variants": VARIANTS.num_variants,
+                "triton_compiles": VARIANTS.num_compiles,
+                "triton_compiles_after_warmup": VARIANTS.compiles_after_warmup}
 
     def rms_norm(self, x, weight, eps):
+        VARIANTS.note("rms_norm", str(x.dtype), x.shape[-1], False)
         if not self.use_kernel:
             return super().rms_norm(x, weight, eps)
         return fused.add_rms_norm(x.contiguous(), None, weight, eps)[0]
 
     def add_rms_norm(self, x, residual, weight, eps):
+        VARIANTS.note("rms_norm", str(x.dtype), x.shape[-1], True)
         if not self.use_kernel:
             return super().add_rms_norm(x, residual, weight, eps)
         return fused.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
 
     def silu_mul(self, gate_up):
+        VARIANTS.note("silu_mul", str(gate_up.dtype), gate_up.shape[-1])
         if not self.use_kernel:
             return super().silu_mul(gate_up)
         return fused.silu_mul(gate_up.contiguous())
@@ -94,25 +133,33 @@ class GpuOps(TorchOps):
             raise ValueError("the GPU backend does not attend sliding windows")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
+        kv_kind = KV_KINDS[getattr(cache, "kv_dtype", "auto")]
+        VARIANTS.note("rope_write_cache", str(qkv.dtype), num_heads, num_kv_heads, head_dim,
+                      kv_kind)
         if self.use_kernel:  # rotary and the cache write in one kernel
             k_cache, v_cache = _cache_views(cache, layer)
             k_scale, v_scale = cache.layer_scales(layer)
             q, k = fused.rope_write_cache(
                 qkv.contiguous(), positions, rotary.cos, rotary.sin, num_heads, num_kv_heads,
-                head_dim, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale,
-                KV_KINDS[getattr(cache, "kv_dtype", "auto")])
+                head_dim, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, kv_kind)
         else:
             q = qkv[:, :q_size].view(-1, num_heads, head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
             q, k = rotary(positions, q, k)
             cache.write(layer, meta.slot_mapping, k, v)
         rows = meta.kernel_rows
-        if rows == q.shape[0] and not meta.prefills and meta.decode_token_index is None:
-            return self._paged(layer, q, cache, meta, scale).view(-1, q_size)  # a decode step
+        if rows == q.shape[0]:  # every chunk from the cache (always, but over one-byte caches)
+            return self._paged(layer, q, cache, meta, scale).view(-1, q_size)
         out = torch.empty_like(q)
         if rows:
             out[:rows] = self._paged(layer, q[:rows], cache, meta, scale)
-        for chunk in meta.prefills:  # first chunks: SDPA over their own keys
+        for run in meta.prefill_runs:  # first chunks over a one-byte cache: keys as computed
+            begin, end = run.row_begin, run.row_end
+            out[begin:end] = self._attend(q[begin:end], k[begin:end].contiguous(),
+                                          v[begin:end].contiguous(),
+                                          run.block_tables, run.seq_lens, run.query_start,
+                                          run.tokens_per_block, scale, 1.0, 1.0, end - begin, 1)
+        for chunk in meta.prefills:  # chunks a caller routed to the torch path
             out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk, scale)
         if meta.decode_token_index is not None:  # decodes a caller routed to the reference
             out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale)
@@ -122,14 +169,27 @@ class GpuOps(TorchOps):
                scale: float) -> torch.Tensor:
         k_cache, v_cache = _cache_views(cache, layer)
         k_scale, v_scale = cache.layer_scales(layer)
-        if not self.use_kernel:
-            return paged_attention_reference(q, k_cache, v_cache, meta.block_tables,
-                                             meta.seq_lens, meta.query_start,
-                                             cache.tokens_per_block, scale, k_scale, v_scale)
         splits = 1
         if meta.max_query_len == 1:
             splits = split_count(meta.block_tables.shape[0], k_cache.shape[1], meta.max_seq_len,
                                  self.num_sms)
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                               meta.query_start, cache.tokens_per_block, scale,
-                               meta.max_query_len, k_scale, v_scale, splits)
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale,
+                            meta.max_query_len, splits)
+
+    def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                tokens_per_block: int, scale: float, k_scale: float, v_scale: float,
+                max_query_len: int, splits: int) -> torch.Tensor:
+        """The paged kernel (its variant noted), or its reference off CUDA."""
+        constants = launch_constants(q.dtype, k_cache.element_size() == 1, q.shape[1],
+                                     k_cache.shape[1], q.shape[2], tokens_per_block,
+                                     max_query_len, splits)
+        VARIANTS.note("paged_attention", *variant_key(constants, q.dtype, k_cache.dtype))
+        if splits > 1:
+            VARIANTS.note("merge_splits", splits, q.shape[2])
+        if not self.use_kernel:
+            return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
+                                             query_start, tokens_per_block, scale, k_scale,
+                                             v_scale)
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                               tokens_per_block, scale, max_query_len, k_scale, v_scale, splits)

@@ -58,6 +58,24 @@ def _widen(stored: torch.Tensor, scale: float) -> torch.Tensor:
     return stored.float()
 
 
+def launch_constants(q_dtype: torch.dtype, one_byte_cache: bool, num_heads: int,
+                     num_kv_heads: int, head_dim: int, tokens_per_block: int, max_query_len: int,
+                     num_splits: int) -> dict:
+    """The kernel's compile-time constants for a launch: one Triton variant per distinct set
+    (`variants.py` counts them; the warm-up compiles each before serving)."""
+    group = num_heads // num_kv_heads
+    block_q = max(1, min(_pow2(max_query_len), max(1, 64 // _pow2(group))))
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, _pow2(head_dim)),
+                BLOCK_Q=block_q, BLOCK_M=max(MIN_DOT, _pow2(block_q * group)),
+                BLOCK_N=max(MIN_DOT, min(64, _pow2(tokens_per_block) * 4)),
+                TOKENS_PER_BLOCK=tokens_per_block, NUM_SPLITS=num_splits,
+                ONE_BYTE=one_byte_cache, IEEE=q_dtype == torch.float32 or interpreted())
+
+
+def variant_key(constants: dict, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple:
+    return (str(q_dtype), str(cache_dtype), *sorted(constants.items()))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     tokens_per_block: int, scale: float, max_query_len: int,
@@ -68,19 +86,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     it). Launches only: no host synchronisation, so it can be captured in a CUDA graph."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    block_q = max(1, min(_pow2(max_query_len), max(1, 64 // _pow2(group))))
-    block_m = max(MIN_DOT, _pow2(block_q * group))
-    block_n = max(MIN_DOT, min(64, _pow2(tokens_per_block) * 4))
-    num_q_tiles = -(-max_query_len // block_q)
+    common = launch_constants(q.dtype, k_cache.element_size() == 1, num_heads, num_kv_heads,
+                              head_dim, tokens_per_block, max_query_len, num_splits)
+    num_q_tiles = -(-max_query_len // common["BLOCK_Q"])
     batch = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
-    one_byte = k_cache.element_size() == 1
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, _pow2(head_dim)),
-                  BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-                  TOKENS_PER_BLOCK=tokens_per_block, NUM_SPLITS=num_splits, ONE_BYTE=one_byte,
-                  IEEE=q.dtype == torch.float32 or interpreted())
     grid = (batch, num_q_tiles * num_splits, num_kv_heads)
     if num_splits == 1:
         partial_out = partial_ml = out  # unused by the kernel when it writes `out` itself
@@ -110,7 +121,11 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
-    @triton.jit
+    # Triton compiles an integer argument anew when it becomes 1 or a multiple of 16. The block
+    # table's width changes from step to step, and a captured step's tables and key counts are
+    # columns of one buffer (strides 1 + width) where an eager step's are their own: neither may
+    # take part (a compile while serving). The other strides are fixed by the model and cache.
+    @triton.jit(do_not_specialize=["stride_bt", "stride_sl"])
     def _attention_kernel(Q, K, V, Out, BlockTables, SeqLens, QueryStart, PartialOut, PartialML,
                           scale, k_scale, v_scale,
                           stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_sl,

@@ -23,6 +23,7 @@ import random
 
 import torch
 
+from triton_backend.engine.device import host_to_device
 from triton_backend.engine.sampler import SamplingError, below_min_tokens
 from triton_backend.engine.scheduler import ScheduledChunk
 
@@ -153,9 +154,7 @@ def _ints(values: list[int], device: torch.device) -> torch.Tensor:
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on `device`; on CUDA through pinned memory, so the copy queues behind
     the step instead of waiting for it."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return host_to_device(values, dtype, device)
 
 
 def _top_k_top_p(scored: torch.Tensor, params, greedy: list[bool]) -> torch.Tensor:

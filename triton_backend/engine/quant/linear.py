@@ -219,6 +219,9 @@ class Fp8Linear(_QuantizedLinear):
         self.in_features, self.out_features = in_features, out_features
         self.has_bias = bias
         self.kernel = "unloaded"
+        # (x [rows, in], activation scale) -> FP8 x: one fused kernel where a backend installs
+        # it (gpu/fp8.py), else the torch ops.
+        self.quantize_input = None
         for buffer in ("weight", "weight_scale", "activation_scale", "bias"):
             self.register_buffer(buffer, None, persistent=False)
 
@@ -273,9 +276,13 @@ class Fp8Linear(_QuantizedLinear):
 
     def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.kernel == "scaled_mm":
-            xq = (x2.float() / self.activation_scale).clamp(-FP8_MAX, FP8_MAX)
+            if self.quantize_input is not None:
+                xq = self.quantize_input(x2, self.activation_scale)
+            else:
+                xq = (x2.float() / self.activation_scale).clamp(-FP8_MAX, FP8_MAX).to(
+                    torch.float8_e4m3fn)
             out_dtype = dtype if dtype != torch.float32 else torch.bfloat16
-            return self._scaled_mm(xq.to(torch.float8_e4m3fn), out_dtype).to(dtype)
+            return self._scaled_mm(xq, out_dtype).to(dtype)
         return F.linear(x2, self.dequantized_weight(dtype))
 
     def extra_repr(self) -> str:
