@@ -181,13 +181,14 @@ NUCLEUS_BINS = 4096
 
 
 def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < row.numel():
+    cuts_top_k = 0 < top_k < row.numel()
+    if cuts_top_k:
         kth = torch.topk(row, top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     if top_p >= 1.0:
         return row
     probs = torch.softmax(row, dim=-1)
-    if top_k > 0 and top_k < row.numel():  # the top-k (and its ties) are the candidates
+    if cuts_top_k:  # the top-k (and its ties) are the candidates
         candidates = torch.nonzero(row > float("-inf")).squeeze(1)
     else:
         candidates = torch.topk(row, min(NUCLEUS_CANDIDATES, row.numel())).indices
