@@ -174,48 +174,6 @@ def test_an_odd_in_features_keeps_the_tiles_layout():
         pack_weight(weight, "pairs")
 
 
-# oneDNN over the packed kernel, and over torch's GEMM, at 4..1024 rows (as measured on a 2-vCPU
-# AMX Xeon: the pairs kernel 3x torch's speed at one row, oneDNN 2x torch's from 16 rows on).
-AMX_LIKE = {4: (1.2, 0.6), 16: (0.3, 0.6), 64: (0.2, 0.7), 256: (0.1, 0.8), 1024: (0.1, 0.8)}
-
-
-@pytest.mark.parametrize("plan, torch_at_one_row, onednn, expected", [
-    # torch won at 16 rows, the packed kernel at one: packed below 16 rows, oneDNN from 16
-    (Bf16GemmPlan(False), 3.0, AMX_LIKE, Bf16GemmPlan(True, 16, "pairs", "onednn")),
-    # ... unless the packed kernel does not beat torch at one row either
-    (Bf16GemmPlan(False), 1.05, AMX_LIKE, Bf16GemmPlan(False)),
-    # oneDNN takes over from the fp32 widening when it does so sooner
-    (Bf16GemmPlan(True, 512, "pairs"), 3.0, AMX_LIKE, Bf16GemmPlan(True, 16, "pairs", "onednn")),
-    # a oneDNN slower than torch's GEMM above its threshold is not worth a second copy
-    (Bf16GemmPlan(False), 3.0, {**AMX_LIKE, 1024: (0.1, 1.3)}, Bf16GemmPlan(False)),
-    # never 10% better than the packed kernel: the plan stays
-    (Bf16GemmPlan(True, None, "pairs"), 3.0, {m: (0.95, 0.5) for m in AMX_LIKE},
-     Bf16GemmPlan(True, None, "pairs")),
-    (Bf16GemmPlan(False), 3.0, {}, Bf16GemmPlan(False)),  # no oneDNN in this torch
-])
-def test_onednn_takes_the_rows_it_is_faster_for(plan, torch_at_one_row, onednn, expected):
-    from triton_backend.engine.kernels.linear import _plan_with_onednn
-
-    assert _plan_with_onednn(plan, torch_at_one_row, onednn, "pairs") == expected
-
-
-@pytest.mark.skipif(not __import__("triton_backend.engine.kernels.linear",
-                                   fromlist=["x"]).onednn_available(), reason="no oneDNN")
-def test_a_packed_linear_with_a_onednn_copy_computes_the_same_product():
-    """Below the threshold the packed kernel, from it oneDNN's GEMM: the same y = x W^T + b."""
-    from triton_backend.engine.kernels.linear import PackedBf16Linear
-
-    torch.manual_seed(0)
-    weight, bias = torch.randn(96, 64).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
-    layer = PackedBf16Linear(weight, bias, upcast_min_rows=8, layout="tiles", wide="onednn")
-    assert layer.onednn is not None
-    for rows in (1, 7, 8, 40):
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        expected = F.linear(x.float(), weight.float(), bias.float())
-        torch.testing.assert_close(layer(x).float(), expected, atol=0.25, rtol=0.02)
-        torch.testing.assert_close(layer.forward_fp32(x), expected, atol=0.25, rtol=0.02)
-
-
 @pytest.mark.parametrize("value, plan", [
     ("torch", Bf16GemmPlan(False)), ("tiles", Bf16GemmPlan(True, None, "tiles"))])
 def test_the_gemm_plan_can_be_forced_without_measuring(monkeypatch, tmp_path, value, plan):
@@ -244,7 +202,7 @@ def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(kernels, "_cpu_signature", lambda: "model name: cpu B\nflags: avx2 amx")
     assert kernels.plan_key() != key_a
-    cached = tmp_path / "kernels" / key_a / "bf16_gemm_plan_v2.json"
+    cached = tmp_path / "kernels" / key_a / "bf16_gemm_plan.json"
     cached.parent.mkdir(parents=True)
     cached.write_text('{"plan": {"packed": true, "upcast_min_rows": 512, "layout": "tiles"}}')
     assert bf16_gemm_plan(key_a) == Bf16GemmPlan(True, 512, "tiles")  # A reads its own plan
@@ -253,7 +211,6 @@ def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
                         lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}))
     monkeypatch.setattr("triton_backend.engine.kernels.linear.available_layouts",
                         lambda: ("tiles",))
-    monkeypatch.setattr("triton_backend.engine.kernels.linear.onednn_available", lambda: False)
     assert bf16_gemm_plan(kernels.plan_key()) == Bf16GemmPlan(True, None, "tiles")
     assert measured == ["tiles"]  # B measured anew
 

@@ -54,48 +54,22 @@ def pack_weight(weight: torch.Tensor, layout: str = "tiles") -> torch.Tensor:
     return tiles.view(padded // TILE, TILE, k).permute(0, 2, 1).contiguous()
 
 
-def onednn_available() -> bool:
-    """Whether this torch has oneDNN's prepacked linear (its CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                             "_reorder_linear_weight")
-
-
-def onednn_weight(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
-    """W [N, K] bf16 in oneDNN's blocked layout for its GEMM at about `rows_hint` rows."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                  ) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 class PackedBf16Linear(nn.Module):
     """y = x W^T (+ b) with W packed for `torch.ops.llm_forge.linear_bf16_packed` (which reads
-    either layout); from `upcast_min_rows` rows on another GEMM computes it (`wide`): "fp32", W
-    widened to fp32 for torch's fp32 GEMM, or "onednn", W kept a second time in oneDNN's own
-    blocked layout for its bf16 GEMM (AMX where the CPU has it). The pairs kernel multiplies bf16
-    activations only: other dtypes take the widened weight, as the tiles kernel would compute
-    them."""
+    either layout); from `upcast_min_rows` rows on, W is widened to fp32 for torch's fp32 GEMM
+    instead. The pairs kernel multiplies bf16 activations only: other dtypes take the widened
+    weight, as the tiles kernel would compute them."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 upcast_min_rows: int | None = None, layout: str = "tiles",
-                 wide: str = "fp32") -> None:
+                 upcast_min_rows: int | None = None, layout: str = "tiles") -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.upcast_min_rows = upcast_min_rows
         self.layout = "tiles" if layout == "pairs" and self.in_features % 2 else layout
         self.register_buffer("packed", pack_weight(weight, self.layout))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.onednn = None  # an opaque oneDNN tensor: not a buffer (never saved or moved)
-        if wide == "onednn" and upcast_min_rows is not None:
-            self.onednn = onednn_weight(weight.to(torch.bfloat16), upcast_min_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn is not None and x.dtype == torch.bfloat16 and self._wide_rows(x):
-            return onednn_linear(x, self.onednn, self.bias)
         if self._widens(x):
             return self.widened(x)
         return torch.ops.llm_forge.linear_bf16_packed(x, self.packed, self.bias,
@@ -104,20 +78,16 @@ class PackedBf16Linear(nn.Module):
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """The same product with fp32 outputs: the kernel's fp32 sums, not rounded to x's dtype
         (the LM head's logits: bf16 rounding at 25 is 0.125 and turns near-ties into ties)."""
-        if self.onednn is not None and x.dtype == torch.bfloat16 and self._wide_rows(x):
-            return onednn_linear(x, self.onednn, self.bias).float()  # as torch's bf16 GEMM
         if self._widens(x):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight_rows().float(), bias)
         return torch.ops.llm_forge.linear_bf16_packed(x, self.packed, self.bias,
                                                       self.out_features, True)
 
-    def _wide_rows(self, x: torch.Tensor) -> bool:
-        return (self.upcast_min_rows is not None
-                and x.numel() >= self.upcast_min_rows * self.in_features)
-
     def _widens(self, x: torch.Tensor) -> bool:
-        return self._wide_rows(x) or (self.layout == "pairs" and x.dtype != torch.bfloat16)
+        return ((self.upcast_min_rows is not None
+                 and x.numel() >= self.upcast_min_rows * self.in_features)
+                or (self.layout == "pairs" and x.dtype != torch.bfloat16))
 
     def weight_rows(self) -> torch.Tensor:
         """The bf16 [N, K] weight as a view of the packed one (not contiguous)."""
@@ -159,14 +129,13 @@ def pack_linears(model: nn.Module, plan: Bf16GemmPlan) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
                 setattr(parent, name, PackedBf16Linear(child.weight.data, child.bias,
-                                                       plan.upcast_min_rows, plan.layout,
-                                                       plan.wide))
+                                                       plan.upcast_min_rows, plan.layout))
                 count += 1
     if getattr(model, "lm_head", None) is None and model.tie_word_embeddings:
         embedding = model.transformer.vocab_embedding
         if embedding.weight.dtype == torch.bfloat16:
             model.lm_head = PackedBf16Linear(embedding.weight.data, None, plan.upcast_min_rows,
-                                             plan.layout, plan.wide)
+                                             plan.layout)
             model.transformer.vocab_embedding = PackedEmbedding(model.lm_head)
             count += 1
     return count
@@ -197,7 +166,6 @@ class Bf16GemmPlan:
     packed: bool
     upcast_min_rows: int | None = None
     layout: str = "tiles"
-    wide: str = "fp32"  # what computes from upcast_min_rows on: "fp32" (widened) or "onednn"
 
 
 UPCAST_ROWS = (256, 512, 1024)  # where widening for torch's fp32 GEMM is measured
@@ -264,7 +232,7 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     forced = forced_plan()
     if forced is not None:
         return forced
-    path = cache_root() / "kernels" / key / PLAN_FILE
+    path = cache_root() / "kernels" / key / "bf16_gemm_plan.json"
     try:
         return Bf16GemmPlan(**json.loads(path.read_text())["plan"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -275,49 +243,10 @@ def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
     # The layout whose worse decode-size ratio over torch is best.
     layout = max(timings, key=lambda name: min(timings[name][0]))
     plan = _plan_from_timings(*timings[layout], layout)
-    onednn = _measure_onednn(layout, weight, k) if onednn_available() else {}
-    plan = _plan_with_onednn(plan, timings[layout][0][0], onednn, layout)
     _keep_plan(path, json.dumps({"plan": plan.__dict__, "torch_over_packed_time": {
         name: t[0] for name, t in timings.items()}, "upcast_over_packed_time": {
-        name: t[1] for name, t in timings.items()}, "onednn_over_packed_and_torch_time": {
-        str(m): list(r) for m, r in onednn.items()}}, indent=1) + "\n")
+        name: t[1] for name, t in timings.items()}}, indent=1) + "\n")
     log.info("bf16 GEMM plan: %s", plan)
-    return plan
-
-
-PLAN_FILE = "bf16_gemm_plan_v2.json"  # v2: oneDNN measured too
-ONEDNN_ROWS = (4, 16, 64, 256, 1024)  # where oneDNN's prepacked GEMM is measured
-
-
-def _measure_onednn(layout: str, weight: torch.Tensor, k: int) -> dict[int, tuple[float, float]]:
-    """At each of ONEDNN_ROWS: oneDNN's time over the packed kernel's, and over torch's."""
-    layer = PackedBf16Linear(weight, None, layout=layout)
-    ratios = {}
-    for m in ONEDNN_ROWS:
-        x = torch.randn(m, k, device="cpu").to(torch.bfloat16)
-        blocked = onednn_weight(weight, m)
-        ours, dnn, theirs = _best_times([lambda: layer(x), lambda: onednn_linear(x, blocked, None),
-                                         lambda: F.linear(x, weight)], 5)
-        ratios[m] = (dnn / ours, dnn / theirs)
-    return ratios
-
-
-def _plan_with_onednn(plan: Bf16GemmPlan, torch_over_packed_one_row: float,
-                      onednn: dict[int, tuple[float, float]], layout: str) -> Bf16GemmPlan:
-    """Where oneDNN's GEMM beats the packed kernel by 10% from some row count on (and is not
-    slower than torch's there), it takes those steps: instead of the fp32 widening when it takes
-    over sooner, or, where torch's GEMM won at decode sizes (an AMX CPU: a 16-row step), with the
-    packed kernel kept for the steps below it when that beats torch at one row. The price: a
-    second copy of the weights, in oneDNN's layout."""
-    threshold = _upcast_threshold({m: ratios[0] for m, ratios in onednn.items()})
-    if threshold is None or any(onednn[m][1] > 1.1 for m in onednn if m >= threshold):
-        return plan
-    if plan.packed:
-        if plan.upcast_min_rows is None or threshold < plan.upcast_min_rows:
-            return Bf16GemmPlan(True, threshold, plan.layout, "onednn")
-        return plan
-    if torch_over_packed_one_row > 1.1:
-        return Bf16GemmPlan(True, threshold, layout, "onednn")
     return plan
 
 
