@@ -39,7 +39,7 @@ def lora_build(tmp_path_factory):
 def cpu_kernels():
     """Compile the runtime's C++ kernels once, before any test (or engine process) needs them,
     so no server start waits for the compiler."""
-    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.cpu.kernels import load_cpu_kernels
 
     return load_cpu_kernels()
 

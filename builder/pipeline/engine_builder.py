@@ -174,12 +174,12 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
 def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> None:
     """Build (or load) the runtime's C++ kernels now, so the first server start does not wait,
     and say which bf16 GEMM this CPU will use."""
-    from triton_backend.engine.kernels import load_cpu_kernels, plan_key
+    from triton_backend.engine.cpu.kernels import load_cpu_kernels, plan_key
 
     if not load_cpu_kernels(log):
         return
     if config.dtype != "float32":
-        from triton_backend.engine.kernels.linear import bf16_gemm_plan
+        from triton_backend.engine.cpu.linear import bf16_gemm_plan
 
         plan = bf16_gemm_plan(plan_key())
         if not plan.packed:

@@ -249,9 +249,9 @@ def test_int4_engines_decode_through_the_fast_path_with_the_python_models_tokens
                                                                                 monkeypatch,
                                                                                 kernel):
     from tests.engine.test_kernels import _fast_and_python_ids
-    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.cpu.kernels import load_cpu_kernels
     from triton_backend.engine.llm_engine import LLMEngine
-    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.cpu.linear import Int4Choice
     from triton_backend.engine.quant import linear as quant_linear
 
     if not load_cpu_kernels():

@@ -73,7 +73,7 @@ def test_the_runtime_computes_what_the_weights_say(zero_point_engine):
 def test_zero_point_engines_decode_through_the_fast_path_with_the_python_models_tokens(
         zero_point_engine):
     from tests.engine.test_kernels import _fast_and_python_ids
-    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.cpu.kernels import load_cpu_kernels
     from triton_backend.engine.llm_engine import LLMEngine
 
     if not load_cpu_kernels():
@@ -156,7 +156,7 @@ def test_a_zero_point_build_calibrates_an_fp8_cache_as_modelopt_exports_it(tmp_p
 def test_a_zero_point_engine_with_an_int8_cache_decodes_through_the_fast_path(
         zero_point_kv_engine):
     from tests.engine.test_kernels import _fast_and_python_ids
-    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.cpu.kernels import load_cpu_kernels
 
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")

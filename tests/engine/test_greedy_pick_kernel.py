@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from triton_backend.engine.kernels import load_cpu_kernels, ops
+from triton_backend.engine.cpu.kernels import load_cpu_kernels, ops
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels did not build")
 

@@ -4,8 +4,8 @@ half to even), integer dot products, then the per-block and per-group scales in 
 import pytest
 import torch
 
-from triton_backend.engine.kernels import load_cpu_kernels
-from triton_backend.engine.kernels.linear import (Int8Head, PackedBf16Linear, dequantize_int4,
+from triton_backend.engine.cpu.kernels import load_cpu_kernels
+from triton_backend.engine.cpu.linear import (Int8Head, PackedBf16Linear, dequantize_int4,
                                                   pack_int4_dot, quantize_lm_head)
 from triton_backend.engine.quant import int4
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOADER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from triton_backend.engine import kernels
+    from triton_backend.engine.cpu import kernels
 
     def fake_compile(build_dir, key):
         if not any(build_dir.glob("*.so")):  # what ninja decides: nothing built yet
@@ -57,7 +57,7 @@ def test_two_processes_starting_at_once_compile_once(tmp_path):
 
 
 def test_a_process_finding_the_build_locked_says_it_waits_then_loads_the_build(tmp_path):
-    from triton_backend.engine.kernels import build_key
+    from triton_backend.engine.cpu.kernels import build_key
 
     build_dir = tmp_path / "cache" / "kernels" / build_key()
     build_dir.mkdir(parents=True)
@@ -78,7 +78,7 @@ def test_a_process_finding_the_build_locked_says_it_waits_then_loads_the_build(t
 
 
 READ_ONLY_LOADER = textwrap.dedent("""
-    from triton_backend.engine import kernels
+    from triton_backend.engine.cpu import kernels
 
     def no_build(build_dir, key):
         raise AssertionError("a read-only cache must not be built in")
@@ -93,7 +93,7 @@ READ_ONLY_LOADER = textwrap.dedent("""
 def test_a_read_only_cache_loads_its_library_without_the_lock_or_ninja(tmp_path):
     """An image carries the kernels compiled and runs with a read-only root filesystem: the
     library is loaded as it is (here a real shared object with no ops in it)."""
-    from triton_backend.engine.kernels import build_key
+    from triton_backend.engine.cpu.kernels import build_key
 
     build_dir = tmp_path / "cache" / "kernels" / build_key()
     build_dir.mkdir(parents=True)

@@ -2,7 +2,7 @@
 that has the level, plans still measured per CPU, and a CPU without the level refused."""
 import platform
 
-from triton_backend.engine import kernels
+from triton_backend.engine.cpu import kernels
 
 AVX2_EPYC = ("model name: AMD EPYC\nflags: cx16 lahf_lm popcnt sse4_1 sse4_2 ssse3 avx avx2 bmi1 "
              "bmi2 f16c fma abm movbe xsave")

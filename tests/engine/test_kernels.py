@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_backend.engine.kernels import load_cpu_kernels
-from triton_backend.engine.kernels.linear import (PLAN_ENV, Bf16GemmPlan, PackedBf16Linear,
+from triton_backend.engine.cpu.kernels import load_cpu_kernels
+from triton_backend.engine.cpu.linear import (PLAN_ENV, Bf16GemmPlan, PackedBf16Linear,
                                                   _plan_from_timings, available_layouts,
                                                   bf16_gemm_plan, pack_weight)
 from triton_backend.engine.ops import CppOps, TorchOps
@@ -191,7 +191,7 @@ def test_the_gemm_plan_can_be_forced_without_measuring(monkeypatch, tmp_path, va
 def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
     """The plan is cached per plan key, and the key names the CPU whether the library was built
     for this CPU or for a named level: another CPU never reads this one's plan."""
-    from triton_backend.engine import kernels
+    from triton_backend.engine.cpu import kernels
 
     monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
     monkeypatch.setenv(kernels.MARCH_ENV, level)
@@ -207,9 +207,9 @@ def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
     cached.write_text('{"plan": {"packed": true, "upcast_min_rows": 512, "layout": "tiles"}}')
     assert bf16_gemm_plan(key_a) == Bf16GemmPlan(True, 512, "tiles")  # A reads its own plan
     measured = []
-    monkeypatch.setattr("triton_backend.engine.kernels.linear._measure_layout",
+    monkeypatch.setattr("triton_backend.engine.cpu.linear._measure_layout",
                         lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}))
-    monkeypatch.setattr("triton_backend.engine.kernels.linear.available_layouts",
+    monkeypatch.setattr("triton_backend.engine.cpu.linear.available_layouts",
                         lambda: ("tiles",))
     assert bf16_gemm_plan(kernels.plan_key()) == Bf16GemmPlan(True, None, "tiles")
     assert measured == ["tiles"]  # B measured anew
@@ -475,7 +475,7 @@ def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
     """Qwen3's QK-norm is not in the C++ layer: its engine takes the Python model (and keeps
     transformers' tokens, test_parity), where a Llama engine of the same dtype takes the fast path."""
     import tiny
-    from triton_backend.engine.kernels.forward import DecodeForward
+    from triton_backend.engine.cpu.forward import DecodeForward
     from triton_backend.engine.llm_engine import LLMEngine
 
     for shape, declared in (("qwen3_qk_norm", False), ("llama_gqa", True)):
@@ -492,7 +492,7 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
     the cache in `dtype`, or of one byte per element (`kv_dtype`) with a scale per layer. The
     sequences from `prefill_from` on are the prefill kernel's (after the paged kernel's rows)."""
     from triton_backend.engine.quant import int4
-    from triton_backend.engine.kernels.linear import pack_int4_dot
+    from triton_backend.engine.cpu.linear import pack_int4_dot
 
     torch.manual_seed(len(rows_per_seq) * 7 + sum(rows_per_seq))
     layers, hidden, heads, kv_heads, d, inter, block = 2, 64, 4, 2, 16, 96, 16
@@ -597,7 +597,7 @@ def test_a_cache_the_kernels_cannot_read_is_refused_with_its_dtype_named():
 def test_the_kernels_can_be_built_for_a_lower_instruction_set(monkeypatch):
     """LLM_FORGE_KERNEL_MARCH builds the code paths of another CPU (make test runs the kernel
     tests again with x86-64-v3: AVX2, no AVX-512); each choice is a build of its own."""
-    from triton_backend.engine import kernels
+    from triton_backend.engine.cpu import kernels
 
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setenv("LLM_FORGE_KERNEL_MARCH", "x86-64-v3")
@@ -616,7 +616,7 @@ def test_the_plan_timings_are_not_decided_by_a_burst_of_load(monkeypatch):
     """Candidates are timed in turns and each by its fastest run: load that falls on some runs
     (here 5 extra units on every other call of the faster candidate, 3 on the first rounds of
     the other) leaves each candidate's own cost, so the ratio and the plan stay as unloaded."""
-    from triton_backend.engine.kernels import linear
+    from triton_backend.engine.cpu.kernels import linear
 
     clock = {"now": 0.0}
     monkeypatch.setattr(linear.time, "perf_counter", lambda: clock["now"])

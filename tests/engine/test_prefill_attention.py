@@ -1,4 +1,4 @@
-"""The prefill attention kernel (kernels/csrc/prefill_attention.cpp) against torch: causal GQA over
+"""The prefill attention kernel (cpu/csrc/prefill_attention.cpp) against torch: causal GQA over
 the paged cache read in place, for a prompt's first chunk, chunks deep in a prompt and after a
 prefix-cache hit, across block and key-block boundaries, over bf16, fp32 and one-byte caches."""
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_backend.engine.kernels import load_cpu_kernels
+from triton_backend.engine.cpu.kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels did not build")
 

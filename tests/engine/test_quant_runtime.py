@@ -62,7 +62,7 @@ def _plan_int4(monkeypatch, choice) -> None:
     """Every INT4 layer built from here on takes `choice` (an Int4Choice, or None: no kernel)
     instead of the machine's plan; skips when the C++ kernels did not build and a choice
     needs them."""
-    from triton_backend.engine.kernels import load_cpu_kernels
+    from triton_backend.engine.cpu.kernels import load_cpu_kernels
     from triton_backend.engine.quant import linear as quant_linear
 
     if choice is not None and not load_cpu_kernels():
@@ -74,7 +74,7 @@ def _plan_int4(monkeypatch, choice) -> None:
                                                (96, False, "cpu_int4pack"), (40, False, "dequant")])
 def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypatch):
     """Each CPU path: our kernel (any even width), torch's int4pack (widths of 16), dequant."""
-    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.cpu.linear import Int4Choice
 
     _plan_int4(monkeypatch, Int4Choice("cpp") if ours else None)
     torch.manual_seed(0)
@@ -89,7 +89,7 @@ def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypa
 
 
 def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monkeypatch):
-    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.cpu.linear import Int4Choice
 
     _plan_int4(monkeypatch, Int4Choice("cpp", 4))
     torch.manual_seed(1)
@@ -107,7 +107,7 @@ def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monke
 def test_int4_linear_meets_bf16_activations_in_the_planned_dtype(monkeypatch):
     """A plan with upcast_dtype bfloat16: a bf16 prefill multiplies by the bf16-rounded weight
     (torch's bf16 GEMM); fp32 activations still take the fp32 weight, exactly."""
-    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.cpu.linear import Int4Choice
 
     _plan_int4(monkeypatch, Int4Choice("cpp", 4, "bfloat16"))
     torch.manual_seed(2)
@@ -124,7 +124,7 @@ def test_int4_linear_meets_bf16_activations_in_the_planned_dtype(monkeypatch):
 def test_with_torchs_int4_kernel_a_large_prefill_dequantizes_our_layout(monkeypatch):
     """torch's int4pack wins decode-sized calls, dequantizing wins from 4 rows: our layout is kept
     beside torch's for that, and both paths multiply by the same weight."""
-    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.cpu.linear import Int4Choice
 
     _plan_int4(monkeypatch, Int4Choice("torch", 4, "bfloat16"))
     torch.manual_seed(3)
@@ -218,8 +218,8 @@ def test_a_group_size_torchs_int4_kernel_refuses_is_planned_for_ours(monkeypatch
     """torch's int4pack takes groups of 32..256 only: for group 16 the plan measures our kernel
     alone (it raised inside the measurement before), and caches that choice with the prefill
     row counts it timed."""
-    from triton_backend.engine.kernels import build_key, load_cpu_kernels
-    from triton_backend.engine.kernels.linear import int4_kernel_choice
+    from triton_backend.engine.cpu.kernels import build_key, load_cpu_kernels
+    from triton_backend.engine.cpu.linear import int4_kernel_choice
 
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")
@@ -268,7 +268,7 @@ def _zero_point_linear(out_f: int, in_f: int, group: int):
     ("upcast", 96, "cpp_int4"),      # prefills of 4+ rows dequantize (with the zeros)
 ])
 def test_zero_point_int4_linear_matches_its_dequantized_weight(monkeypatch, plan, out_f, kernel):
-    from triton_backend.engine.kernels.linear import Int4Choice
+    from triton_backend.engine.cpu.linear import Int4Choice
 
     choices = {"cpp": Int4Choice("cpp"), "torch": Int4Choice("torch"), "none": None,
                "upcast": Int4Choice("cpp", 4, "float32")}

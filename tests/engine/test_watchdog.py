@@ -21,7 +21,7 @@ import pytest
 from triton_backend.engine import FinishReason, Request
 from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.faults import FAULT_FILE_ENV, inject
-from triton_backend.engine.kernels import ENV_SWITCH
+from triton_backend.engine.cpu.kernels import ENV_SWITCH
 from triton_backend.engine.process.executor import ProcessExecutor
 from triton_backend.engine.process.watchdog import (MIN_FREEZE_SECONDS, ProgressWatch, Watchdog,
                                                     run_queue_seconds,

@@ -17,7 +17,7 @@ def select_ops(device: torch.device) -> TorchOps:
     """The GPU backend on CUDA (where Triton imports), the C++ backend on a CPU when its kernels
     load, else the torch reference. `LLM_FORGE_KERNELS=gpu` runs the GPU backend's step on any
     device (its kernels' torch references off CUDA: tests and `forge gpu-check --device cpu`)."""
-    from triton_backend.engine.kernels import ENV_SWITCH, load_cpu_kernels
+    from triton_backend.engine.cpu.kernels import ENV_SWITCH, load_cpu_kernels
 
     if device.type == "cuda" or os.environ.get(ENV_SWITCH, "").strip().lower() == "gpu":
         from triton_backend.engine.gpu.ops import GpuOps

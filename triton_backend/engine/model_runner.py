@@ -108,8 +108,8 @@ class ModelRunner:
         """Pack the projections for the measured bf16 GEMM, quantize the LM head when asked,
         and set up the one-call decode path."""
         if self.dtype == torch.bfloat16:
-            from triton_backend.engine.kernels import plan_key
-            from triton_backend.engine.kernels.linear import bf16_gemm_plan, pack_linears
+            from triton_backend.engine.cpu.kernels import plan_key
+            from triton_backend.engine.cpu.linear import bf16_gemm_plan, pack_linears
 
             plan = bf16_gemm_plan(plan_key())
             if plan.packed:
@@ -117,13 +117,13 @@ class ModelRunner:
                 if self.lora is not None:  # adapters take the same kernel
                     self.lora.packed_plan = plan
         if self.config.quantization.lm_head == "int8":
-            from triton_backend.engine.kernels.linear import quantize_lm_head
+            from triton_backend.engine.cpu.linear import quantize_lm_head
 
             if not quantize_lm_head(self.model):
                 raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
                                  "in_features divisible by 32")
         if self.kernel_attention:
-            from triton_backend.engine.kernels.forward import DecodeForward
+            from triton_backend.engine.cpu.forward import DecodeForward
 
             self.decode_forward = DecodeForward(self.model, self.kv_cache, self.dtype)
             weights = sum(t.numel() for t in self.decode_forward.weights if t is not None)

@@ -1,7 +1,7 @@
 """The per-layer operations of the decoder, in two interchangeable backends.
 
 `TorchOps` is the reference: plain torch ops, runs on any device. `CppOps` runs the same
-operations through the CPU kernels of `kernels/csrc` (fused RMSNorm + residual, SiLU * up,
+operations through the CPU kernels of `cpu/csrc` (fused RMSNorm + residual, SiLU * up,
 rotary + KV-cache write, paged decode attention that reads the cache in place), with one call
 where torch needs several. Both round where the other rounds, so they agree up to fp32 summation
 order; tests hold them to that.

@@ -18,7 +18,7 @@ import random
 
 import torch
 
-from triton_backend.engine import kernels
+from triton_backend.engine.cpu import kernels
 from triton_backend.engine.scheduler import ScheduledChunk
 
 

@@ -17,7 +17,7 @@ from triton_backend.engine.lora.cache import ResidentAdapter
 PROJECTIONS = ("qkv", "dense", "gate_up", "proj")
 # From this many rows on, a run takes the packed bf16 kernel when the adapter has it; below, the
 # float32 product is faster (one row: 8 us vs 12 us per pair of torch GEMMs here, and less in one
-# pass of the C++ kernels' `lora_add_rows`). kernels/csrc/forward.cpp's kLoraFewRows is this.
+# pass of the C++ kernels' `lora_add_rows`). cpu/csrc/forward.cpp's kLoraFewRows is this.
 PACKED_MIN_ROWS = 4
 
 

@@ -203,7 +203,7 @@ class AdapterCache:
                 if a.dtype == torch.bfloat16:
                     stored[slot] = (a.t().contiguous(), b.t().contiguous())
                 if self.packed_plan is not None:
-                    from triton_backend.engine.kernels.linear import PackedBf16Linear
+                    from triton_backend.engine.cpu.linear import PackedBf16Linear
 
                     plan = self.packed_plan
                     packed[slot] = tuple(

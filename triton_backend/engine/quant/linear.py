@@ -72,11 +72,11 @@ class _QuantizedLinear(nn.Module):
 def _cpp_int4_choice(in_features: int, out_features: int, group_size: int):
     """The measured `Int4Choice` for this shape when our kernels are built (the decode kernel
     may still be torch's int4pack); None otherwise (torch's int4pack for every call)."""
-    from triton_backend.engine.kernels import kernels_wanted, load_cpu_kernels, plan_key
+    from triton_backend.engine.cpu.kernels import kernels_wanted, load_cpu_kernels, plan_key
 
     if not kernels_wanted() or not load_cpu_kernels():
         return None
-    from triton_backend.engine.kernels.linear import int4_kernel_choice
+    from triton_backend.engine.cpu.linear import int4_kernel_choice
 
     return int4_kernel_choice(plan_key(), in_features, out_features, group_size)
 
@@ -142,7 +142,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         choice = (_cpp_int4_choice(self.in_features, self.out_features, self.group_size)
                   if fits_ours else None)
         if choice is not None and choice.kernel == "cpp":
-            from triton_backend.engine.kernels.linear import pack_int4_dot
+            from triton_backend.engine.cpu.linear import pack_int4_dot
 
             self.packed_weight, self.scales = pack_int4_dot(q, scales, self.zeros)
             self.zeros = None  # folded into the packed offsets
@@ -162,7 +162,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         self.scales_and_zeros = torch.stack((scale_t, zero_t), dim=-1).contiguous()
         self.packed_weight, self.kernel = packed, "cpu_int4pack"
         if choice is not None and choice.upcast_min_rows is not None:
-            from triton_backend.engine.kernels.linear import pack_int4_dot
+            from triton_backend.engine.cpu.linear import pack_int4_dot
 
             self.tiles, self.tile_scales = pack_int4_dot(q, scales, self.zeros)
             self.upcast_min_rows = choice.upcast_min_rows
@@ -172,7 +172,7 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, as a dense [out, in] tensor (for tests and checks)."""
         if self.kernel == "cpp_int4" or self.tiles is not None:
-            from triton_backend.engine.kernels.linear import dequantize_int4
+            from triton_backend.engine.cpu.linear import dequantize_int4
 
             tiles, scales = ((self.packed_weight, self.scales) if self.kernel == "cpp_int4"
                              else (self.tiles, self.tile_scales))

@@ -19,7 +19,7 @@ from torch import nn
 
 from triton_backend.engine import families
 from triton_backend.engine.attention import AttentionMetadata
-from triton_backend.engine.kernels.linear import PackedBf16Linear
+from triton_backend.engine.cpu.linear import PackedBf16Linear
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.lora.batch import LoRABatch
 
