@@ -119,9 +119,9 @@ def prefill(engine_dir: str, tokens: int, repeats: int, top: int,
     for i in range(repeats):
         timed.append(inprocess.prefill_alone(engine, tokens, seed=i + 1))
         if torch_attention:
-            engine.runner.kernel_attention = False
+            engine.runner.ops.inputs.kernel_attention = False
             baseline.append(inprocess.prefill_alone(engine, tokens, seed=i + 1)[0])
-            engine.runner.kernel_attention = True
+            engine.runner.ops.inputs.kernel_attention = True
     seconds = statistics.median(t for t, _ in timed)
     gemm, attention = linear_flops(engine, tokens)
     peak, achieved = max(rates.values()), (gemm + attention) / seconds / 1e9

@@ -196,7 +196,7 @@ def _fp8_speed(run: shape_checks.ShapeRun, settings: Settings, report: Report, f
         raise shape_checks.Skipped(f"needs the bf16 speed at c={c}, which its check did not give")
     count("engine_loads")
     engine = LLMEngine(fp8["engine_dir"], device=settings.device)
-    count("graph_captures", len(engine.runner.graphs.sizes) if engine.runner.graphs else 0)
+    count("graph_captures", len(engine.runner.ops.graphs.sizes) if engine.runner.ops.graphs else 0)
     kernels = fp8_kernels(engine.runner.model)
     ours = speed.engine_throughput(engine, [c], settings.prompt_len, settings.new_tokens,
                                    run.shape.vocab_size, settings.device)[0]

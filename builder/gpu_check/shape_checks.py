@@ -114,10 +114,10 @@ def capture(run: ShapeRun) -> None:
 
     runner = run.need("engine").runner
     with VARIANTS.warming():  # start-up work, as when the engine captures at load
-        runner.capture_graphs()
-    count("graph_captures", len(runner.graphs.sizes))
+        runner.ops.capture_graphs()
+    count("graph_captures", len(runner.ops.graphs.sizes))
     run.graphs = True
-    run.result["graph_batch_sizes"] = runner.graphs.sizes
+    run.result["graph_batch_sizes"] = runner.ops.graphs.sizes
 
 
 def parity_graphs(run: ShapeRun, report) -> None:

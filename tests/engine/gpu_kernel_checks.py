@@ -211,8 +211,8 @@ def _engine_case(engine_dir: str) -> int:
         if result.output_ids != expected:
             return 1
     hits = engine.get_stats()["prefix_cache_hit_tokens"]
-    print(f"engine: prefix-cache hit tokens {hits}, graph replays {engine.runner.graphs.num_replays}")
-    return 0 if hits >= 24 and engine.runner.graphs.num_replays > 0 else 1
+    print(f"engine: prefix-cache hit tokens {hits}, graph replays {engine.runner.ops.graphs.num_replays}")
+    return 0 if hits >= 24 and engine.runner.ops.graphs.num_replays > 0 else 1
 
 
 def _kernels_against_references(engine_dir: str) -> int:

@@ -78,10 +78,10 @@ def _count_decode_step(engine: LLMEngine, counter: LaunchCount) -> None:
     """The next step (every running sequence decodes one token), counted."""
     runner = engine.runner
     output = engine.scheduler.schedule()
-    chunks = runner._packing_order(output.chunks)
-    assert runner.graphs.covers(chunks)  # a captured decode step (replayed eagerly here)
+    chunks = runner.ops.inputs.packing_order(output.chunks)
+    assert runner.ops.graphs.covers(chunks)  # a captured decode step (replayed eagerly here)
     with counter, torch.inference_mode():
-        runner.graphs.run(chunks)
+        runner.ops.graphs.run(chunks)
 
 
 def main(engine_dir: str) -> int:

@@ -41,11 +41,11 @@ def test_greedy_ids_match_transformers_with_a_prefix_hit(tiny_engines, shape, gr
     assert engine.get_stats()["prefix_cache_hit_tokens"] >= 32
     for prompt, result in zip(prompts, first + second):
         assert result.output_ids == _expected(engine_dir, prompt)
-    assert (engine.runner.graphs is not None) == graphs
+    assert (engine.runner.ops.graphs is not None) == graphs
     stats = engine.get_stats()
     assert stats["gpu_backend"] == 1 and stats["cpp_kernels"] == 0
     if graphs:
-        assert stats["cuda_graph_replays"] == engine.runner.graphs.num_replays >= NEW_TOKENS - 1
+        assert stats["cuda_graph_replays"] == engine.runner.ops.graphs.num_replays >= NEW_TOKENS - 1
     else:
         assert stats["cuda_graph_replays"] == stats["cuda_graphs"] == 0
     bm = engine.block_manager
@@ -55,23 +55,23 @@ def test_greedy_ids_match_transformers_with_a_prefix_hit(tiny_engines, shape, gr
 def test_padded_rows_write_only_the_block_nobody_owns(tiny_engines):
     engine = LLMEngine(tiny_engines("llama_gqa"), num_kv_blocks=40)
     runner = engine.runner
-    tpb = runner.tokens_per_block
+    tpb = runner.config.kv_cache.tokens_per_block
     assert engine.block_manager.num_blocks == 40
     assert runner.kv_cache.k.shape[1] == 41 * tpb  # one more block: the padded rows'
     ids = [engine.add_request(Request(list(range(3 + i, 20 + i)), 6, ignore_eos=True))
            for i in range(3)]
     engine.step()  # the three prefills
     before = runner.kv_cache.k.clone()
-    replays = runner.graphs.num_replays
+    replays = runner.ops.graphs.num_replays
     engine.step()  # three decodes: the graph of 4, one padded row
-    assert runner.graphs.num_replays == replays + 1
+    assert runner.ops.graphs.num_replays == replays + 1
     changed = (runner.kv_cache.k != before).flatten(2).any(dim=2)  # [layers, slots]
     written = {int(s) for s in changed.any(dim=0).nonzero()}
     owned = [engine.sequences[i].block_table[17 // tpb] * tpb + 17 % tpb for i in ids]
     assert written == set(owned) | {40 * tpb}
     # The step's inputs: one contiguous run of ids, positions, slots for its 4 rows (the copy
     # from pinned memory is one contiguous block, not a slice of a wider buffer).
-    graphs = runner.graphs
+    graphs = runner.ops.graphs
     inputs = graphs._longs(4)
     assert all(row.is_contiguous() for row in inputs)
     assert inputs.data_ptr() == graphs.device_inputs.longs.data_ptr()

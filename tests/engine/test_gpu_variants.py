@@ -10,7 +10,7 @@ import pytest
 from triton_backend.engine import Request
 from triton_backend.engine.gpu import warmup
 from triton_backend.engine.gpu.graphs import CAPTURE_SIZES_ENV, capture_sizes
-from triton_backend.engine.gpu.ops import split_buckets, split_count
+from triton_backend.engine.gpu.paged_attention import split_buckets, split_count
 from triton_backend.engine.gpu.variants import VARIANTS
 from triton_backend.engine.llm_engine import LLMEngine
 from triton_backend.engine.offline import generate

@@ -9,7 +9,8 @@ from triton_backend.engine.cpu.kernels import load_cpu_kernels
 from triton_backend.engine.cpu.linear import (PLAN_ENV, Bf16GemmPlan, PackedBf16Linear,
                                                   _plan_from_timings, available_layouts,
                                                   bf16_gemm_plan, pack_weight)
-from triton_backend.engine.ops import CppOps, TorchOps
+from triton_backend.engine.cpu.ops import CppOps
+from triton_backend.engine.ops import TorchOps
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels did not build")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -421,7 +422,7 @@ def test_torch_and_cpp_backends_agree_on_a_one_byte_cache(tiny_engines, tmp_path
             monkeypatch.setattr(model_runner, "select_ops", lambda device: TorchOps())
         engine = LLMEngine(engine_dir, enable_prefix_caching=False)
         assert engine.runner.ops.name == name
-        assert (engine.runner.decode_forward is not None) == (name == "cpp")
+        assert (getattr(engine.runner.ops, "decode_forward", None) is not None) == (name == "cpp")
         ids = [r.output_ids for r in generate(engine, requests())]
         runs[name] = ids, engine.runner.kv_cache
     assert runs["cpp"][0] == runs["torch"][0]
@@ -446,13 +447,13 @@ def _fast_and_python_ids(engine_dir):
     # The second pass must compute what the first did: with the prefix cache it would reuse the
     # first pass's blocks and prefill the rest on another path (equal in fp32, not in bf16).
     engine = LLMEngine(engine_dir, enable_prefix_caching=False)
-    fast = engine.runner.decode_forward
+    fast = engine.runner.ops.decode_forward
     assert fast is not None and fast.supported
     covered = []
     covers = fast.covers
     fast.covers = lambda meta, rows: covered.append(covers(meta, rows)) or covered[-1]
     with_fast = [r.output_ids for r in generate(engine, requests())]
-    engine.runner.decode_forward = None
+    engine.runner.ops.decode_forward = None
     without = [r.output_ids for r in generate(engine, requests())]
     return with_fast, without, sum(covered)
 
@@ -481,8 +482,8 @@ def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
     for shape, declared in (("qwen3_qk_norm", False), ("llama_gqa", True)):
         runner = LLMEngine(tiny.build_engine(tmp_path / shape, shape, dtype="bfloat16")).runner
         assert DecodeForward(runner.model, runner.kv_cache, torch.bfloat16).supported is declared
-        if runner.decode_forward is not None:
-            assert runner.decode_forward.supported is declared
+        if runner.ops.decode_forward is not None:
+            assert runner.ops.decode_forward.supported is declared
 
 
 def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None):
@@ -616,7 +617,7 @@ def test_the_plan_timings_are_not_decided_by_a_burst_of_load(monkeypatch):
     """Candidates are timed in turns and each by its fastest run: load that falls on some runs
     (here 5 extra units on every other call of the faster candidate, 3 on the first rounds of
     the other) leaves each candidate's own cost, so the ratio and the plan stay as unloaded."""
-    from triton_backend.engine.cpu.kernels import linear
+    from triton_backend.engine.cpu import linear
 
     clock = {"now": 0.0}
     monkeypatch.setattr(linear.time, "perf_counter", lambda: clock["now"])

@@ -64,14 +64,14 @@ def test_the_decode_fast_path_adds_the_adapters_as_the_python_model(lora_build, 
     requests = lambda: [Request(PROMPT[:10 + 3 * i], 14, ignore_eos=True,  # noqa: E731
                                 lora_task_id=t) for i, t in enumerate(task_ids)]
     llm = LLMEngine(engine_dir, enable_prefix_caching=False)
-    fast = llm.runner.decode_forward
+    fast = llm.runner.ops.decode_forward
     assert fast is not None and fast.supported
     calls = []
     forward = fast.__call__
-    llm.runner.decode_forward = lambda *args: calls.append(args[3]) or forward(*args)
-    llm.runner.decode_forward.covers = fast.covers
+    llm.runner.ops.decode_forward = lambda *args: calls.append(args[3]) or forward(*args)
+    llm.runner.ops.decode_forward.covers = fast.covers
     with_fast = [r.output_ids for r in generate(llm, requests())]
-    llm.runner.decode_forward = None
+    llm.runner.ops.decode_forward = None
     assert [r.output_ids for r in generate(llm, requests())] == with_fast
     with_adapters = [lora for lora in calls if lora is not None]
     assert len(with_adapters) >= 10

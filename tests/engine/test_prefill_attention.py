@@ -161,7 +161,7 @@ def _record_prefill_chunks(runner) -> set[int]:
     """How many keys came before each chunk the runner sends to the prefill kernel (in the
     one-call path or op by op), gathered as it prepares each step."""
     keys_before: set[int] = set()
-    prepare = runner._prepare
+    prepare = runner.ops.inputs.prepare
 
     def recording(chunks):
         prepared = prepare(chunks)
@@ -170,7 +170,7 @@ def _record_prefill_chunks(runner) -> set[int]:
             keys_before.update(n - r for n, r in zip(run.seq_lens.tolist(), rows))
         return prepared
 
-    runner._prepare = recording
+    runner.ops.inputs.prepare = recording
     return keys_before
 
 

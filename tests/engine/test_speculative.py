@@ -242,7 +242,7 @@ def test_verify_steps_and_prefills_after_a_cached_prefix_take_the_one_call_decod
     requests = lambda: [Request(p, 20 + i, streaming=bool(i % 2), ignore_eos=True)  # noqa: E731
                         for i, p in enumerate(prompts)]
     fast_engine = LLMEngine(engine_dir, num_kv_blocks=128)
-    fast, run = fast_engine.runner.decode_forward, fast_engine.runner.run
+    fast, run = fast_engine.runner.ops.decode_forward, fast_engine.runner.run
     assert fast is not None and fast.supported
     kinds = []  # per step run in one call: (has a verify chunk, has a prefill after a hit)
 
@@ -262,7 +262,7 @@ def test_verify_steps_and_prefills_after_a_cached_prefix_take_the_one_call_decod
 
     reference = LLMEngine(engine_dir, num_kv_blocks=128, enable_prefix_caching=False,
                           enable_speculative_decoding=False)
-    reference.runner.decode_forward = None
+    reference.runner.ops.decode_forward = None
     expected = [r.output_ids for r in generate(reference, requests())]
     assert got == expected
     assert any(verify for verify, _ in kinds), "no verify step ran in one call"

@@ -3,7 +3,7 @@
 All tokens of a step are packed into one flat tensor [T, ...]. This is the pure-torch reference:
 decodes (one new token each) are attended in one batched call over their gathered keys; prefill
 chunks one sequence at a time with a causal mask offset by the tokens already in the cache. The C++
-backend (`ops.CppOps`) attends the first `kernel_rows` packed rows (short queries: decodes) with a
+backend (`cpu/ops.py`) attends the first `kernel_rows` packed rows (short queries: decodes) with a
 kernel that reads the paged cache in place, and the longer chunks after them (`prefill_runs`) with
 a prefill kernel that reads it in place too. The metadata is built once per step by the model
 runner and passed explicitly (no hidden global context).

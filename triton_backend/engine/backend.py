@@ -1,5 +1,5 @@
 """Which ops backend a device gets, decided once when a model runner loads: the GPU backend
-(`gpu/ops.py`) on CUDA where Triton imports, the C++ kernels (`ops.CppOps`) on a CPU where they
+(`gpu/ops.py`) on CUDA where Triton imports, the C++ kernels (`cpu/ops.py`) on a CPU where they
 build, the torch reference (`ops.TorchOps`) everywhere else."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from triton_backend.engine.ops import CppOps, TorchOps
+from triton_backend.engine.ops import TorchOps
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +18,7 @@ def select_ops(device: torch.device) -> TorchOps:
     load, else the torch reference. `LLM_FORGE_KERNELS=gpu` runs the GPU backend's step on any
     device (its kernels' torch references off CUDA: tests and `forge gpu-check --device cpu`)."""
     from triton_backend.engine.cpu.kernels import ENV_SWITCH, load_cpu_kernels
+    from triton_backend.engine.cpu.ops import CppOps
 
     if device.type == "cuda" or os.environ.get(ENV_SWITCH, "").strip().lower() == "gpu":
         from triton_backend.engine.gpu.ops import GpuOps

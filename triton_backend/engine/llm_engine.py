@@ -323,9 +323,7 @@ class LLMEngine:
                     num_waiting_requests=len(sched.waiting),
                     num_waiting_tokens=sched.waiting.load()[1],
                     tokens_per_block=bm.tokens_per_block,
-                    cpp_kernels=int(self.runner.ops.name == "cpp"),
-                    gpu_backend=int(self.runner.ops.name == "gpu"),
-                    **self.runner.graph_stats(),
+                    **self.runner.ops.stats(),
                     **self.grammars.get_stats(),
                     **prefix_cache_stats(bm, sched), **self._spec_stats(), **self._lora_stats())
 

@@ -102,7 +102,7 @@ class Transformer(nn.Module):
 class CausalLM(nn.Module):
     """forward(packed ids, positions, cache, metadata, ops) -> hidden states; `logits` projects
     rows. `lm_head` is None while the embeddings are tied (the projection reads the embedding
-    table) unless a kernel gave it a layout of its own (`kernels.linear.pack_linears`).
+    table) unless a kernel gave it a layout of its own (`cpu.linear.pack_linears`).
     `progress` advances after every decoder layer, so a long prefill shows the engine's watchdog
     that it moves (the runner shares its engine's counter here)."""
 

@@ -1,28 +1,105 @@
-"""The per-layer operations of the decoder, in two interchangeable backends.
+"""A device backend: the per-layer operations of the decoder, and its part in a model runner.
 
-`TorchOps` is the reference: plain torch ops, runs on any device. `CppOps` runs the same
-operations through the CPU kernels of `cpu/csrc` (fused RMSNorm + residual, SiLU * up,
-rotary + KV-cache write, paged decode attention that reads the cache in place), with one call
-where torch needs several. Both round where the other rounds, so they agree up to fp32 summation
-order; tests hold them to that.
+`TorchOps` is the reference backend: plain torch ops, runs on any device. The CPU backend
+(`cpu/ops.py`: the C++ kernels) and the GPU backend (`gpu/ops.py`: Triton kernels, CUDA graphs)
+subclass it, rounding where it rounds, so they agree up to fp32 summation order; tests hold them
+to that. Which one a runner gets is decided once at load (`backend.select_ops`).
 
-Attention in `CppOps` is two kernels over the cache in place: the paged decode kernel for one-row
-queries (`meta.kernel_rows`), the prefill kernel for longer ones (`meta.prefill_runs`).
-
-The model calls `ops.<op>(...)`; which backend it gets is decided once at load
-(`backend.select_ops`): the GPU backend (`gpu/ops.py`) on CUDA, the C++ one on a CPU when the
-kernels built, the torch one otherwise (or when `LLM_FORGE_KERNELS=torch`).
+A backend is one interface the model runner calls without asking which backend it is:
+`prepare` makes the loaded model, its KV cache and adapters ready for the device (packing,
+warm-up, graph capture) and sets up the step's inputs (`step_inputs.StepInputs`, routed by
+`attends_in_place` / `prefills_in_place`); `launch` runs a step (the backend's fast step where
+it covers it: captured graphs on the GPU, the one-call decode on the CPU) and returns its logits;
+`greedy_picks` reads a fast step's own greedy picks; `device_sampler`, `greedy_pick` and
+`lora_add_rows` are the backend's sampling and adapter kernels (None: the torch paths); `stats`
+its counters. The model calls `ops.<op>(...)` per layer.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from triton_backend.engine.attention import AttentionMetadata, paged_attention, prefill_attention
+from triton_backend.engine.attention import AttentionMetadata, paged_attention
+from triton_backend.engine.config import EngineConfig
+from triton_backend.engine.device import host_to_device
 from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.step_inputs import StepInputs
+
+
+@dataclass
+class Launched:
+    """A launched step: the logits of the rows that sample (float32 [n, V]; None when none
+    does), every packed row's when asked for, and the backend's own greedy pick of each sampling
+    row ([n, 2]: token id, log prob) when its fast step computed them."""
+
+    logits: torch.Tensor | None
+    all_logits: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
+
 
 class TorchOps:
     name = "torch"
+    extra_kv_blocks = 0   # blocks past the pool the backend's own step writes
+    device_sampler = None  # samples on the device the rows it takes (gpu/sampling.py)
+    greedy_pick = None     # (logits, masked rows, masked ids) -> (ids, log probs), on the host
+    lora_add_rows = None   # adds an adapter's delta to a few rows in one pass (lora/batch.py)
+
+    def graph_sizes(self, config: EngineConfig, cuda_graphs: bool) -> list[int]:
+        """The decode batch sizes the backend captures at load (their memory is kept out of
+        the KV pool's budget: kv_pool.free_memory_blocks)."""
+        return []
+
+    def prepare(self, model, kv_cache: PagedKVCache, config: EngineConfig, dtype: torch.dtype,
+                lora, num_blocks: int, cuda_graphs: bool = True) -> None:
+        """Make a loaded model, its KV cache (`num_blocks` the block manager hands out) and its
+        adapter cache (`lora`, or None) ready for this backend's steps."""
+        if config.quantization.lm_head == "int8":
+            raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
+                             "in_features divisible by 32")
+        self.bind(model, kv_cache, config, dtype)
+
+    def bind(self, model, kv_cache: PagedKVCache, config: EngineConfig, dtype: torch.dtype
+             ) -> None:
+        """The model and cache this backend's steps run on, and their inputs' builder."""
+        self.model, self.kv_cache = model, kv_cache
+        self.inputs = StepInputs(self, config.kv_cache.tokens_per_block, kv_cache.k.device,
+                                 self.reads_cache_in_place(kv_cache, dtype),
+                                 kv_cache.k.element_size() == 1)
+
+    def launch(self, chunks, lora, return_logits: bool) -> Launched:
+        """Run a step over `chunks` (in `inputs.packing_order`); logits, when asked for, are
+        [T, V] in packed-row order."""
+        input_ids, positions, meta, sample_rows = self.inputs.prepare(chunks)
+        hidden = self.forward(input_ids, positions, meta, lora)
+        all_logits = self.model.logits(hidden) if return_logits else None
+        if not sample_rows:
+            return Launched(None, all_logits)
+        rows = host_to_device(sample_rows, torch.long, self.inputs.device)
+        logits = all_logits[rows] if all_logits is not None else self.model.logits(hidden[rows])
+        return Launched(logits, all_logits)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, lora) -> torch.Tensor:
+        """The step's hidden states [T, hidden], every layer."""
+        return self.model(input_ids, positions, self.kv_cache, meta, self, lora)
+
+    def greedy_picks(self, launched: Launched, chunks, eos_ids: dict[int, frozenset[int]]
+                     ) -> dict[int, tuple[int, float]] | None:
+        """seq_id -> (token, log prob) from a fast step's own greedy picks, when they serve
+        every row; None: sample the logits."""
+        return None
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished sequence's sampling state on the device."""
+
+    def reset_sampling(self) -> None:
+        """Forget every sequence's sampling state on the device."""
+
+    def stats(self) -> dict[str, int]:
+        """For the engine's stats: which backend runs, and its fast step's counters."""
+        return {"cpp_kernels": 0, "gpu_backend": 0, "cuda_graphs": 0, "cuda_graph_replays": 0}
 
     def reads_cache_in_place(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
         """Whether this backend's attention kernel reads `cache` without gathering it."""
@@ -85,91 +162,3 @@ class TorchOps:
         v = v.view(-1, num_kv_heads, head_dim)
         q, k = rotary(positions, q, k)
         return paged_attention(layer, q, k, v, cache, meta, scale, window).reshape(-1, q_size)
-
-
-class CppOps(TorchOps):
-    """The C++ kernels (`torch.ops.llm_forge`); load them before constructing."""
-
-    name = "cpp"
-
-    def __init__(self) -> None:
-        self._ops = torch.ops.llm_forge
-
-    def reads_cache_in_place(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
-        return cache.kernel_reads(dtype)
-
-    def attends_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
-        # One new row (a decode) takes the paged kernel, which splits a long context over the
-        # threads; two or more (a chunk of a prompt, a decode with its draft tokens) the prefill
-        # kernel, which reads each key once for all of them where the paged kernel reads it once
-        # per row (bf16, 9 query heads over 3 kv heads, one thread of a Zen 5 EPYC: 2 rows over
-        # 2,048 keys 1.7x as fast, 5 rows 4.5x, 64 rows 7.9x). Both run in the one-call decode
-        # path (kernels/forward.py). Over a one-byte cache a prompt's first chunk attends its keys
-        # as computed, not as stored (as the torch path does, and TensorRT-LLM's context phase):
-        # the prefill kernel reads them from the step's own rows.
-        return num_new == 1 and not (one_byte_cache and num_computed == 0)
-
-    def prefills_in_place(self, num_new: int, num_computed: int, one_byte_cache: bool) -> bool:
-        return True
-
-    def rms_norm(self, x, weight, eps):
-        return self._ops.rms_norm(x.contiguous(), weight, eps)
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        # The residual stream is updated in place: it is this step's own buffer.
-        return self._ops.add_rms_norm(x.contiguous(), residual, weight, eps), residual
-
-    def silu_mul(self, gate_up):
-        return self._ops.silu_mul(gate_up.contiguous())
-
-    def gelu_tanh_mul(self, gate_up):
-        return self._ops.gelu_tanh_mul(gate_up.contiguous())
-
-    def qk_norm(self, qkv, q_weight, k_weight, num_heads, num_kv_heads, eps):
-        qkv = qkv.contiguous()  # normed in place: the projection's own output
-        self._ops.qk_norm_(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
-        return qkv
-
-    def attention(self, layer, qkv, positions, rotary, cache, meta, num_heads, num_kv_heads,
-                  head_dim, scale, window=None):
-        if not cache.kernel_reads(qkv.dtype):
-            return super().attention(layer, qkv, positions, rotary, cache, meta, num_heads,
-                                     num_kv_heads, head_dim, scale, window)
-        qkv = qkv.contiguous()
-        # A one-byte cache (int8, FP8) is quantized on write and widened on read by the kernels.
-        k_scale, v_scale = cache.layer_scales(layer)
-        self._ops.rope_write_cache(qkv, positions, rotary.cos, rotary.sin, num_heads,
-                                   num_kv_heads, cache.k[layer], cache.v[layer],
-                                   meta.slot_mapping, k_scale, v_scale)
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        q = qkv[:, :q_size].view(-1, num_heads, head_dim)
-        out = torch.empty_like(q)
-        rows = meta.kernel_rows
-        if rows:  # short queries (decodes): the paged kernel, in place over the cache
-            out[:rows] = self._ops.paged_attention(
-                q[:rows], cache.k[layer], cache.v[layer], meta.block_tables, meta.seq_lens,
-                meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale, window or 0)
-        for run in meta.prefill_runs:  # long chunks: the prefill kernel, written into out
-            span = slice(run.row_begin, run.row_end)
-            keys, values, scales = cache.k[layer], cache.v[layer], (k_scale, v_scale)
-            if run.keys_as_computed:  # the run's own rotated rows, in the activations' dtype
-                keys = qkv[span, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
-                values = qkv[span, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
-                scales = (1.0, 1.0)
-            if window is not None and run.max_seq_len > window:
-                # The prefill kernel attends every key up to a row; the paged kernel stops at
-                # the window (reading each key once per row: local layers' long prompts only).
-                out[span] = self._ops.paged_attention(
-                    q[span], keys.contiguous(), values.contiguous(), run.block_tables,
-                    run.seq_lens, run.query_start, run.tokens_per_block, scale, *scales, window)
-                continue
-            self._ops.prefill_attention(out[span], q[span], keys, values, run.block_tables,
-                                        run.seq_lens, run.query_start, run.tokens_per_block,
-                                        scale, *scales)
-        if meta.prefills:  # chunks routed to torch's flash attention over the rotated q, k, v
-            k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
-            v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
-            for chunk in meta.prefills:
-                out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk,
-                                                                   scale, window)
-        return out.view(-1, q_size)

@@ -18,7 +18,6 @@ import random
 
 import torch
 
-from triton_backend.engine.cpu import kernels
 from triton_backend.engine.scheduler import ScheduledChunk
 
 
@@ -31,8 +30,11 @@ class SamplingError(RuntimeError):
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, greedy_pick=None) -> None:
+        """`greedy_pick`: the backend's kernel for greedy picks of host rows (logits float32
+        [n, V], masked rows, masked ids) -> (ids, log probs); None: torch's argmax."""
         self._generators: dict[int, torch.Generator] = {}
+        self._greedy_pick = greedy_pick
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -67,9 +69,9 @@ class Sampler:
             if below_min_tokens(chunks[i], eos):
                 masked_rows.extend([r] * len(eos))
                 masked_ids.extend(eos)
-        if batch.device.type == "cpu" and kernels.loaded():  # no batch copy; two passes a row
-            tokens, log_probs = kernels.ops().greedy_pick(batch.float().contiguous(), masked_rows,
-                                                          masked_ids)
+        if batch.device.type == "cpu" and self._greedy_pick is not None:  # two passes a row
+            tokens, log_probs = self._greedy_pick(batch.float().contiguous(), masked_rows,
+                                                  masked_ids)
             return list(zip(tokens.tolist(), log_probs.tolist()))
         if masked_rows:
             batch = batch.clone()

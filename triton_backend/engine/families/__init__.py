@@ -4,7 +4,7 @@ A family (`llama.LlamaFamily` or a subclass) holds everything that differs betwe
 families: reading the shape from an HF `config.json`, the one table of HF -> runtime weight names
 (used by conversion, ModelOpt's quantization and LoRA), the module tree the runtime builds (and
 the parameter count, read off it), and whether the C++ one-call decode path
-(`kernels/forward.py`) runs its layers.
+(`cpu/forward.py`) runs its layers.
 Adding a family is adding a module here that declares its `FAMILIES`; nothing else lists them;
 what several families share lives in a module whose name starts with `_` (not loaded as one)
 (the module imports nothing from this package's `__init__`, so the registry it loads never

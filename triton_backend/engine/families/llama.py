@@ -55,7 +55,7 @@ class LlamaFamily:
         Weight("transformer.vocab_embedding", ("model.embed_tokens",)),
         Weight("transformer.ln_f", ("model.norm",)),
     )
-    # The C++ one-call decode path (kernels/forward.py) computes exactly this family's layers.
+    # The C++ one-call decode path (cpu/forward.py) computes exactly this family's layers.
     fused_decode = True
 
     def __init__(self, name: str, model_types: tuple[str, ...], qkv_bias: bool = False,

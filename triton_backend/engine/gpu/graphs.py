@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 CAPTURE_SIZES_ENV = "LLM_FORGE_CUDA_GRAPH_BATCH_SIZES"
+CUDA_GRAPHS_ENV = "LLM_FORGE_CUDA_GRAPHS"  # "0": every GPU step eagerly
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:

@@ -15,18 +15,27 @@ reference, which reads the metadata on the host.
 """
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 
 from triton_backend.engine.attention import AttentionMetadata, _decode, prefill_attention
+from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.gpu import fused
+from triton_backend.engine.gpu.graphs import CUDA_GRAPHS_ENV, DecodeGraphs, capture_sizes
 from triton_backend.engine.gpu.moe import fused_moe, stacked_experts
+from triton_backend.engine.gpu.sampling import DeviceSampler
 from triton_backend.engine.gpu.paged_attention import (launch_constants, paged_attention,
-                                                       paged_attention_reference, variant_key)
+                                                       paged_attention_reference, split_count,
+                                                       variant_key)
 from triton_backend.engine.gpu.triton_support import available, interpreted
 from triton_backend.engine.gpu.variants import VARIANTS
+from triton_backend.engine.gpu.warmup import warm_up
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.moe import route
-from triton_backend.engine.ops import TorchOps
+from triton_backend.engine.ops import Launched, TorchOps
+from triton_backend.engine.sampler import below_min_tokens
 
 KV_KINDS = {"auto": 0, "int8": 1, "fp8": 2}  # the fused cache write's formats
 
@@ -40,32 +49,13 @@ def _cache_views(cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.T
     return k_cache, v_cache
 
 
-MAX_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 256
-
-
-def split_count(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits of the keys for a decode batch: enough programs to fill the GPU's SMs twice when the
-    batch is small, each split at least 256 keys long, at most 16; rounded down to a power of
-    two, so a step of any length meets one of a few kernel variants, all compiled at start-up
-    (`split_buckets`), instead of a new one at each 256-key boundary."""
-    programs = max(1, batch * num_kv_heads)
-    wanted = -(-2 * num_sms // programs)
-    splits = max(1, min(MAX_SPLITS, wanted, max_seq_len // MIN_KEYS_PER_SPLIT or 1))
-    return 1 << (splits.bit_length() - 1)
-
-
-def split_buckets(num_kv_heads: int, max_seq_len: int, num_sms: int) -> list[int]:
-    """Every split count an engine of `max_seq_len` can meet (a batch of one is the most)."""
-    most = split_count(1, num_kv_heads, max_seq_len, num_sms)
-    return [1 << i for i in range(most.bit_length())]
-
-
 class GpuOps(TorchOps):
     """`kernel_max_query` None: the paged kernel takes chunks of any length."""
 
     name = "gpu"
     kernel_max_query = None
+    # The captured steps' padded rows write to one block past the pool, which nobody owns.
+    extra_kv_blocks = 1
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -76,6 +66,76 @@ class GpuOps(TorchOps):
                         if device.type == "cuda" else 4)
         if device.type == "cuda":
             VARIANTS.hook_compiles()
+        self.graphs = None
+
+    def graph_sizes(self, config: EngineConfig, cuda_graphs: bool) -> list[int]:
+        """None without graphs. A mixture of experts groups its rows by expert (a data-dependent
+        shape), which a captured graph cannot replay: its steps run eagerly."""
+        if (os.environ.get(CUDA_GRAPHS_ENV, "1") == "0" or not cuda_graphs
+                or config.model.num_experts):
+            return []
+        return capture_sizes(config.limits.max_batch_size)
+
+    def prepare(self, model, kv_cache, config, dtype, lora, num_blocks, cuda_graphs=True):
+        """Sampling on the device, every Triton kernel variant compiled (warmup.py), and decode
+        steps captured as CUDA graphs (unless turned off), their padded rows writing to the block
+        past the pool."""
+        shape = config.model
+        if shape.sliding_window is not None:
+            raise ValueError(f"model.sliding_window ({shape.sliding_window}): the GPU backend's "
+                             f"paged kernel does not attend local windows yet; run this engine "
+                             f"on the CPU (forge generate --device cpu)")
+        super().prepare(model, kv_cache, config, dtype, lora, num_blocks)
+        self.device_sampler = DeviceSampler()
+        self.prepare_model(model)
+        self.config, self.pad_slot = config, num_blocks * config.kv_cache.tokens_per_block
+        with warm_up(model, kv_cache, self, self.pad_slot, config.limits.max_seq_len):
+            if self.graph_sizes(config, cuda_graphs):
+                self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode steps; from then on they replay."""
+        limits = self.config.limits
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self, limits.max_batch_size,
+                                   limits.max_seq_len, self.pad_slot, self.device)
+        with torch.inference_mode():
+            self.graphs.capture()
+
+    def launch(self, chunks, lora, return_logits):
+        """A decode step a captured graph covers replays it (every row samples, one each)."""
+        if (self.graphs is not None and not return_logits and self.graphs.covers(chunks)
+                and all(c.needs_sample for c in chunks)):
+            logits, greedy = self.graphs.run(chunks)
+            return Launched(logits, None, greedy)
+        return super().launch(chunks, lora, return_logits)
+
+    def greedy_picks(self, launched, chunks, eos_ids):
+        """The graph's own greedy picks, when every row is plain greedy (nothing masked, no
+        alternatives asked) and none saw a non-finite logit: the step's one copy to the host."""
+        if launched.greedy is None or not all(
+                c.request.sampling.greedy and not c.request.top_log_probs
+                and self.device_sampler.takes(c) and not below_min_tokens(c, eos_ids[c.seq_id])
+                for c in chunks):
+            return None
+        picks = launched.greedy.cpu().tolist()
+        if not all(math.isfinite(log_prob) for _, log_prob in picks):
+            return None
+        return {c.seq_id: (int(token), log_prob) for c, (token, log_prob) in zip(chunks, picks)}
+
+    def release(self, seq_id: int) -> None:
+        if self.device_sampler is not None:
+            self.device_sampler.release(seq_id)
+
+    def reset_sampling(self) -> None:
+        if self.device_sampler is not None:
+            self.device_sampler = DeviceSampler()
+
+    def stats(self) -> dict[str, int]:
+        """Captured decode graphs and how many steps replayed one, and the kernel variants."""
+        graphs = self.graphs
+        return dict(super().stats(), gpu_backend=1, **self.kernel_stats(),
+                    cuda_graphs=len(graphs.graphs) if graphs is not None else 0,
+                    cuda_graph_replays=graphs.num_replays if graphs is not None else 0)
 
     def reads_cache_in_place(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
         return True
@@ -129,7 +189,7 @@ class GpuOps(TorchOps):
                   cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
                   num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
                   ) -> torch.Tensor:
-        if window is not None:  # refused at load (model_runner): never reached by a step
+        if window is not None:  # refused at load (prepare): never reached by a step
             raise ValueError("the GPU backend does not attend sliding windows")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)

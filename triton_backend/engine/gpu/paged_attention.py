@@ -233,3 +233,24 @@ if triton is not None:
         result = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
         tl.store(Out + token * stride_ot + head * stride_oh + dims, result.to(Out.dtype.element_ty),
                  mask=dim_ok)
+
+
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256
+
+
+def split_count(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits of the keys for a decode batch: enough programs to fill the GPU's SMs twice when the
+    batch is small, each split at least 256 keys long, at most 16; rounded down to a power of
+    two, so a step of any length meets one of a few kernel variants, all compiled at start-up
+    (`split_buckets`), instead of a new one at each 256-key boundary."""
+    programs = max(1, batch * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    splits = max(1, min(MAX_SPLITS, wanted, max_seq_len // MIN_KEYS_PER_SPLIT or 1))
+    return 1 << (splits.bit_length() - 1)
+
+
+def split_buckets(num_kv_heads: int, max_seq_len: int, num_sms: int) -> list[int]:
+    """Every split count an engine of `max_seq_len` can meet (a batch of one is the most)."""
+    most = split_count(1, num_kv_heads, max_seq_len, num_sms)
+    return [1 << i for i in range(most.bit_length())]

@@ -3,7 +3,7 @@ once before the first request, so that no request waits for a compile.
 
 The variants (`variants.py`): the fused ops of this model's shapes (norm with and without the
 residual, SiLU * up, rotary with the cache write in the cache's format) and the paged kernel at
-each split count a decode can take (`ops.split_buckets`) and each query tile a chunk over a
+each split count a decode can take (`paged_attention.split_buckets`) and each query tile a chunk over a
 cached prefix can take (`query_buckets`); over a one-byte cache, also each query tile of a first
 chunk's run over its own keys. Each is one forward of padded tokens: they attend nothing
 (`seq_lens` 0) and write their keys to the slot no sequence owns (`pad_slot`), as a captured
@@ -18,8 +18,8 @@ from typing import Iterator
 import torch
 
 from triton_backend.engine.attention import AttentionMetadata, PrefillRun
-from triton_backend.engine.gpu.ops import MIN_KEYS_PER_SPLIT, split_buckets
-from triton_backend.engine.gpu.paged_attention import launch_constants
+from triton_backend.engine.gpu.paged_attention import (MIN_KEYS_PER_SPLIT, launch_constants,
+                                                       split_buckets)
 from triton_backend.engine.gpu.variants import VARIANTS
 
 

@@ -13,7 +13,7 @@ import torch
 
 from triton_backend.engine.lora.cache import ResidentAdapter
 
-# The projections of a layer in the order the C++ decode path runs them (`kernels/forward.py`).
+# The projections of a layer in the order the C++ decode path runs them (`cpu/forward.py`).
 PROJECTIONS = ("qkv", "dense", "gate_up", "proj")
 # From this many rows on, a run takes the packed bf16 kernel when the adapter has it; below, the
 # float32 product is faster (one row: 8 us vs 12 us per pair of torch GEMMs here, and less in one
@@ -29,12 +29,12 @@ class LoRARun:
 
 
 class LoRABatch:
-    def __init__(self, runs: list[LoRARun], few_rows_kernel: bool = False) -> None:
-        """`few_rows_kernel`: runs of fewer than PACKED_MIN_ROWS rows take the C++ kernels'
-        `lora_add_rows` (one pass per row instead of two GEMM calls, a cast and an add), as the
-        C++ decode path does."""
+    def __init__(self, runs: list[LoRARun], few_rows=None) -> None:
+        """`few_rows`: the backend's `lora_add_rows` kernel (out, x, A^T, B^T), which runs of
+        fewer than PACKED_MIN_ROWS rows take (one pass per row instead of two GEMM calls, a cast
+        and an add), as the CPU backend's one-call decode path does; None: the torch path."""
         self.runs = runs
-        self.few_rows_kernel = few_rows_kernel
+        self.few_rows = few_rows
 
     def kernel_arguments(self, num_layers: int) -> tuple[list[torch.Tensor | None], list[int]]:
         """The runs' weights as the C++ decode path reads them (per layer, projection and run:
@@ -68,8 +68,8 @@ class LoRABatch:
                 continue
             rows = run.end - run.start
             packed = run.adapter.packed.get((layer, module)) if rows >= PACKED_MIN_ROWS else None
-            if packed is None and self.few_rows_kernel and rows < PACKED_MIN_ROWS:
-                torch.ops.llm_forge.lora_add_rows(
+            if packed is None and self.few_rows is not None and rows < PACKED_MIN_ROWS:
+                self.few_rows(
                     out if rows == out.shape[0] else out.narrow(0, run.start, rows),
                     x if rows == out.shape[0] else x.narrow(0, run.start, rows),
                     *run.adapter.few_rows_pair((layer, module)))

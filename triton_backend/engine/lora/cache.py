@@ -9,7 +9,7 @@ Two tiers, both least recently used first out:
   a request naming their task id alone is refused until the weights are sent again (NVIDIA's
   semantics).
 - resident (`max_loras`): the host copy made ready for `x @ A^T @ B^T` when a step first needs
-  the adapter. A bf16 engine whose projections use the packed bf16 kernel (`kernels/linear.py`)
+  the adapter. A bf16 engine whose projections use the packed bf16 kernel (`cpu/linear.py`)
   also packs A and B for that kernel (from 4 rows on about twice as fast as torch's fp32 GEMM
   here); A^T and B^T are always kept in float32, for fewer rows and for other engines: torch's
   CPU GEMM for rank-wide shapes is several times faster in float32 than in bfloat16 (one
@@ -79,7 +79,8 @@ class AdapterCache:
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
         self.resident: OrderedDict[int, ResidentAdapter] = OrderedDict()
         self.holds: Counter[int] = Counter()
-        self.packed_plan = None  # a Bf16GemmPlan: pack resident adapters for its kernel
+        # The backend's packing of a resident adapter's A and B for its GEMM (None: none).
+        self.pack = None
         self.progress = progress or Progress()
         self.stats = {"lora_num_loads": 0, "lora_num_evictions": 0,
                       "lora_num_host_loads": 0, "lora_num_host_evictions": 0,
@@ -202,13 +203,8 @@ class AdapterCache:
                 pairs[slot] = (a.float().t().contiguous(), b.float().t().contiguous())
                 if a.dtype == torch.bfloat16:
                     stored[slot] = (a.t().contiguous(), b.t().contiguous())
-                if self.packed_plan is not None:
-                    from triton_backend.engine.cpu.linear import PackedBf16Linear
-
-                    plan = self.packed_plan
-                    packed[slot] = tuple(
-                        PackedBf16Linear(w.to(torch.bfloat16), None, plan.upcast_min_rows,
-                                         plan.layout) for w in (a, b))
+                if self.pack is not None:
+                    packed[slot] = (self.pack(a), self.pack(b))
         self.resident[task_id] = ResidentAdapter(task_id, pairs, packed, stored)
         self.stats["lora_num_loads"] += 1
         self.stats["lora_load_seconds"] += time.perf_counter() - started
