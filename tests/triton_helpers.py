@@ -146,7 +146,7 @@ def build_tiny_tokenizer(target: Path) -> Path:
 
 
 def build_tiny_engine(workdir: Path, name: str = "tiny", max_batch_size: int = 16,
-                      num_kv_blocks: int = 256, max_seq_len: int = 160, seed: int = 0,
+                      kv_cache_num_blocks: int = 256, max_seq_len: int = 160, seed: int = 0,
                       max_input_len: int = 64, speculative: dict | None = None,
                       spec_sections: dict | None = None) -> Path:
     """Random-weight Llama checkpoint -> engine dir (float32, CPU). Returns the engine dir."""
@@ -170,6 +170,6 @@ def build_tiny_engine(workdir: Path, name: str = "tiny", max_batch_size: int = 1
         "output": str(workdir / "engines" / name),
         "limits": {"max_batch_size": max_batch_size, "max_num_tokens": 256,
                    "max_input_len": max_input_len, "max_seq_len": max_seq_len},
-        "kv_cache": {"tokens_per_block": 16, "num_blocks": num_kv_blocks},
+        "kv_cache": {"tokens_per_block": 16, "num_blocks": kv_cache_num_blocks},
         "speculative": speculative or {}, **(spec_sections or {})})
     return build_engine(spec, emit_repository=False)

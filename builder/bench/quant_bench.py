@@ -85,12 +85,12 @@ def resident_weight_bytes(engine_dir: Path) -> int:
 
 
 def kv_tokens_in_budget(engine_dir: Path, budget_bytes: int) -> int:
-    from triton_backend.engine.kv_pool import resolve_num_blocks
+    from triton_backend.engine.kv_pool import plan_pool
     from triton_backend.engine.weights import runtime_dtype
 
     config = EngineConfig.load(engine_dir)
     dtype = runtime_dtype(config, torch.device("cpu"))
-    blocks = resolve_num_blocks(config, dtype, kv_cache_memory_bytes=budget_bytes)
+    blocks = plan_pool(config, dtype, kv_cache_memory_bytes=budget_bytes).num_blocks
     return blocks * config.kv_cache.tokens_per_block
 
 

@@ -85,14 +85,14 @@ def weight_bytes(config) -> int:
 
 def kv_cache_bytes(config, repository) -> int:
     """The KV pool the engine allocates: the repository's budget if the spec sets one (a
-    `RepositoryOptions`), else the engine's own `kv_cache` section (`resolve_num_blocks`)."""
+    `RepositoryOptions`), else the engine's own `kv_cache` section (`plan_pool`)."""
     import torch
 
-    from triton_backend.engine.kv_pool import kv_bytes_per_token, resolve_num_blocks
+    from triton_backend.engine.kv_pool import kv_bytes_per_token, plan_pool
 
     dtype = torch.bfloat16 if config.dtype == "float16" else getattr(torch, config.dtype)
-    blocks = resolve_num_blocks(config, dtype, repository.kv_cache_num_blocks,
-                                repository.kv_cache_memory_bytes)
+    blocks = plan_pool(config, dtype, None, repository.kv_cache_num_blocks,
+                       repository.kv_cache_memory_bytes).num_blocks
     return blocks * config.kv_cache.tokens_per_block * kv_bytes_per_token(config, dtype)
 
 

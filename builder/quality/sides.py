@@ -58,7 +58,7 @@ class EngineModel:
         blocks = -(-max_tokens // config.kv_cache.tokens_per_block) + 2
         # Every window's logits are read, so none may come from the prefix cache. A GPU engine
         # prepared on a machine without one is measured on the CPU.
-        self.engine = LLMEngine(engine_dir, num_kv_blocks=blocks, enable_prefix_caching=False,
+        self.engine = LLMEngine(engine_dir, kv_cache_num_blocks=blocks, enable_prefix_caching=False,
                                 device=build_check_device(config.hardware))
         self.max_input_len = config.limits.max_input_len
 

@@ -25,7 +25,7 @@ DRAINING = "the server is draining"
 def repository(tmp_path_factory):
     """Room for 3500 new tokens: a request cannot end on its own within the drain timeout."""
     engine_dir = build_tiny_engine(tmp_path_factory.mktemp("drained"), max_seq_len=4096,
-                                   max_input_len=256, num_kv_blocks=320)
+                                   max_input_len=256, kv_cache_num_blocks=320)
     return emit_repository(engine_dir, engine_dir.parent.parent / "repo",
                            RepositoryOptions(stats_period_ms=20))
 

@@ -25,7 +25,7 @@ HOG_TOKENS = 4000
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     engine_dir = build_tiny_engine(tmp_path_factory.mktemp("overload"), max_batch_size=1,
-                                   max_seq_len=4096, num_kv_blocks=320)
+                                   max_seq_len=4096, kv_cache_num_blocks=320)
     repo = emit_repository(engine_dir, engine_dir.parent.parent / "repo",
                            RepositoryOptions(stats_period_ms=20),
                            ServingSpec(max_waiting_requests=MAX_WAITING_REQUESTS,

@@ -431,7 +431,7 @@ def test_past_the_reload_limit_the_server_stays_not_ready_and_says_why(supervise
 def long_repository(tmp_path_factory):
     """Room for 4000 new tokens: a stream the test cancels cannot end on its own first."""
     engine_dir = build_tiny_engine(tmp_path_factory.mktemp("long"), max_seq_len=4096,
-                                   max_input_len=256, num_kv_blocks=320)
+                                   max_input_len=256, kv_cache_num_blocks=320)
     return emit_repository(engine_dir, engine_dir.parent.parent / "repo",
                            RepositoryOptions(stats_period_ms=20))
 

@@ -37,7 +37,7 @@ def test_admission_limits_are_validated_naming_the_field(field):
 
 def test_the_executor_refuses_what_would_wait_over_its_limits(tiny_engines):
     # The loop is not started: everything enqueued waits, so the counts are exact.
-    executor = Executor(tiny_engines("llama_gqa"), num_kv_blocks=64, start_loop=False,
+    executor = Executor(tiny_engines("llama_gqa"), kv_cache_num_blocks=64, start_loop=False,
                         admission=AdmissionLimits(max_waiting_requests=3,
                                                   max_waiting_prompt_tokens=12))
     executor.enqueue_request(Request([5] * 6, 2))
@@ -54,7 +54,7 @@ def test_the_executor_refuses_what_would_wait_over_its_limits(tiny_engines):
 
 def test_requests_in_the_scheduler_count_as_waiting(tiny_engines):
     engine_dir = tiny_engines("llama_gqa")
-    executor = Executor(engine_dir, num_kv_blocks=64, start_loop=False,
+    executor = Executor(engine_dir, kv_cache_num_blocks=64, start_loop=False,
                         admission=AdmissionLimits(max_waiting_requests=2))
     for _ in range(2):  # as if the loop had moved them into the scheduler already
         executor.engine.add_request(Request([5, 6], 2))
@@ -65,7 +65,7 @@ def test_requests_in_the_scheduler_count_as_waiting(tiny_engines):
 def test_a_waiting_request_past_its_deadline_ends_with_the_error_and_frees_its_blocks(
         tiny_engines):
     clock = Clock()
-    engine = LLMEngine(tiny_engines("llama_gqa"), num_kv_blocks=64, clock=clock)
+    engine = LLMEngine(tiny_engines("llama_gqa"), kv_cache_num_blocks=64, clock=clock)
     seq_id = engine.add_request(Request([5, 6, 7], 4, timeout_ms=100))
     clock.now = 99 * MS
     assert engine.expire() == []
@@ -80,7 +80,7 @@ def test_a_waiting_request_past_its_deadline_ends_with_the_error_and_frees_its_b
 def test_a_running_request_past_its_deadline_ends_with_the_error_and_frees_its_blocks(
         tiny_engines):
     clock = Clock()
-    engine = LLMEngine(tiny_engines("llama_gqa"), num_kv_blocks=64, clock=clock)
+    engine = LLMEngine(tiny_engines("llama_gqa"), kv_cache_num_blocks=64, clock=clock)
     free_before = engine.block_manager.num_free_blocks
     seq_id = engine.add_request(Request([5, 6, 7], 40, arrival_time_ns=0, timeout_ms=1000,
                                         ignore_eos=True))
@@ -101,7 +101,7 @@ def test_a_running_request_past_its_deadline_ends_with_the_error_and_frees_its_b
 
 def test_the_deadline_names_the_field_that_set_it(tiny_engines):
     clock = Clock()
-    engine = LLMEngine(tiny_engines("llama_gqa"), num_kv_blocks=64, clock=clock)
+    engine = LLMEngine(tiny_engines("llama_gqa"), kv_cache_num_blocks=64, clock=clock)
     engine.add_request(Request([5], 4, timeout_ms=2, timeout_field="timeout"))
     clock.now = 5 * MS
     [response] = engine.expire()
@@ -111,7 +111,7 @@ def test_the_deadline_names_the_field_that_set_it(tiny_engines):
 def test_the_executor_loop_ends_expired_requests_with_the_error(tiny_engines):
     import time
 
-    executor = Executor(tiny_engines("llama_gqa"), num_kv_blocks=64)
+    executor = Executor(tiny_engines("llama_gqa"), kv_cache_num_blocks=64)
     try:
         # arrived ten seconds ago with a one-second deadline: past it before it is scheduled
         late = executor.enqueue_request(Request([5, 6], 4, timeout_ms=1000,
@@ -134,7 +134,7 @@ def test_the_executor_loop_ends_expired_requests_with_the_error(tiny_engines):
 ])
 def test_priority_and_timeout_are_validated_naming_the_field(tiny_engines, request_kwargs,
                                                              message):
-    engine = LLMEngine(tiny_engines("llama_gqa"), num_kv_blocks=64)
+    engine = LLMEngine(tiny_engines("llama_gqa"), kv_cache_num_blocks=64)
     with pytest.raises(ValueError) as err:
         engine.validate(Request([5], 4, **request_kwargs))
     assert message in str(err.value)

@@ -88,7 +88,7 @@ def test_a_failing_step_fails_its_batch_and_the_engine_serves_the_next(tiny_engi
     fault = tmp_path / "fault"
     monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
     engine_dir = tiny_engines("llama_gqa")
-    ex = Executor(engine_dir, num_kv_blocks=64)
+    ex = Executor(engine_dir, kv_cache_num_blocks=64)
     try:
         rid = ex.enqueue_request(Request([5, 6, 7], 200, streaming=True, ignore_eos=True))
         assert ex.await_responses(rid, timeout=60)  # running
@@ -113,7 +113,7 @@ def test_a_crashed_loop_restarts_in_place_until_the_crash_loop_limit(tiny_engine
                                                                       monkeypatch):
     fault = tmp_path / "fault"
     monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
-    ex = Executor(tiny_engines("llama_gqa"), num_kv_blocks=64,
+    ex = Executor(tiny_engines("llama_gqa"), kv_cache_num_blocks=64,
                   restart_policy=RestartPolicy(max_restarts=1, window_seconds=600))
     try:
         rid = ex.enqueue_request(Request([5, 6, 7], 200, streaming=True, ignore_eos=True))

@@ -7,7 +7,7 @@ from triton_backend.engine.process.handle import EngineLaunch
 from triton_backend.engine.engine_options import EngineOptions
 
 # One non-default value per field; a field missing here fails the test below.
-NON_DEFAULT = {"num_kv_blocks": 48, "kv_cache_memory_bytes": 1 << 20,
+NON_DEFAULT = {"kv_cache_num_blocks": 48, "kv_cache_memory_bytes": 1 << 20,
                "enable_prefix_caching": False, "enable_speculative_decoding": False,
                "admission": AdmissionLimits(7, 900), "priority_aging_rate": 2.5,
                "device": "cpu", "kv_cache_free_gpu_mem_fraction": 0.85,

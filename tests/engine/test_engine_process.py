@@ -17,7 +17,7 @@ CLIENT = """
 import time
 from triton_backend.engine.engine_options import EngineOptions
 from triton_backend.engine.process.executor import ProcessExecutor
-ex = ProcessExecutor({engine!r}, EngineOptions(num_kv_blocks=64))
+ex = ProcessExecutor({engine!r}, EngineOptions(kv_cache_num_blocks=64))
 print(ex.get_stats()["engine_pid"], flush=True)
 time.sleep(600)
 """
@@ -35,7 +35,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
 
 
 def test_engine_runs_in_its_own_process_with_the_threads_asked_for(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64), num_threads=1)
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=64), num_threads=1)
     try:
         stats = ex.get_stats()
         assert stats["engine_pid"] != os.getpid()
@@ -49,7 +49,7 @@ def test_engine_runs_in_its_own_process_with_the_threads_asked_for(tiny_engines)
 
 
 def test_a_killed_engine_ends_requests_in_flight_with_an_error(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128))
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=128))
     try:
         rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
         assert ex.await_responses(rid, timeout=30)  # it is running
@@ -70,7 +70,7 @@ def test_a_killed_engine_ends_requests_in_flight_with_an_error(tiny_engines):
 def test_an_engine_that_keeps_dying_is_down_after_the_crash_loop_limit(tiny_engines):
     from triton_backend.engine.supervision import RestartPolicy
 
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64),
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=64),
                          restart_policy=RestartPolicy(max_restarts=1, window_seconds=600))
     try:
         for _ in range(2):
@@ -134,7 +134,7 @@ def test_an_engine_killed_again_while_restarting_is_started_again(tiny_engines):
     """Three kills in a row, two of them of an engine still starting: each counts as a crash,
     a new engine is started each time within the restart policy, and the executor serves again
     soon after the last kill; what it reports names the kill."""
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64))
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=64))
     try:
         killed = {ex.get_stats()["engine_pid"]}
         os.kill(next(iter(killed)), signal.SIGKILL)
@@ -159,7 +159,7 @@ def test_an_engine_killed_again_while_restarting_is_started_again(tiny_engines):
 def test_an_engine_killed_while_starting_past_the_policy_is_down_naming_the_kill(tiny_engines):
     from triton_backend.engine.supervision import RestartPolicy
 
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64),
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=64),
                          restart_policy=RestartPolicy(max_restarts=1, window_seconds=600))
     try:
         first = ex.get_stats()["engine_pid"]
@@ -178,7 +178,7 @@ def test_an_engine_killed_while_starting_past_the_policy_is_down_naming_the_kill
 def test_the_load_gauges_drop_to_zero_when_a_dead_engines_requests_end(tiny_engines):
     """A router reads running requests and used KV blocks: once the engine is dead and its
     requests have ended, they say so while the new engine starts, not the dead one's last."""
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128))
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=128))
     try:
         ids = [ex.enqueue_request(Request([5, 6, 7, 8], 200, streaming=True, ignore_eos=True))
                for _ in range(4)]
@@ -221,7 +221,7 @@ def test_a_broken_engine_directory_fails_at_start_with_the_reason(tmp_path, tiny
             (broken / item.name).symlink_to(item)
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(EngineProcessError, match="failed to start"):
-        ProcessExecutor(broken, EngineOptions(num_kv_blocks=64))
+        ProcessExecutor(broken, EngineOptions(kv_cache_num_blocks=64))
 
 
 def test_the_engine_process_reports_the_options_it_was_built_with(tiny_engines):
@@ -230,13 +230,13 @@ def test_the_engine_process_reports_the_options_it_was_built_with(tiny_engines):
     ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(**NON_DEFAULT), num_threads=1)
     try:
         assert ex.info["options"] == EngineOptions(**NON_DEFAULT)
-        assert ex.get_stats()["num_total_blocks"] == NON_DEFAULT["num_kv_blocks"]
+        assert ex.get_stats()["num_total_blocks"] == NON_DEFAULT["kv_cache_num_blocks"]
     finally:
         ex.shutdown()
 
 
 def test_a_caller_may_choose_the_request_id_as_with_the_in_process_executor(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64), num_threads=1)
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=64), num_threads=1)
     try:
         assert ex.enqueue_request(Request([5, 6, 7], 2, ignore_eos=True), request_id=77) == 77
         assert final_response(ex, 77).request_id == 77

@@ -24,7 +24,7 @@ def collect(executor, request_id: int, timeout: float = 60.0):
 
 @pytest.fixture(params=ISOLATIONS)
 def executor(tiny_engines, request):
-    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128), isolation=request.param)
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=128), isolation=request.param)
     yield ex
     ex.shutdown()
 
@@ -54,7 +54,7 @@ def test_bad_requests_are_refused_and_the_executor_keeps_serving(executor, make_
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_kv_budget_too_small_for_one_request_is_refused(tiny_engines, isolation):
-    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=4), isolation=isolation)  # 4 blocks x 8 tokens
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=4), isolation=isolation)  # 4 blocks x 8 tokens
     try:
         with pytest.raises(ValueError, match="needs 5 KV blocks but the cache holds 4"):
             ex.enqueue_request(Request([5] * 20, 20))
@@ -100,7 +100,7 @@ def test_cancel_streaming_request(executor):
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_shutdown_ends_requests_in_flight_with_a_final_response(tiny_engines, isolation):
-    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128), isolation=isolation)
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=128), isolation=isolation)
     rid = ex.enqueue_request(Request([5, 6, 7], 240, streaming=True, ignore_eos=True))
     assert ex.await_responses(rid, timeout=30)
     ex.shutdown()
@@ -117,7 +117,7 @@ def test_requests_admitted_while_a_gpu_step_runs_are_served(tiny_engines):
     from triton_backend.engine.executor import Executor
 
     engine_dir = tiny_engines("llama_gqa")
-    executor = Executor(engine_dir, num_kv_blocks=128, start_loop=False)
+    executor = Executor(engine_dir, kv_cache_num_blocks=128, start_loop=False)
     executor._overlap = executor._admit_while_running
     calls = []
     step = executor.engine.step
@@ -160,7 +160,7 @@ def test_a_request_is_validated_once_on_its_way_into_the_engine(tiny_engines, mo
 
     calls, check = [], llm_engine.validate_request
     monkeypatch.setattr(llm_engine, "validate_request", lambda *a: calls.append(a) or check(*a))
-    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=128),
+    ex = create_executor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=128),
                          isolation="thread")
     try:
         final = collect(ex, ex.enqueue_request(Request([5, 6, 7], 3, ignore_eos=True)))[-1]

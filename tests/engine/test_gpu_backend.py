@@ -53,7 +53,7 @@ def test_greedy_ids_match_transformers_with_a_prefix_hit(tiny_engines, shape, gr
 
 
 def test_padded_rows_write_only_the_block_nobody_owns(tiny_engines):
-    engine = LLMEngine(tiny_engines("llama_gqa"), num_kv_blocks=40)
+    engine = LLMEngine(tiny_engines("llama_gqa"), kv_cache_num_blocks=40)
     runner = engine.runner
     tpb = runner.config.kv_cache.tokens_per_block
     assert engine.block_manager.num_blocks == 40

@@ -74,3 +74,40 @@ def test_a_pool_too_small_names_the_fraction_and_the_reserve(config, monkeypatch
     assert message.startswith("kv_cache_free_gpu_mem_fraction 0.9: ")
     assert f"{reserve.describe()} are kept for a step" in message
     assert "fewer than limits.max_seq_len (256)" in message
+
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize("engine, device, given, expected", [
+    ({}, CPU, {}, (16 * 256 // 8, "limits.max_batch_size x max_seq_len", None)),
+    ({"num_blocks": 40}, CPU, {}, (40, "kv_cache.num_blocks", None)),
+    ({"num_blocks": 40}, CPU, {"kv_cache_num_blocks": 7}, (7, "kv_cache_num_blocks", None)),
+    ({"memory_bytes": 10 * 4096}, CPU, {}, (10, "kv_cache.memory_bytes", None)),
+    ({"num_blocks": 40}, CPU, {"kv_cache_memory_bytes": 3 * 4096},
+     (3, "kv_cache_memory_bytes", None)),
+    # On a GPU a fraction sizes the pool unless a count or a budget is given with the engine.
+    ({"num_blocks": 40, "free_gpu_mem_fraction": 0.8}, CUDA, {},
+     (None, "kv_cache.free_gpu_mem_fraction", 0.8)),
+    ({"free_gpu_mem_fraction": 0.8}, CUDA, {"kv_cache_free_gpu_mem_fraction": 0.5},
+     (None, "kv_cache_free_gpu_mem_fraction", 0.5)),
+    ({"free_gpu_mem_fraction": 0.8}, CUDA, {"kv_cache_num_blocks": 9},
+     (9, "kv_cache_num_blocks", None)),
+    ({"num_blocks": 40, "free_gpu_mem_fraction": 0.8}, CPU,
+     {"kv_cache_free_gpu_mem_fraction": 0.5}, (40, "kv_cache.num_blocks", None)),  # no GPU
+])
+def test_one_precedence_decides_the_pool(config, engine, device, given, expected):
+    unset = {"num_blocks": None, "memory_bytes": None, "free_gpu_mem_fraction": None}
+    kv = dataclasses.replace(config.kv_cache, **{**unset, **engine})
+    bytes_per_block = kv_pool.kv_bytes_per_token(config, torch.float32) * kv.tokens_per_block
+    assert bytes_per_block == 4096  # the budgets above are whole blocks of this engine
+    plan = kv_pool.plan_pool(dataclasses.replace(config, kv_cache=kv), torch.float32, device,
+                             **given)
+    assert (plan.num_blocks, plan.source, plan.fraction) == expected
+
+
+def test_the_pool_is_logged_once_with_the_knob_that_sized_it(config, caplog):
+    plan = kv_pool.plan_pool(config, torch.float32, CPU, kv_cache_num_blocks=12)
+    with caplog.at_level(logging.INFO, logger="triton_backend.engine.kv_pool"):
+        assert plan.resolve(config, torch.float32, CPU) == 12
+    assert caplog.messages == ["KV pool: 12 blocks, 96 tokens, 0.00 GiB (from kv_cache_num_blocks)"]

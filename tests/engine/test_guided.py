@@ -223,7 +223,7 @@ def test_guided_output_survives_preemption(tiny_engines):
                         guided_decoding=_guide("json_schema", SCHEMAS[3 + i % 3]))
                 for i in range(8)]
     roomy = generate(LLMEngine(engine_dir), requests)
-    engine = LLMEngine(engine_dir, num_kv_blocks=14, enable_prefix_caching=False)
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=14, enable_prefix_caching=False)
     tight = generate(engine, requests)
     assert engine.scheduler.num_preemptions > 0
     for request, a, b in zip(requests, roomy, tight):

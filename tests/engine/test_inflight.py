@@ -22,7 +22,7 @@ def _requests(seed: int, n: int = 18) -> list[Request]:
 
 
 def _alone(engine_dir, requests):
-    return [generate(LLMEngine(engine_dir, num_kv_blocks=64), [r])[0].output_ids for r in requests]
+    return [generate(LLMEngine(engine_dir, kv_cache_num_blocks=64), [r])[0].output_ids for r in requests]
 
 
 def _staggered(engine: LLMEngine, requests: list[Request], arrivals: list[int]):
@@ -46,29 +46,29 @@ def _staggered(engine: LLMEngine, requests: list[Request], arrivals: list[int]):
 
 
 @pytest.mark.parametrize("shape", ["llama_gqa", "qwen3_qk_norm"])
-@pytest.mark.parametrize("num_kv_blocks", [256, 14], ids=["roomy", "preempting"])
-def test_staggered_requests_match_their_solo_runs(tiny_engines, num_kv_blocks, shape):
+@pytest.mark.parametrize("kv_cache_num_blocks", [256, 14], ids=["roomy", "preempting"])
+def test_staggered_requests_match_their_solo_runs(tiny_engines, kv_cache_num_blocks, shape):
     engine_dir = tiny_engines(shape)
-    requests = _requests(seed=num_kv_blocks)
+    requests = _requests(seed=kv_cache_num_blocks)
     expected = _alone(engine_dir, requests)
-    engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks)
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=kv_cache_num_blocks)
     arrivals = [random.Random(i).randint(0, 30) for i in range(len(requests))]
     got, max_batch = _staggered(engine, requests, arrivals)
     assert got == expected
     assert max_batch >= 4, "requests never shared a step"
-    if num_kv_blocks == 14:
+    if kv_cache_num_blocks == 14:
         assert engine.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
     else:
         assert engine.scheduler.num_preemptions == 0
-    assert engine.block_manager.num_free_blocks == num_kv_blocks
+    assert engine.block_manager.num_free_blocks == kv_cache_num_blocks
     assert not engine.sequences
 
 
 def test_cancel_mid_stream_frees_blocks_and_others_continue(tiny_engines):
     engine_dir = tiny_engines("mistral")
-    engine = LLMEngine(engine_dir, num_kv_blocks=64)
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=64)
     keep = Request(list(range(3, 30)), 30, streaming=True, ignore_eos=True)
-    expected = generate(LLMEngine(engine_dir, num_kv_blocks=64), [keep])[0].output_ids
+    expected = generate(LLMEngine(engine_dir, kv_cache_num_blocks=64), [keep])[0].output_ids
     victim = engine.add_request(Request(list(range(40, 90)), 60, streaming=True, ignore_eos=True))
     kept = engine.add_request(keep)
     for _ in range(5):

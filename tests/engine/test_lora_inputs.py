@@ -177,7 +177,7 @@ def test_lora_metrics_per_adapter_and_state(lora_build):
     from triton_backend.models.metrics import LORA_INFO_METRIC, LORA_REQUEST_METRIC, ExecutorMetrics
 
     _, _, engine_dir = lora_build
-    engine = LLMEngine(engine_dir, num_kv_blocks=8)  # room for one sequence: the others wait
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=8)  # room for one sequence: the others wait
     for task_id in (1, 2, 2):
         engine.add_request(Request(list(range(3, 40)), 20, lora_task_id=task_id))
     engine.step()

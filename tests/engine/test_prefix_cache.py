@@ -63,17 +63,17 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert set(bm.cached_block_ids.values()) == set(bm.reusable_block_ids)
 
 
-@pytest.mark.parametrize("num_kv_blocks,max_num_tokens", [(256, 256), (24, 48)],
+@pytest.mark.parametrize("kv_cache_num_blocks,max_num_tokens", [(256, 256), (24, 48)],
                          ids=["roomy", "preempting-chunked"])
 def test_fifty_mixed_requests_give_the_same_tokens_with_the_cache_on_and_off(
-        tiny_engines, num_kv_blocks, max_num_tokens):
+        tiny_engines, kv_cache_num_blocks, max_num_tokens):
     engine_dir = tiny_engines("llama_gqa")
     requests = _mixed_requests()
     arrivals = [random.Random(100 + i).randint(0, 60) for i in range(len(requests))]
     cancel_after = {i: 2 + i % 3 for i in range(3, len(requests), 9) if requests[i].streaming}
     results = {}
     for caching in (True, False):
-        engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks,
+        engine = LLMEngine(engine_dir, kv_cache_num_blocks=kv_cache_num_blocks,
                            enable_prefix_caching=caching)
         engine.scheduler.max_num_tokens = max_num_tokens
         # the same schedule in every run: no prefill room sized by measured step times
@@ -86,7 +86,7 @@ def test_fifty_mixed_requests_give_the_same_tokens_with_the_cache_on_and_off(
             cached_stats = stats
         else:
             assert stats["prefix_cache_hit_tokens"] == 0 and stats["num_cached_blocks"] == 0
-    full = {i: generate(LLMEngine(engine_dir, num_kv_blocks=64, enable_prefix_caching=False),
+    full = {i: generate(LLMEngine(engine_dir, kv_cache_num_blocks=64, enable_prefix_caching=False),
                         [requests[i]])[0].output_ids for i in cancel_after}
     for i in range(len(requests)):
         if i in cancel_after:  # cancelled at different steps: each a prefix of the full output
@@ -95,14 +95,14 @@ def test_fifty_mixed_requests_give_the_same_tokens_with_the_cache_on_and_off(
                 assert len(got) < len(full[i]) and got == full[i][:len(got)]
         else:
             assert results[True][i] == results[False][i], f"request {i}"
-    if num_kv_blocks == 24:
+    if kv_cache_num_blocks == 24:
         assert cached_stats["num_preemptions"] > 0 and cached_stats["num_evicted_blocks"] > 0
 
 
 def test_fully_cached_prompt_and_partial_last_block(tiny_engines):
     engine_dir = tiny_engines("mistral")
-    engine = LLMEngine(engine_dir, num_kv_blocks=64)
-    off = LLMEngine(engine_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=64)
+    off = LLMEngine(engine_dir, kv_cache_num_blocks=64, enable_prefix_caching=False)
     full_blocks = list(range(10, 42))      # 32 tokens = 4 full blocks of 8
     partial = list(range(50, 71))          # 21 tokens: 2 full blocks and 5 more
     for prompt in (full_blocks, partial):
@@ -118,7 +118,7 @@ def test_fully_cached_prompt_and_partial_last_block(tiny_engines):
 
 
 def test_streamed_request_reports_reused_and_new_blocks(tiny_engines):
-    engine = LLMEngine(tiny_engines("llama_gqa"), num_kv_blocks=64)
+    engine = LLMEngine(tiny_engines("llama_gqa"), kv_cache_num_blocks=64)
     prompt = list(range(3, 43))            # 40 tokens = 5 blocks
     generate(engine, [Request(prompt, 4, ignore_eos=True)])
     rid = engine.add_request(Request(prompt + [7, 8], 6, streaming=True, ignore_eos=True))
@@ -139,7 +139,7 @@ def test_one_byte_kv_cache_reuse_equals_prefill_chunked_at_the_same_boundary(
     first, second = system + [5, 6, 7, 8, 9], system + [11, 12, 13]
     engines = {}
     for caching in (True, False):
-        engines[caching] = LLMEngine(engine_dir, num_kv_blocks=64, enable_prefix_caching=caching)
+        engines[caching] = LLMEngine(engine_dir, kv_cache_num_blocks=64, enable_prefix_caching=caching)
         engines[caching].scheduler.max_num_tokens = len(system)  # chunk boundary at the prefix
         generate(engines[caching], [Request(first, 8, ignore_eos=True)])
     outputs = {c: generate(e, [Request(second, 16, ignore_eos=True)])[0].output_ids

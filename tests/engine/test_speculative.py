@@ -149,9 +149,9 @@ def test_greedy_tokens_are_identical_with_and_without_speculation(tiny_engines, 
     engine_dir = speculative_engine(target, tmp_path, mode, **options)
     requests = _mixed_requests(engine_dir, 36, seed=3)
     arrivals = [random.Random(i).randint(0, 25) for i in range(len(requests))]
-    with_drafts = LLMEngine(engine_dir, num_kv_blocks=256)
+    with_drafts = LLMEngine(engine_dir, kv_cache_num_blocks=256)
     got, finals = _staggered(with_drafts, requests, arrivals)
-    expected, _ = _staggered(LLMEngine(engine_dir, num_kv_blocks=256,
+    expected, _ = _staggered(LLMEngine(engine_dir, kv_cache_num_blocks=256,
                                        enable_speculative_decoding=False), requests, arrivals)
     for i, request in enumerate(requests):
         if request.sampling.greedy:
@@ -174,7 +174,7 @@ def test_greedy_tokens_are_identical_with_and_without_speculation(tiny_engines, 
 def test_speculation_pauses_in_big_batches(tiny_engines, tmp_path):
     engine_dir = speculative_engine(tiny_engines("llama_gqa"), tmp_path, mode="ngram",
                                     prompt_lookup_min=1)
-    engine = LLMEngine(engine_dir, num_kv_blocks=256)
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=256)
     engine.speculator.config.disable_by_batch_size = 2
     prompt = [5, 6, 7, 8] * 6
     generate(engine, [Request(prompt, 20, ignore_eos=True) for _ in range(3)])
@@ -211,7 +211,7 @@ def test_sampling_with_drafts_keeps_the_target_distribution(tiny_engines, tmp_pa
         def release(self, seq_id):
             pass
 
-    engine = LLMEngine(engine_dir, num_kv_blocks=256)
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=256)
     engine.speculator = Speculator(SpeculativeConfig(mode="ngram", disable_by_batch_size=64),
                                    FixedDrafts())
     requests = [Request(prompt, 4, SamplingParams(temperature=1.0, top_k=4, seed=s),
@@ -241,7 +241,7 @@ def test_verify_steps_and_prefills_after_a_cached_prefix_take_the_one_call_decod
                for _ in range(6)]
     requests = lambda: [Request(p, 20 + i, streaming=bool(i % 2), ignore_eos=True)  # noqa: E731
                         for i, p in enumerate(prompts)]
-    fast_engine = LLMEngine(engine_dir, num_kv_blocks=128)
+    fast_engine = LLMEngine(engine_dir, kv_cache_num_blocks=128)
     fast, run = fast_engine.runner.ops.decode_forward, fast_engine.runner.run
     assert fast is not None and fast.supported
     kinds = []  # per step run in one call: (has a verify chunk, has a prefill after a hit)
@@ -260,7 +260,7 @@ def test_verify_steps_and_prefills_after_a_cached_prefix_take_the_one_call_decod
     first = [r.output_ids for r in generate(fast_engine, requests()[:1])]
     got = first + [r.output_ids for r in generate(fast_engine, requests()[1:])]
 
-    reference = LLMEngine(engine_dir, num_kv_blocks=128, enable_prefix_caching=False,
+    reference = LLMEngine(engine_dir, kv_cache_num_blocks=128, enable_prefix_caching=False,
                           enable_speculative_decoding=False)
     reference.runner.ops.decode_forward = None
     expected = [r.output_ids for r in generate(reference, requests())]

@@ -82,7 +82,7 @@ def _assert_ended_by_the_freeze(finals: dict, elapsed: float) -> None:
 
 
 def test_a_stopped_engine_is_killed_and_restarted_in_place(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=256))
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=256))
     pid = ex.get_stats()["engine_pid"]
     try:
         probe = Request([9, 10, 11], 8, ignore_eos=True)
@@ -117,7 +117,7 @@ def test_a_loop_thread_hung_inside_a_step_is_detected_the_same_way(tiny_engines,
     """The process lives and its sender keeps sending heartbeats; only the count stands still."""
     fault = tmp_path / "fault"
     monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=256))
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=256))
     pid = ex.get_stats()["engine_pid"]
     try:
         rids = _running(ex, 8)
@@ -138,7 +138,7 @@ def test_a_loop_thread_hung_inside_a_step_is_detected_the_same_way(tiny_engines,
 
 
 def test_past_the_restart_limit_a_frozen_engine_leaves_the_executor_down(tiny_engines):
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64),
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=64),
                          restart_policy=RestartPolicy(max_restarts=0, window_seconds=600))
     pid = ex.get_stats()["engine_pid"]
     try:
@@ -165,7 +165,7 @@ def test_a_slow_step_that_keeps_moving_is_not_a_freeze(tiny_engines, tmp_path, m
     """A step three times as long as the freeze limit, advancing the count all along."""
     fault = tmp_path / "fault"
     monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
-    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(num_kv_blocks=64),
+    ex = ProcessExecutor(tiny_engines("llama_gqa"), EngineOptions(kv_cache_num_blocks=64),
                          freeze_seconds=MIN_FREEZE_SECONDS)
     try:
         (rid,) = _running(ex, 1)

@@ -25,7 +25,7 @@ class EngineOptions:
     that the KV cache takes (None: the engine's config.json, else its block count).
     `enable_cuda_graphs`: False runs the GPU backend's decode steps eagerly (None: captured)."""
 
-    num_kv_blocks: int | None = None
+    kv_cache_num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool | None = None
     enable_speculative_decoding: bool | None = None

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class Executor(LoopMailbox):
-    def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
+    def __init__(self, engine_dir: str | Path, *, kv_cache_num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, device: str | None = None,
                  start_loop: bool = True, enable_prefix_caching: bool | None = None,
                  enable_speculative_decoding: bool | None = None,
@@ -52,7 +52,7 @@ class Executor(LoopMailbox):
                  priority_aging_rate: float = DEFAULT_AGING_RATE,
                  kv_cache_free_gpu_mem_fraction: float | None = None,
                  enable_cuda_graphs: bool | None = None) -> None:
-        self.engine = LLMEngine(engine_dir, num_kv_blocks=num_kv_blocks,
+        self.engine = LLMEngine(engine_dir, kv_cache_num_blocks=kv_cache_num_blocks,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, device=device,
                                 enable_prefix_caching=enable_prefix_caching,
                                 enable_speculative_decoding=enable_speculative_decoding,

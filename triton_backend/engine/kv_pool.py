@@ -1,8 +1,8 @@
 """How many KV blocks an engine gets, and the storage that holds them.
 
-The pool is an explicit block count, else a memory budget, else the engine's own setting. On a
-CUDA GPU the budget can instead be a fraction of the memory left free once the weights are
-loaded and what a step holds is set aside (`step_reserve`: the activations of `max_num_tokens`
+`plan_pool` decides it once, for every caller: an explicit block count, else a memory budget,
+else the engine's own setting. On a CUDA GPU the budget can instead be a fraction of the memory
+left free once the weights are loaded and what a step holds is set aside (`step_reserve`: the activations of `max_num_tokens`
 rows, a full chunk's logits, the sampler's temporaries, the captured graphs' outputs)
 (`kv_cache_free_gpu_mem_fraction`, as TensorRT-LLM sizes its cache).
 """
@@ -28,20 +28,52 @@ def kv_bytes_per_token(config: EngineConfig, dtype: torch.dtype) -> int:
     return PagedKVCache.bytes_per_token(config.model, dtype)
 
 
-def resolve_num_blocks(config: EngineConfig, dtype: torch.dtype, num_kv_blocks: int | None = None,
-                       kv_cache_memory_bytes: int | None = None) -> int:
-    """Blocks in the KV pool: an explicit count, else a memory budget, else the engine's setting,
-    else enough for max_batch_size sequences of max_seq_len tokens."""
+@dataclass(frozen=True)
+class PoolPlan:
+    """How the KV pool is sized, decided once (`plan_pool`): `num_blocks`, or, on a CUDA device,
+    `fraction` of the memory free once the weights are loaded (`num_blocks` None until then);
+    `source` names the knob that decided it."""
+
+    num_blocks: int | None
+    source: str
+    fraction: float | None = None
+
+    def resolve(self, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                graph_sizes: list[int] | tuple[int, ...] = ()) -> int:
+        """The block count, the free memory measured now where a fraction sizes the pool; logged
+        once, with the knob that decided it."""
+        blocks = self.num_blocks
+        if blocks is None:
+            blocks = free_memory_blocks(config, dtype, device, self.fraction, graph_sizes)
+        tokens = blocks * config.kv_cache.tokens_per_block
+        log.info("KV pool: %d blocks, %d tokens, %.2f GiB (from %s)", blocks, tokens,
+                 tokens * kv_bytes_per_token(config, dtype) / 2**30, self.source)
+        return blocks
+
+
+def plan_pool(config: EngineConfig, dtype: torch.dtype, device: torch.device | None = None,
+              kv_cache_num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+              kv_cache_free_gpu_mem_fraction: float | None = None) -> PoolPlan:
+    """The one precedence of the pool's knobs: an explicit block count, an explicit memory
+    budget, on a CUDA `device` a fraction of the free memory (the one given, else the engine's
+    `kv_cache.free_gpu_mem_fraction`), the engine's own `kv_cache.memory_bytes` or
+    `kv_cache.num_blocks`, else enough for max_batch_size sequences of max_seq_len tokens."""
     kv = config.kv_cache
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else kv.memory_bytes
-    if budget is None and kv.num_blocks is not None:
-        return kv.num_blocks
-    if budget is not None:
-        return blocks_in(config, dtype, budget)
+    if kv_cache_num_blocks is not None:
+        return PoolPlan(kv_cache_num_blocks, "kv_cache_num_blocks")
+    if kv_cache_memory_bytes is not None:
+        return PoolPlan(blocks_in(config, dtype, kv_cache_memory_bytes), "kv_cache_memory_bytes")
+    if device is not None and device.type == "cuda":
+        if kv_cache_free_gpu_mem_fraction is not None:
+            return PoolPlan(None, "kv_cache_free_gpu_mem_fraction", kv_cache_free_gpu_mem_fraction)
+        if kv.free_gpu_mem_fraction is not None:
+            return PoolPlan(None, "kv_cache.free_gpu_mem_fraction", kv.free_gpu_mem_fraction)
+    if kv.memory_bytes is not None:
+        return PoolPlan(blocks_in(config, dtype, kv.memory_bytes), "kv_cache.memory_bytes")
+    if kv.num_blocks is not None:
+        return PoolPlan(kv.num_blocks, "kv_cache.num_blocks")
     tokens = config.limits.max_batch_size * config.limits.max_seq_len
-    return -(-tokens // kv.tokens_per_block)
+    return PoolPlan(-(-tokens // kv.tokens_per_block), "limits.max_batch_size x max_seq_len")
 
 
 def blocks_in(config: EngineConfig, dtype: torch.dtype, budget_bytes: int) -> int:

@@ -27,7 +27,7 @@ from triton_backend.engine.faults import FaultInjector
 from triton_backend.engine.guided.compiler import GrammarCompiler
 from triton_backend.engine.guided.state import GrammarState
 from triton_backend.engine.lora.cache import AdapterCache
-from triton_backend.engine.kv_pool import resolve_num_blocks
+from triton_backend.engine.kv_pool import plan_pool
 from triton_backend.engine.model_runner import ModelRunner
 from triton_backend.engine.progress import Progress
 from triton_backend.engine.request import FinishReason, Request, Response
@@ -54,7 +54,7 @@ class LLMEngine:
     `priority_aging_rate`: priority levels a waiting request gains per second (the scheduler's
     aging); `clock`: wall-clock ns, for arrivals and deadlines (injected by tests)."""
 
-    def __init__(self, engine_dir: str | Path, *, num_kv_blocks: int | None = None,
+    def __init__(self, engine_dir: str | Path, *, kv_cache_num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, device: str | None = None,
                  enable_prefix_caching: bool | None = None,
                  enable_speculative_decoding: bool | None = None,
@@ -83,14 +83,10 @@ class LLMEngine:
 
             self.speculator = make_speculator(self.engine_dir, self.config, self.device,
                                               self.progress)
-        fraction = (kv_cache_free_gpu_mem_fraction if kv_cache_free_gpu_mem_fraction is not None
-                    else self.config.kv_cache.free_gpu_mem_fraction)
-        sized_by_fraction = (self.device.type == "cuda" and fraction is not None
-                             and num_kv_blocks is None and kv_cache_memory_bytes is None)
-        num_blocks = None if sized_by_fraction else resolve_num_blocks(
-            self.config, dtype, num_kv_blocks, kv_cache_memory_bytes)
-        self.runner = ModelRunner(engine_dir, self.config, num_blocks, self.device, lora=self.lora,
-                                  progress=self.progress, kv_free_fraction=fraction,
+        pool = plan_pool(self.config, dtype, self.device, kv_cache_num_blocks,
+                         kv_cache_memory_bytes, kv_cache_free_gpu_mem_fraction)
+        self.runner = ModelRunner(engine_dir, self.config, pool, self.device, lora=self.lora,
+                                  progress=self.progress,
                                   enable_cuda_graphs=enable_cuda_graphs is not False)
         kv = self.config.kv_cache
         self.block_manager = BlockManager(

@@ -17,7 +17,7 @@ import torch
 
 from triton_backend.engine.backend import select_ops
 from triton_backend.engine.config import EngineConfig
-from triton_backend.engine.kv_pool import free_memory_blocks, make_kv_cache
+from triton_backend.engine.kv_pool import PoolPlan, make_kv_cache
 from triton_backend.engine.lora.batch import LoRABatch, adapter_runs
 from triton_backend.engine.lora.cache import AdapterCache
 from triton_backend.engine.progress import Progress
@@ -39,15 +39,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, engine_dir: str | Path, config: EngineConfig, num_blocks: int | None,
+    def __init__(self, engine_dir: str | Path, config: EngineConfig, pool: PoolPlan,
                  device: str | torch.device = "cpu", lora: AdapterCache | None = None,
-                 progress: Progress | None = None, kv_free_fraction: float | None = None,
-                 enable_cuda_graphs: bool = True) -> None:
-        """`lora`: the engine's adapter cache (None: an engine without adapters); `progress`:
-        the engine's progress count, which the model advances per layer (a new one if None).
-        `num_blocks` None: on a CUDA device, the KV pool takes `kv_free_fraction` of the memory
-        free once the weights are loaded (kv_pool.free_memory_blocks). `enable_cuda_graphs`:
-        False runs every step of the GPU backend eagerly."""
+                 progress: Progress | None = None, enable_cuda_graphs: bool = True) -> None:
+        """`pool`: how the KV pool is sized (kv_pool.plan_pool), resolved once the weights are
+        loaded; `lora`: the engine's adapter cache (None: an engine without adapters);
+        `progress`: the engine's progress count, which the model advances per layer (a new one
+        if None). `enable_cuda_graphs`: False runs every step of the GPU backend eagerly."""
         self.config = config
         self.lora = lora
         self.device = torch.device(device)
@@ -55,12 +53,8 @@ class ModelRunner:
         self.model = load_model(engine_dir, config, self.device)
         self.progress = self.model.progress = progress or Progress()
         self.ops = select_ops(self.device)
-        if num_blocks is None:
-            if self.device.type != "cuda" or kv_free_fraction is None:
-                raise ValueError("the KV pool needs a block count, a memory budget, or a CUDA "
-                                 "device and kv_cache_free_gpu_mem_fraction")
-            num_blocks = free_memory_blocks(config, self.dtype, self.device, kv_free_fraction,
-                                            self.ops.graph_sizes(config, enable_cuda_graphs))
+        num_blocks = pool.resolve(config, self.dtype, self.device,
+                                  self.ops.graph_sizes(config, enable_cuda_graphs))
         self.num_blocks = num_blocks  # the blocks the block manager hands out
         self.kv_cache = make_kv_cache(config, self.dtype, self.device,
                                       num_blocks + self.ops.extra_kv_blocks)

@@ -41,7 +41,7 @@ def prefill_logits(engine_dir: str | Path, token_ids: list[int],
     """Logits [len(token_ids), vocab] of one prefill over `token_ids` (no sampling effects), on
     `device` (None: the engine's own)."""
     tokens_per_block = EngineConfig.load(engine_dir).kv_cache.tokens_per_block
-    engine = LLMEngine(engine_dir, num_kv_blocks=len(token_ids) // tokens_per_block + 2,
+    engine = LLMEngine(engine_dir, kv_cache_num_blocks=len(token_ids) // tokens_per_block + 2,
                        enable_prefix_caching=False, enable_speculative_decoding=False,
                        device=device, enable_cuda_graphs=False)
     engine.add_request(Request(input_token_ids=list(token_ids), max_tokens=1))

@@ -34,7 +34,7 @@ def engine_options(params: ModelParams, device: str | None = None) -> EngineOpti
         return None if params.flag(key, True) else False
 
     return EngineOptions(
-        num_kv_blocks=params.integer("kv_cache_num_blocks"),
+        kv_cache_num_blocks=params.integer("kv_cache_num_blocks"),
         kv_cache_memory_bytes=params.integer("kv_cache_memory_bytes"),
         enable_prefix_caching=off_or_none("enable_kv_cache_reuse"),
         enable_speculative_decoding=off_or_none("enable_speculative_decoding"),

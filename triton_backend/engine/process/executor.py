@@ -89,7 +89,7 @@ class ProcessExecutor:
         self._watch.arm()
         self.info = self._handle.info
         self.num_threads = self.info["num_threads"]
-        self._num_blocks = self.info["num_kv_blocks"]
+        self._num_blocks = self.info["kv_cache_num_blocks"]
         self._tokens_per_block = self.info["tokens_per_block"]
         self._stats = dict(self.info["stats"])
         self._watchdog = (None if self._freeze_seconds is None else

@@ -141,7 +141,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     stats = executor.get_stats()
     channel.send(("ready", {"pid": os.getpid(), "num_threads": num_threads,
-                            "num_kv_blocks": stats.get("num_total_blocks"),
+                            "kv_cache_num_blocks": stats.get("num_total_blocks"),
                             "tokens_per_block": stats.get("tokens_per_block"),
                             "options": options, "stats": stats}))
     threading.Thread(target=_read_requests, args=(channel, executor), name="engine-reader",

@@ -46,14 +46,15 @@ class DraftModelProposer:
                  progress: Progress | None = None) -> None:
         import torch
 
-        from triton_backend.engine.kv_pool import resolve_num_blocks
+        from triton_backend.engine.kv_pool import plan_pool
         from triton_backend.engine.model_runner import ModelRunner
         from triton_backend.engine.weights import runtime_dtype
 
         draft_dir, draft = load_draft_config(engine_dir, config)
         # As many tokens as the target's own pool could hold (its limits), in the draft's blocks.
-        num_blocks = resolve_num_blocks(draft, runtime_dtype(draft, torch.device(device)))
-        self.runner = ModelRunner(draft_dir, draft, num_blocks, device, progress=progress)
+        pool = plan_pool(draft, runtime_dtype(draft, torch.device(device)))
+        self.runner = ModelRunner(draft_dir, draft, pool, device, progress=progress)
+        num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(num_blocks, draft.kv_cache.tokens_per_block)
         self.mirrors: dict[int, Sequence] = {}
 
