@@ -19,7 +19,7 @@ from triton_backend.engine.quant.kv_cache import quantize_kv  # noqa: E402
 
 def _case(seed: int, num_heads: int, num_kv_heads: int, head_dim: int, tokens_per_block: int,
           chunks: list[tuple[int, int]], dtype: torch.dtype, kv: str = "auto",
-          num_splits: int = 1) -> float:
+          num_splits: int = 1, window: int = 0) -> float:
     """chunks: (cached keys, new rows) per sequence. Returns the max |kernel - reference|."""
     generator = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-(c + n) // tokens_per_block) for c, n in chunks) + 1
@@ -48,9 +48,9 @@ def _case(seed: int, num_heads: int, num_kv_heads: int, head_dim: int, tokens_pe
                                       for i in range(len(chunks))], dtype=torch.int32)
     q = torch.randn(int(query_start[-1]), num_heads, head_dim, generator=generator).to(dtype)
     args = (q, k_cache, v_cache, tables, seq_lens, query_start, tokens_per_block, head_dim ** -0.5)
-    expected = paged_attention_reference(*args, k_scale=k_scale, v_scale=v_scale)
+    expected = paged_attention_reference(*args, k_scale=k_scale, v_scale=v_scale, window=window)
     got = paged_attention(*args, max_query_len=max(n for _, n in chunks), k_scale=k_scale,
-                          v_scale=v_scale, num_splits=num_splits)
+                          v_scale=v_scale, num_splits=num_splits, window=window)
     return float((got.float() - expected.float()).abs().max())
 
 
@@ -80,6 +80,13 @@ CASES = [
                                     dtype=torch.bfloat16), 2e-2),
     ("first chunks mha fp32", dict(num_heads=4, num_kv_heads=4, head_dim=16, tokens_per_block=8,
                                    chunks=[(0, 70), (0, 2), (0, 65)], dtype=torch.float32), 1e-5),
+    # A local layer's window: decodes past it, chunks across it, one inside it, split keys.
+    ("window fp32", dict(num_heads=4, num_kv_heads=2, head_dim=16, tokens_per_block=8,
+                         chunks=[(40, 1), (30, 20), (0, 50), (3, 2)], dtype=torch.float32,
+                         window=12), 1e-5),
+    ("window splits bf16", dict(num_heads=8, num_kv_heads=2, head_dim=32, tokens_per_block=16,
+                                chunks=[(200, 1), (5, 1), (90, 3)], dtype=torch.bfloat16,
+                                num_splits=4, window=64), 2e-2),
     # Keys as computed: the step's own rows as a cache of one-token blocks.
     ("one-token blocks fp32", dict(num_heads=6, num_kv_heads=2, head_dim=16, tokens_per_block=1,
                                    chunks=[(0, 30), (0, 5), (0, 1)], dtype=torch.float32), 1e-5),
@@ -238,8 +245,9 @@ def _kernels_against_references(engine_dir: str) -> int:
 
 
 def main() -> int:
-    if len(sys.argv) > 2:
-        return _engine_case(sys.argv[1]) or _kernels_against_references(sys.argv[2])
+    if len(sys.argv) > 2:  # then an engine with local layers (a sliding window), if given
+        return (_engine_case(sys.argv[1]) or _kernels_against_references(sys.argv[2])
+                or any(_engine_case(engine) for engine in sys.argv[3:]))
     for seed, (name, kwargs, tolerance) in enumerate(CASES):
         diff = _case(seed, **kwargs)
         print(f"{name}: max |kernel - reference| {diff:.2e} (tolerance {tolerance:.0e})")

@@ -80,11 +80,6 @@ class GpuOps(TorchOps):
         """Sampling on the device, every Triton kernel variant compiled (warmup.py), and decode
         steps captured as CUDA graphs (unless turned off), their padded rows writing to the block
         past the pool."""
-        shape = config.model
-        if shape.sliding_window is not None:
-            raise ValueError(f"model.sliding_window ({shape.sliding_window}): the GPU backend's "
-                             f"paged kernel does not attend local windows yet; run this engine "
-                             f"on the CPU (forge generate --device cpu)")
         super().prepare(model, kv_cache, config, dtype, lora, num_blocks)
         self.device_sampler = DeviceSampler()
         self.prepare_model(model)
@@ -189,8 +184,6 @@ class GpuOps(TorchOps):
                   cache: PagedKVCache, meta: AttentionMetadata, num_heads: int,
                   num_kv_heads: int, head_dim: int, scale: float, window: int | None = None
                   ) -> torch.Tensor:
-        if window is not None:  # refused at load (prepare): never reached by a step
-            raise ValueError("the GPU backend does not attend sliding windows")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
         kv_kind = KV_KINDS[getattr(cache, "kv_dtype", "auto")]
@@ -209,24 +202,26 @@ class GpuOps(TorchOps):
             cache.write(layer, meta.slot_mapping, k, v)
         rows = meta.kernel_rows
         if rows == q.shape[0]:  # every chunk from the cache (always, but over one-byte caches)
-            return self._paged(layer, q, cache, meta, scale).view(-1, q_size)
+            return self._paged(layer, q, cache, meta, scale, window).view(-1, q_size)
         out = torch.empty_like(q)
         if rows:
-            out[:rows] = self._paged(layer, q[:rows], cache, meta, scale)
+            out[:rows] = self._paged(layer, q[:rows], cache, meta, scale, window)
         for run in meta.prefill_runs:  # first chunks over a one-byte cache: keys as computed
             begin, end = run.row_begin, run.row_end
             out[begin:end] = self._attend(q[begin:end], k[begin:end].contiguous(),
                                           v[begin:end].contiguous(),
                                           run.block_tables, run.seq_lens, run.query_start,
-                                          run.tokens_per_block, scale, 1.0, 1.0, end - begin, 1)
+                                          run.tokens_per_block, scale, 1.0, 1.0, end - begin, 1,
+                                          window)
         for chunk in meta.prefills:  # chunks a caller routed to the torch path
-            out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk, scale)
+            out[chunk.q_start:chunk.q_end] = prefill_attention(layer, q, k, v, cache, chunk, scale,
+                                                               window)
         if meta.decode_token_index is not None:  # decodes a caller routed to the reference
-            out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale)
+            out[meta.decode_token_index] = _decode(layer, q, cache, meta, scale, window)
         return out.view(-1, q_size)
 
     def _paged(self, layer: int, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None) -> torch.Tensor:
         k_cache, v_cache = _cache_views(cache, layer)
         k_scale, v_scale = cache.layer_scales(layer)
         splits = 1
@@ -235,12 +230,13 @@ class GpuOps(TorchOps):
                                  self.num_sms)
         return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                             meta.query_start, cache.tokens_per_block, scale, k_scale, v_scale,
-                            meta.max_query_len, splits)
+                            meta.max_query_len, splits, window)
 
     def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, query_start,
                 tokens_per_block: int, scale: float, k_scale: float, v_scale: float,
-                max_query_len: int, splits: int) -> torch.Tensor:
-        """The paged kernel (its variant noted), or its reference off CUDA."""
+                max_query_len: int, splits: int, window: int | None = None) -> torch.Tensor:
+        """The paged kernel (its variant noted), or its reference off CUDA; `window`: a
+        local layer's span."""
         constants = launch_constants(q.dtype, k_cache.element_size() == 1, q.shape[1],
                                      k_cache.shape[1], q.shape[2], tokens_per_block,
                                      max_query_len, splits)
@@ -250,6 +246,7 @@ class GpuOps(TorchOps):
         if not self.use_kernel:
             return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
                                              query_start, tokens_per_block, scale, k_scale,
-                                             v_scale)
+                                             v_scale, window or 0)
         return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start,
-                               tokens_per_block, scale, max_query_len, k_scale, v_scale, splits)
+                               tokens_per_block, scale, max_query_len, k_scale, v_scale, splits,
+                               window=window or 0)

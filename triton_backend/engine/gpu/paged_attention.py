@@ -5,7 +5,8 @@ off CUDA).
 The contract (the same metadata the CPU kernel takes): sequence `b` owns the packed query rows
 `query_start[b]:query_start[b + 1]`, the last rows of its `seq_lens[b]` keys, which live in the
 cache at `block_tables[b][p // tokens_per_block] * tokens_per_block + p % tokens_per_block`; a
-row at position `p` attends every key at a position `<= p` (causal, the cached prefix included).
+row at position `p` attends every key at a position `<= p` (causal, the cached prefix included),
+or with a `window` (a local layer) only the last `window` of them, positions `> p - window`.
 GQA: query head `h` reads kv head `h // (Hq / Hkv)`. A one-byte cache (int8, FP8) is widened with
 its layer's key and value scale. A sequence with `seq_lens[b] == 0` (a padded row of a captured
 decode graph) gets zeros.
@@ -28,9 +29,11 @@ MIN_DOT = 16  # tl.dot's smallest tile side
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
                               query_start: torch.Tensor, tokens_per_block: int, scale: float,
-                              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """q [T, Hq, D]; caches [slots, Hkv, D] -> [T, Hq, D] (float32 softmax, q's dtype out).
-    Reads the metadata on the host: for tests and devices without the kernel."""
+                              k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0
+                              ) -> torch.Tensor:
+    """q [T, Hq, D]; caches [slots, Hkv, D] -> [T, Hq, D] (float32 softmax, q's dtype out);
+    `window` 0: no window. Reads the metadata on the host: for tests and devices without the
+    kernel."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[1]
     starts, lens = query_start.tolist(), seq_lens.tolist()
@@ -47,6 +50,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         scores = torch.einsum("qhd,khd->hqk", rows, keys) * scale
         q_positions = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
         causal = positions[None, :] <= q_positions[:, None]
+        if window:
+            causal &= positions[None, :] > q_positions[:, None] - window
         scores = scores.masked_fill(~causal[None], float("-inf"))
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return out
@@ -80,10 +85,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     tokens_per_block: int, scale: float, max_query_len: int,
                     k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int = 1,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """The Triton kernel (see the module's contract). `max_query_len`: the longest chunk, a
     bound the caller knows without reading the device (1 for decodes; a captured graph fixes
-    it). Launches only: no host synchronisation, so it can be captured in a CUDA graph."""
+    it); `window` 0: no window (a local layer's keys start at its window: those before it are
+    never read). Launches only: no host synchronisation, so it can be captured in a CUDA
+    graph."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     common = launch_constants(q.dtype, k_cache.element_size() == 1, num_heads, num_kv_heads,
@@ -104,7 +111,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_p = partial_out.stride()[:3] + partial_ml.stride()[:2]
     _attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, partial_out, partial_ml,
-        scale, k_scale, v_scale,
+        scale, k_scale, v_scale, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *stride_p,
         **common)
@@ -124,10 +131,11 @@ if triton is not None:
     # Triton compiles an integer argument anew when it becomes 1 or a multiple of 16. The block
     # table's width changes from step to step, and a captured step's tables and key counts are
     # columns of one buffer (strides 1 + width) where an eager step's are their own: neither may
-    # take part (a compile while serving). The other strides are fixed by the model and cache.
-    @triton.jit(do_not_specialize=["stride_bt", "stride_sl"])
+    # take part (a compile while serving). The other strides are fixed by the model and cache;
+    # a window (0, or a local layer's span) is a plain integer for the same reason.
+    @triton.jit(do_not_specialize=["window", "stride_bt", "stride_sl"])
     def _attention_kernel(Q, K, V, Out, BlockTables, SeqLens, QueryStart, PartialOut, PartialML,
-                          scale, k_scale, v_scale,
+                          scale, k_scale, v_scale, window,
                           stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_sl,
                           stride_ot,
                           stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
@@ -156,12 +164,15 @@ if triton is not None:
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = context + q_local
 
-        # Keys this tile of rows can see, cut into tiles shared out among the splits.
+        # Keys this tile of rows can see (from its first row's window on), cut into tiles
+        # shared out among the splits.
         kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
-        num_tiles = tl.where(q_tile * BLOCK_Q < q_len, tl.cdiv(kv_end, BLOCK_N), 0)
+        kv_begin = tl.where(window > 0, tl.maximum(context + q_tile * BLOCK_Q - window + 1, 0), 0)
+        first_tile = kv_begin // BLOCK_N
+        num_tiles = tl.where(q_tile * BLOCK_Q < q_len, tl.cdiv(kv_end, BLOCK_N) - first_tile, 0)
         per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        first = split * per_split
-        last = tl.minimum(first + per_split, num_tiles)
+        first = first_tile + split * per_split
+        last = tl.minimum(first + per_split, first_tile + num_tiles)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -185,6 +196,7 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k))
             s = s * scale
             visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None]) & row_ok[:, None]
+            visible &= (window == 0) | (keys[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
