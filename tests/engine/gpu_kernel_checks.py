@@ -135,6 +135,8 @@ def _fused_cases(dtype: torch.dtype) -> dict[str, float]:
                             ops.rms_norm(x, weight, 1e-5))
     gate_up = torch.randn(rows, 2 * 48, generator=generator).to(dtype)
     out["silu_mul"] = _ulps(fused.silu_mul(gate_up), ops.silu_mul(gate_up))
+    wide = gate_up * 4  # GELU-tanh's saturated tails too
+    out["gelu_tanh_mul"] = _ulps(fused.silu_mul(wide, gelu=True), ops.gelu_tanh_mul(wide))
     from triton_backend.engine.config import ModelShape
     from triton_backend.engine.layers import RotaryEmbedding
 

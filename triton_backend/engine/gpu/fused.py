@@ -31,12 +31,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, new_residual
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """act(gate) * up of the fused [T, 2I] projection: SiLU, or with `gelu` GELU-tanh
+    (Gemma's gate), the activation rounded to the dtype before the product as torch rounds."""
     rows, width = gate_up.shape
     half = width // 2
     out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(rows,)](gate_up, out, half, gate_up.stride(0), out.stride(0),
-                              BLOCK=_block(half))
+    _gate_mul_kernel[(rows,)](gate_up, out, half, gate_up.stride(0), out.stride(0),
+                              BLOCK=_block(half), GELU=gelu)
     return out
 
 
@@ -79,14 +81,20 @@ if triton is not None:
         tl.store(Out + row * stride + cols, y, mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(GateUp, Out, half, stride_in, stride_out, BLOCK: tl.constexpr):
+    def _gate_mul_kernel(GateUp, Out, half, stride_in, stride_out, BLOCK: tl.constexpr,
+                         GELU: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < half
         gate = tl.load(GateUp + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(GateUp + row * stride_in + half + cols, mask=ok, other=0.0)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty)
-        y = (silu.to(tl.float32) * up.to(tl.float32)).to(Out.dtype.element_ty)
+        if GELU:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+        else:
+            act = gate / (1.0 + tl.exp(-gate))
+        act = act.to(Out.dtype.element_ty)
+        y = (act.to(tl.float32) * up.to(tl.float32)).to(Out.dtype.element_ty)
         tl.store(Out + row * stride_out + cols, y, mask=ok)
 
     @triton.jit

@@ -173,6 +173,12 @@ class GpuOps(TorchOps):
             return super().silu_mul(gate_up)
         return fused.silu_mul(gate_up.contiguous())
 
+    def gelu_tanh_mul(self, gate_up):
+        VARIANTS.note("gelu_tanh_mul", str(gate_up.dtype), gate_up.shape[-1])
+        if not self.use_kernel:
+            return super().gelu_tanh_mul(gate_up)
+        return fused.silu_mul(gate_up.contiguous(), gelu=True)
+
     def sparse_moe(self, moe, x):
         stacked = stacked_experts(moe) if self.use_kernel else None
         if stacked is None:
