@@ -62,15 +62,27 @@ def decode(engine_dir: str, concurrency: int, prompt_len: int, steps: int, top: 
         step_ms=step_ms, ops=rows)
 
 
+def _weights(module) -> int:
+    """in x out summed over the leaf linear layers under `module`."""
+    return sum(m.in_features * m.out_features for m in module.modules()
+               if hasattr(m, "in_features") and hasattr(m, "out_features")
+               and not list(m.children()))
+
+
 def linear_flops(engine: Any, tokens: int) -> tuple[float, float]:
-    """FLOPs of a prefill of `tokens` rows: every layer's GEMMs (the LM head for the last row
-    only) and causal attention (QK^T and PV over the keys before each row)."""
+    """FLOPs of a prefill of `tokens` rows: every layer's GEMMs (of a mixture of experts, the
+    routed experts only: top_k of them a row; the LM head for the last row only) and causal
+    attention (QK^T and PV over the keys before each row)."""
     shape = engine.config.model
-    per_row = sum(m.in_features * m.out_features for m in engine.runner.model.modules()
-                  if hasattr(m, "in_features") and hasattr(m, "out_features")
-                  and not list(m.children()))
+    model = engine.runner.model
+    per_row = _weights(model)
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if experts is not None and getattr(module, "top_k", None):
+            per_row -= _weights(experts) * (1 - module.top_k / len(experts))
     head = shape.vocab_size * shape.hidden_size
-    gemm = 2.0 * (per_row - head) * tokens + 2.0 * head
+    own_head = _weights(model.lm_head) if model.lm_head is not None else 0  # tied: the embedding
+    gemm = 2.0 * (per_row - own_head) * tokens + 2.0 * head
     attention = 2.0 * 2 * shape.num_hidden_layers * shape.q_size * tokens * (tokens + 1) / 2
     return gemm, attention
 
