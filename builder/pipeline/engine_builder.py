@@ -162,10 +162,14 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
     else:
         with steps.step("CPU kernels (compiled once, cached)") as log:
             prepare_cpu_kernels(config, log)
-    if options.enabled or options.lm_head != "none":
+    thresholds = QualityThresholds.from_spec(spec.quantization.quality)
+    if (options.enabled or options.lm_head != "none") and not thresholds.enabled:
+        with steps.step("quality gate: off (quantization.quality.enabled: false)") as log:
+            log("this engine's quantization is not checked against the checkpoint and it has "
+                "no quality.json; `forge check --engine DIR` runs the gate on it")
+    elif options.enabled or options.lm_head != "none":
         with steps.step("quality gate: quantized engine vs the unquantized checkpoint") as log:
-            run_quality_gate(tmp_dir, hf_dir, QualityThresholds.from_spec(spec.quantization.quality),
-                             progress=log, echo=log)
+            run_quality_gate(tmp_dir, hf_dir, thresholds, progress=log, echo=log)
     else:
         with steps.step("check: prefill logits vs transformers") as log:
             log(check_against_transformers(tmp_dir, hf_dir))

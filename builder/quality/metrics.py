@@ -36,7 +36,7 @@ class QualityThresholds:
     prompts: int = 8          # greedy prompts (the first `prompt_len` tokens of windows)
     prompt_len: int = 32
     greedy_tokens: int = 16
-    enabled: bool = True
+    enabled: bool = True      # false: `forge engine` builds without the gate (and says so)
 
     def __post_init__(self) -> None:
         for name in ("must_keep", "quick", "enabled"):

@@ -210,3 +210,23 @@ def test_the_gate_says_up_front_how_long_it_took_here_last_time(tmp_path, monkey
         "the last quick one of this model here took 55s")
     kept = (tmp_path / "cache" / "gate_times.json").read_text()
     assert str(reference) in kept and "gone" not in kept
+
+
+def test_a_gate_turned_off_builds_and_says_so(tmp_path):
+    """`quantization.quality.enabled: false`: the quantized engine is built and installed without
+    the gate (not even the cheaper check a gate-free build runs), and the build says so."""
+    checkpoint = tiny.make_checkpoint(tmp_path / "hf", "llama_gqa")
+    output = tmp_path / "engine"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"name: ungated\ncheckpoint: {checkpoint}\ndtype: bfloat16\noutput: {output}\n"
+        "limits: {max_batch_size: 4, max_num_tokens: 64, max_input_len: 64, max_seq_len: 128}\n"
+        "quantization:\n  weights: int4_rtn\n  group_size: 32\n"
+        "  calibration: {samples: 2, seq_len: 32}\n"
+        "  quality: {enabled: false, min_logit_cosine: 1.01}\n")  # a gate would refuse it
+    result = CliRunner().invoke(main, ["engine", "--spec", str(spec), "--no-repository"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "quality gate: off (quantization.quality.enabled: false)" in said
+    assert "prefill logits vs transformers" not in said
+    assert (output / "config.json").is_file() and not (output / "quality.json").exists()
