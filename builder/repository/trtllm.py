@@ -71,6 +71,9 @@ def template_values(config: EngineConfig, engine_dir: Path, options) -> dict[str
     if options.kv_cache_num_blocks is not None:
         optional.append(("max_tokens_in_paged_kv_cache",
                          options.kv_cache_num_blocks * config.kv_cache.tokens_per_block))
+    if trtllm.get("max_attention_window"):  # local layers' windows (Gemma 3), one per layer
+        optional.append(("max_attention_window_size",
+                         ",".join(str(w) for w in trtllm["max_attention_window"])))
     return {
         "gpt_model_path": options.trtllm_engine_path or str((Path(engine_dir) / ENGINE_SUBDIR).resolve()),
         "batch_scheduler_policy": options.batch_scheduler_policy,

@@ -200,6 +200,13 @@ def test_plan_records_the_expert_split_and_gemma3_windows(built):
     assert (mixtral["moe_tp"], mixtral["moe_ep"], mixtral["checkpoint_writer"]) == (1, 2,
                                                                                     "llm-forge")
     assert "--moe_plugin bfloat16" in mixtral["command"]
-    gemma = EngineConfig.load(built("gemma3", {})[0]).extra["trtllm"]
+    gemma_dir = built("gemma3", {})[0]
+    gemma = EngineConfig.load(gemma_dir).extra["trtllm"]
     assert gemma["max_attention_window"] == [24, 24, 64] and "moe_tp" not in gemma
     assert "--moe_plugin" not in gemma["command"]
+    from builder.repository.emit import emit_repository
+
+    repo = emit_repository(gemma_dir, gemma_dir.parent / "repo-gemma3")
+    config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert ('key: "max_attention_window_size" value: { string_value: "24,24,64" }'
+            in config)
