@@ -43,9 +43,6 @@ class NameRule:
 DNS_1035_LABEL = NameRule(
     "DNS-1035 label", re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?"), 63,
     "lowercase letters, digits and '-', a letter first, a letter or digit last, at most 63")
-DNS_1123_LABEL = NameRule(
-    "DNS-1123 label", re.compile(_LABEL), 63,
-    "lowercase letters, digits and '-', a letter or digit first and last, at most 63")
 DNS_1123_SUBDOMAIN = NameRule(
     "DNS-1123 subdomain", re.compile(rf"{_LABEL}(\.{_LABEL})*"), 253,
     "dot-separated DNS-1123 labels, at most 253 characters")

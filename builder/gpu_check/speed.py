@@ -3,24 +3,19 @@ prompts, the end id ignored, prefix caching off), transformers' `generate` on th
 the memory roofline of a decode step (every weight read once at the measured read rate)."""
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from builder.bench.inprocess import random_prompts
 from builder.gpu_check.ledger import count
 
 
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def _timed_run(engine, prompts: list[list[int]], new_tokens: int, device: str
@@ -47,8 +42,8 @@ def engine_throughput(engine, concurrencies: list[int], prompt_len: int, new_tok
     run of the same batch size; random prompts, so the prefix cache finds nothing."""
     rows = []
     for c in concurrencies:
-        _timed_run(engine, random_prompts(c, prompt_len, vocab_size, seed=100 + c), 4, device)
-        seconds, steps = _timed_run(engine, random_prompts(c, prompt_len, vocab_size, seed=c),
+        _timed_run(engine, random_prompts(vocab_size, c, prompt_len, seed=100 + c), 4, device)
+        seconds, steps = _timed_run(engine, random_prompts(vocab_size, c, prompt_len, seed=c),
                                     new_tokens, device)
         decode = steps[len(steps) // 2:]  # the second half: decode-only steps
         rows.append({"concurrency": c, "tok_s": c * new_tokens / seconds, "seconds": seconds,
@@ -62,7 +57,7 @@ def transformers_throughput(model, concurrencies: list[int], prompt_len: int, ne
     rows = []
     for c in concurrencies:
         count("reference_runs", 2)
-        ids = torch.tensor(random_prompts(c, prompt_len, vocab_size, seed=c), device=device)
+        ids = torch.tensor(random_prompts(vocab_size, c, prompt_len, seed=c), device=device)
         mask = torch.ones_like(ids)
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2,
                        min_new_tokens=2)

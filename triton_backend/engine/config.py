@@ -288,7 +288,6 @@ class TokenizerInfo:
 
 
 LORA_ADAPTERS_DIR = "lora"
-LORA_MODULES = ("qkv", "dense", "gate_up", "proj")  # the runtime projections an adapter may touch
 
 
 @dataclass
