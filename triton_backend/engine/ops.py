@@ -130,6 +130,10 @@ class CppOps(TorchOps):
         self._ops.qk_norm_(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
         return qkv
 
+    def sparse_moe(self, moe, x):
+        from triton_backend.engine.cpu import moe as cpu_moe
+        return cpu_moe.sparse_moe(moe, x) if cpu_moe.covers(moe, x) else moe.grouped(x, self)
+
     def attention(self, layer, qkv, positions, rotary, cache, meta, num_heads, num_kv_heads,
                   head_dim, scale, window=None):
         if not cache.kernel_reads(qkv.dtype):
