@@ -83,9 +83,10 @@ def test_bf16_is_the_per_expert_path_on_the_same_packed_gemm_bit_for_bit(
 @pytest.mark.parametrize("rows", ROWS)
 def test_bf16_is_within_bf16_rounding_of_torchs_gemm(layout, rows):
     moe = _moe(torch.bfloat16)
-    cpu_moe.prepare_moe(moe, layout)
     x = _rows(rows, torch.bfloat16)
-    ours, theirs = cpu_moe.sparse_moe(moe, x).float(), moe.grouped(x, CppOps()).float()
+    theirs = moe.grouped(x, CppOps()).float()  # the experts as nn.Linear: torch's GEMM
+    cpu_moe.prepare_moe(moe, layout)
+    ours = cpu_moe.sparse_moe(moe, x).float()
     # A few bf16 roundings (gate_up, SiLU, down, the weight, the sum) of values around 10.
     torch.testing.assert_close(ours, theirs, rtol=0.03, atol=0.1)
 
@@ -100,6 +101,17 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(layout):
     together = cpu_moe.sparse_moe(moe, x)
     for count in (1, 2, 5, 17):
         assert torch.equal(cpu_moe.sparse_moe(moe, x[:count]), together[:count])
+
+
+def test_a_bf16_layers_experts_are_held_once_as_views_of_the_stacks():
+    moe = _moe(torch.bfloat16)
+    x = _rows(5, torch.bfloat16)
+    cpu_moe.prepare_moe(moe, "tiles")
+    stack = moe.packed_experts.gate_up
+    for j, expert in enumerate(moe.experts):
+        assert expert.gate_up.packed.data_ptr() == stack[j].data_ptr()
+        assert expert.proj.packed.data_ptr() == moe.packed_experts.down[j].data_ptr()
+    assert torch.equal(cpu_moe.sparse_moe(moe, x), moe.grouped(x, CppOps()))
 
 
 def test_experts_no_row_chose_are_skipped_and_every_row_to_one_expert_is_summed_once():
@@ -171,3 +183,24 @@ def test_engines_with_the_fused_path_are_greedy_identical_to_transformers(
     assert calls and 3 in calls  # decode steps of the three rows took the fused kernel
     for prompt, i in zip(prompts, ids):
         assert outputs[i] == lora_helpers.hf_greedy(hf, prompt, 16)
+
+
+def test_int4_experts_keep_the_per_expert_path(tmp_path):
+    """INT4 experts (the zero-point quantizer covers them) are not the fused kernel's: their
+    layers stay on the per-expert path, which still generates."""
+    from triton_backend.engine import Request
+    from triton_backend.engine.llm_engine import LLMEngine
+
+    engine_dir = tiny.build_engine(tmp_path, "family:qwen3_moe", dtype="bfloat16", quantization={
+        "weights": "int4_rtn", "zero_point": True, "group_size": 16,
+        "quality": {"min_top1_agreement": 0.0, "min_logit_cosine": 0.0,
+                    "max_perplexity_increase_pct": None}})
+    engine = LLMEngine(engine_dir)
+    assert cpu_moe.prepare_moe(engine.runner.model) == 0
+    engine.add_request(Request([5, 9, 13, 17], 4, ignore_eos=True))
+    tokens = []
+    while engine.has_work():
+        for response in engine.step():
+            assert response.error is None, response.error
+            tokens.extend(response.output_token_ids)
+    assert len(tokens) == 4

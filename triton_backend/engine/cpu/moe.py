@@ -3,16 +3,18 @@
 `prepare_moe(model)` (at load, after the projections are packed) stacks each `SparseMoE` layer's
 expert weights in one packed layout: `pairs` (AVX-512 BF16 dot products) for a bf16 engine where
 this build of the kernels has them, else bf16 `tiles`; an fp32 engine keeps its fp32 weights in
-tiles. The experts' own modules are left as they are (`SparseMoE.grouped`, the reference, still
-runs them). `sparse_moe(moe, x)` routes in torch (the router's GEMM, softmax, top-k,
-renormalisation: `moe.route`, as the reference) and runs the experts' MLPs and the weighted sum in
+tiles. A bf16 layer's expert projections become views of the stacks (the weights held once);
+`SparseMoE.grouped`, the reference, still runs them. `sparse_moe(moe, x)` routes in torch (the
+router's GEMM, softmax, top-k, renormalisation: `moe.route`, as the reference) and runs the experts' MLPs and the weighted sum in
 `torch.ops.llm_forge.moe_experts` (csrc/moe.cpp), which reads each routed expert's weights once a
 step and none of an expert no row chose.
 
 Covered: bf16 or fp32 experts with a SiLU gate, no biases, an intermediate size divisible by 16.
 Anything else (INT4 or FP8 experts, GELU, biases) keeps the per-expert path: `covers` says which.
 Each row is computed the same way whatever the step's row count (csrc/moe.cpp), so n choices of
-one request equal single requests.
+one request equal single requests. There is no row-count switch: a prefill's experts run on the
+fused kernel too (its register tiles, not AMX; on a Xeon with AMX torch's GEMM over plain
+per-expert weights prefilled 1,024 rows faster, which the weights held once rule out).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from triton_backend.engine.cpu.linear import PackedBf16Linear
 from triton_backend.engine.moe import SparseMoE, route
 
 TILE = 16
@@ -82,6 +85,21 @@ def pack_experts(moe: SparseMoE, layout: str) -> PackedExperts | None:
                          torch.stack([pack_tiles(w, layout) for w in downs]), intermediate, layout)
 
 
+def share_weights(moe: SparseMoE, packed: PackedExperts) -> None:
+    """Point a bf16 layer's expert projections at the stacks (`PackedBf16Linear` views of each
+    expert's slice), so the experts' weights are held once; the per-expert path then runs the
+    packed GEMM of the same layout. fp32 stacks are not shared (their experts keep their own
+    weights)."""
+    if packed.gate_up.dtype != torch.bfloat16:
+        return
+    for j, expert in enumerate(moe.experts):
+        for name, stack in (("gate_up", packed.gate_up), ("proj", packed.down)):
+            linear = getattr(expert, name)
+            shared = PackedBf16Linear(_dense_weight(linear), None, layout=packed.layout)
+            shared.packed = stack[j]
+            setattr(expert, name, shared)
+
+
 def default_layout() -> str:
     """pairs where this build of the kernels has bf16 dot products, else tiles."""
     return "pairs" if torch.ops.llm_forge.moe_pairs_available() else "tiles"
@@ -95,7 +113,9 @@ def prepare_moe(model: nn.Module, layout: str | None = None) -> int:
     for module in model.modules():
         if isinstance(module, SparseMoE):
             module.packed_experts = pack_experts(module, layout)
-            count += module.packed_experts is not None
+            if module.packed_experts is not None:
+                share_weights(module, module.packed_experts)
+                count += 1
     return count
 
 
