@@ -47,11 +47,13 @@ lora-demo: setup
 KERNEL_TESTS ?= tests/engine/test_kernels.py tests/engine/test_parity.py tests/engine/test_inflight.py \
 	tests/engine/test_prefix_cache.py tests/engine/test_speculative.py tests/engine/test_quant_runtime.py \
 	tests/engine/test_lora_engines.py tests/engine/test_int8_activation_kernels.py \
-	tests/engine/test_greedy_pick_kernel.py tests/engine/test_prefill_attention.py
+	tests/engine/test_greedy_pick_kernel.py tests/engine/test_prefill_attention.py \
+	tests/engine/test_cpu_moe.py
 # The int8-activation kernels' portable loop (CPUs without AVX2) against the same exact reference,
-# the greedy pick's generic vectors and the prefill attention's portable tiles built without AVX2.
+# the greedy pick's generic vectors, the prefill attention's portable tiles and the fused MoE's
+# generic vectors built without AVX2.
 PORTABLE_TESTS ?= tests/engine/test_int8_activation_kernels.py tests/engine/test_greedy_pick_kernel.py \
-	tests/engine/test_prefill_attention.py
+	tests/engine/test_prefill_attention.py tests/engine/test_cpu_moe.py
 # The second real model's tests (tests/e2e/test_gemma3.py) need its package: set up for its spec.
 TEST_MODEL_SPECS ?= examples/gemma3-270m.yaml
 test: lint
@@ -60,7 +62,7 @@ test: lint
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 		echo "[test] kernel tests again on an AVX2 build (LLM_FORGE_KERNEL_MARCH=x86-64-v3, LLM_FORGE_GEMM_PLAN=tiles)"; \
 		LLM_FORGE_KERNEL_MARCH=x86-64-v3 LLM_FORGE_GEMM_PLAN=tiles $(PY) -m pytest -q $(KERNEL_TESTS) && \
-		echo "[test] int8-activation, greedy-pick and prefill-attention kernels on a build without AVX2 (LLM_FORGE_KERNEL_MARCH=x86-64-v2)" && \
+		echo "[test] int8-activation, greedy-pick, prefill-attention and fused MoE kernels on a build without AVX2 (LLM_FORGE_KERNEL_MARCH=x86-64-v2)" && \
 		LLM_FORGE_KERNEL_MARCH=x86-64-v2 LLM_FORGE_GEMM_PLAN=tiles $(PY) -m pytest -q $(PORTABLE_TESTS); \
 	fi
 

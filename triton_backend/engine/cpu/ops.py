@@ -6,7 +6,7 @@ Attention is two kernels over the cache in place: the paged decode kernel for on
 (`meta.kernel_rows`), the prefill kernel for longer ones (`meta.prefill_runs`). At load
 (`prepare`) the projections are packed for the GEMM this machine measured (`linear.py`), the LM
 head quantized when asked, adapters packed alike, and steps of little work take the one-call
-decode path (`forward.py`).
+decode path (`forward.py`); a mixture of experts runs every routed expert in one call (`moe.py`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from triton_backend.engine.cpu.forward import DecodeForward
 from triton_backend.engine.cpu.kernels import plan_key
 from triton_backend.engine.cpu.linear import (PackedBf16Linear, bf16_gemm_plan, pack_linears,
                                               quantize_lm_head)
+from triton_backend.engine.cpu import moe as cpu_moe
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.ops import TorchOps
 
@@ -50,6 +51,7 @@ class CppOps(TorchOps):
                 if lora is not None:  # adapters take the same kernel
                     lora.pack = lambda w: PackedBf16Linear(w.to(torch.bfloat16), None,
                                                            plan.upcast_min_rows, plan.layout)
+        cpu_moe.prepare_moe(model)  # after packing: bf16 experts become views of the stacks
         if config.quantization.lm_head == "int8" and not quantize_lm_head(model):
             raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
                              "in_features divisible by 32")
@@ -68,6 +70,12 @@ class CppOps(TorchOps):
 
     def stats(self):
         return dict(super().stats(), cpp_kernels=1)
+
+    def sparse_moe(self, moe, x):
+        """Every routed expert in one C++ call where the fused kernel covers the layer."""
+        if cpu_moe.covers(moe, x):
+            return cpu_moe.sparse_moe(moe, x)
+        return super().sparse_moe(moe, x)
 
     def reads_cache_in_place(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
         return cache.kernel_reads(dtype)

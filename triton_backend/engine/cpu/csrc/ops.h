@@ -89,6 +89,14 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits,
 // out[i] += (x[i] @ a) @ b in place on a few rows (a LoRA delta: a = A^T, b = B^T, float32).
 void lora_add_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b);
 
+// A mixture of experts' MLPs over the step's rows (moe.cpp): x [T, H], each row's top_k expert
+// ids [T, top_k] (int64) and routing weights (x's dtype), every expert's gate_up and down stacked
+// in one packed layout; returns [T, H], each row its experts' weighted sum.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
+                       const at::Tensor& expert_weights, const at::Tensor& gate_up,
+                       const at::Tensor& down, int64_t intermediate);
+bool moe_pairs_available();
+
 at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start,

@@ -38,6 +38,9 @@ TORCH_LIBRARY(llm_forge, m) {
         &llm_forge::greedy_pick);
   m.def("lora_add_rows(Tensor(a!) out, Tensor x, Tensor a, Tensor b) -> ()",
         &llm_forge::lora_add_rows);
+  m.def("moe_experts(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor gate_up, "
+        "Tensor down, int intermediate) -> Tensor", &llm_forge::moe_experts);
+  m.def("moe_pairs_available() -> bool", &llm_forge::moe_pairs_available);
   m.def("decode_forward(Tensor hidden, Tensor positions, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] weights, int[] kinds, "
