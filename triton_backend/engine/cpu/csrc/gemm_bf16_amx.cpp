@@ -40,6 +40,7 @@ constexpr int kTile = 16;           // output columns per tile
 constexpr int kRows = 16;           // rows of x per A tile
 constexpr int64_t kKBlock = 32;     // k per A / B tile
 constexpr int64_t kGroup = 4;       // column tiles per pass (C tiles 0-3)
+constexpr int64_t kRowPanel = 256;  // rows of x (a multiple of kRows) kept in L2 per pass
 constexpr int64_t kBTileElems = kKBlock * kTile;  // bf16 values in one B tile
 
 // Linux hands out the AMX tile state only to processes that ask for it (arch_prctl).
@@ -63,6 +64,20 @@ struct alignas(64) TileConfig {
     }
   }
 };
+
+// One C tile row (16 sums) plus the bias into row[n0, n0 + n_valid), rounded as static_cast
+// rounds (store_row's values): a prefill writes millions per projection, so whole tiles go
+// through vectors.
+template <typename T>
+inline void store_sums(T* row, const float* sums, const float* bias, int64_t n0,
+                       int64_t n_valid) {
+  if (n_valid < kTile) {
+    store_row(row, sums, bias, n0, n_valid);
+    return;
+  }
+  for (int h = 0; h < kTile; h += kLanes)
+    store(row + n0 + h, load(sums + h) + (bias ? load(bias + n0 + h) : splat(0.f)));
+}
 
 // One row block (rows <= 16, tile config loaded for it) against `nt` <= 4 column tiles.
 template <typename T>
@@ -102,7 +117,7 @@ void amx_block(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, in
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t n0 = (tile0 + t) * kTile;
     const int64_t n_valid = std::min<int64_t>(kTile, N - n0);
-    for (int64_t m = 0; m < rows; ++m) store_row(out + m * N, sums[t][m], bias, n0, n_valid);
+    for (int64_t m = 0; m < rows; ++m) store_sums(out + m * N, sums[t][m], bias, n0, n_valid);
   }
 }
 
@@ -119,16 +134,21 @@ void run_amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, in
     // The tile configuration is per thread, and other code on this thread (oneDNN) may have
     // loaded its own since our last call.
     const TileConfig* loaded = nullptr;
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t tile0 = g * kGroup, nt = std::min(kGroup, num_tiles - tile0);
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m0);
-        const TileConfig* want = rows == kRows ? &full : &tail;
-        if (want != loaded) {
-          _tile_loadconfig(want);
-          loaded = want;
+    // Panels of rows against the chunk's groups: the panel's x and the chunk's weights both
+    // stay in L2 (a prefill's x read again for every group came from L3).
+    for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
+      const int64_t p_end = std::min(M, p0 + kRowPanel);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t tile0 = g * kGroup, nt = std::min(kGroup, num_tiles - tile0);
+        for (int64_t m0 = p0; m0 < p_end; m0 += kRows) {
+          const int64_t rows = std::min<int64_t>(kRows, M - m0);
+          const TileConfig* want = rows == kRows ? &full : &tail;
+          if (want != loaded) {
+            _tile_loadconfig(want);
+            loaded = want;
+          }
+          amx_block(x + m0 * K, rows, K, w, tile0, nt, N, bias, out + m0 * N);
         }
-        amx_block(x + m0 * K, rows, K, w, tile0, nt, N, bias, out + m0 * N);
       }
     }
     _tile_release();
