@@ -187,14 +187,17 @@ def prepare_cpu_kernels(config: EngineConfig, log: Callable[[str], None]) -> Non
 
         plan = bf16_gemm_plan(plan_key())
         if not plan.packed:
-            log("bf16 projections: torch's bf16 GEMM (faster than our packed kernels on this CPU)")
+            log("bf16 projections: torch's bf16 GEMM")
+            return
+        kernel = {"amx": "AMX tiles", "pairs": "bf16 dot products (AVX-512 BF16)",
+                  "tiles": "weights widened to fp32 in registers"}[plan.layout]
+        if plan.measured_in is not None:
+            log(f"bf16 projections: per weight shape, the packed bf16 kernel ({kernel}) where it "
+                f"beats torch's bf16 GEMM on this CPU (measured at the first load of each shape)")
             return
         widened = (f"; from {plan.upcast_min_rows} tokens on, widened to fp32 for torch's fp32 "
                    f"GEMM" if plan.upcast_min_rows else "")
-        kernel = ("bf16 dot products (AVX-512 BF16)" if plan.layout == "pairs"
-                  else "weights widened to fp32 in registers")
-        log(f"bf16 projections: the packed bf16 kernel, {kernel} (faster than torch's bf16 GEMM "
-            f"on this CPU){widened}")
+        log(f"bf16 projections: the packed bf16 kernel, {kernel}{widened}")
 
 
 def keep_rejected_build(staged: Path, engine_dir: Path, whole: bool = False) -> Path | None:

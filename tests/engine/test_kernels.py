@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from triton_backend.engine.cpu import linear
 from triton_backend.engine.cpu.kernels import load_cpu_kernels
 from triton_backend.engine.cpu.linear import (PLAN_ENV, Bf16GemmPlan, PackedBf16Linear,
                                                   _plan_from_timings, available_layouts,
@@ -93,9 +94,11 @@ def test_gelu_tanh_mul_matches_torch(dtype):
 def _layouts():
     """Every packed layout, the ones this CPU cannot run marked skipped (named, not hidden)."""
     if not load_cpu_kernels():
-        return ["tiles", "pairs"]
+        return ["tiles", "pairs", "amx"]
     return ["tiles"] + [pytest.param("pairs", marks=pytest.mark.skipif(
-        "pairs" not in available_layouts(), reason="no AVX-512 BF16 on this CPU"))]
+        "pairs" not in available_layouts(), reason="no AVX-512 BF16 on this CPU")),
+        pytest.param("amx", marks=pytest.mark.skipif(
+            "amx" not in available_layouts(), reason="no AMX-BF16 (or no tile state) here"))]
 
 
 @pytest.mark.parametrize("layout", _layouts())
@@ -145,6 +148,37 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(layout):
         assert torch.equal(layer(x[i:i + 1])[0], batched[i])
 
 
+# Gemma 3 270M's and SmolLM2 135M's hidden sizes; output counts that end in a partial tile (an
+# odd one), in a partial 4-tile group, and in whole ones.
+MODEL_K = [640, 576]
+MODEL_N = [77, 1000, 1024]
+
+
+@pytest.mark.parametrize("layout", _layouts())
+@pytest.mark.parametrize("k", MODEL_K)
+@pytest.mark.parametrize("n", MODEL_N)
+def test_packed_kernels_at_model_widths_match_torch_at_every_row_count(layout, k, n):
+    """fp32 outputs within fp32 summation error of the exact product, bf16 outputs within one
+    rounding of it, and every row of a batch the bits it has alone (16 rows fill an AMX tile,
+    17 and 64 run several row blocks)."""
+    torch.manual_seed(k + n)
+    weight, bias = torch.randn(n, k).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    layer = PackedBf16Linear(weight, bias, layout=layout)
+    assert layer.layout == layout
+    x = torch.randn(64, k).to(torch.bfloat16)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    alone = torch.cat([layer.forward_fp32(x[i:i + 1]) for i in range(64)])
+    for m in (1, 2, 3, 8, 16, 17, 64):
+        fp32 = layer.forward_fp32(x[:m])
+        assert fp32.dtype == torch.float32 and fp32.shape == (m, n)
+        assert torch.equal(fp32, alone[:m])
+        assert (fp32.double() - exact[:m]).abs().max() < 1e-4 * math.sqrt(k)
+        bf16 = layer(x[:m])
+        assert bf16.dtype == torch.bfloat16
+        assert torch.equal(bf16, fp32.to(torch.bfloat16))
+        torch.testing.assert_close(bf16.double(), exact[:m], atol=1e-2, rtol=8e-3)
+
+
 @pytest.mark.parametrize("layout", _layouts())
 def test_fp32_outputs_are_the_unrounded_sums(layout):
     torch.manual_seed(3)
@@ -157,22 +191,30 @@ def test_fp32_outputs_are_the_unrounded_sums(layout):
     assert torch.equal(fp32.to(torch.bfloat16), layer(x))  # the same sums, rounded once
 
 
-@pytest.mark.parametrize("layout", ["tiles", "pairs"])
+@pytest.mark.parametrize("layout", ["tiles", "pairs", "amx"])
 def test_packed_rows_are_the_weight_rows(layout):
-    weight = torch.randn(37, 16).to(torch.bfloat16)
+    weight = torch.randn(37, 64).to(torch.bfloat16)
     ids = torch.tensor([0, 36, 17, 16, 5])
     layer = PackedBf16Linear(weight, None, layout=layout)
     assert torch.equal(layer.rows(ids), weight[ids])
     assert torch.equal(layer.weight_rows(), weight)
-    assert pack_weight(weight, layout).shape == {"tiles": (3, 16, 16), "pairs": (3, 8, 16, 2)}[
-        layout]
+    assert pack_weight(weight, layout).shape == {
+        "tiles": (3, 64, 16), "pairs": (3, 32, 16, 2), "amx": (3, 2, 16, 16, 2)}[layout]
 
 
-def test_an_odd_in_features_keeps_the_tiles_layout():
-    weight = torch.randn(20, 15).to(torch.bfloat16)
-    assert PackedBf16Linear(weight, None, layout="pairs").layout == "tiles"
-    with pytest.raises(ValueError, match="the pairs layout needs an even in_features, got 15"):
-        pack_weight(weight, "pairs")
+def test_an_in_features_a_layout_does_not_fit_takes_the_next_simpler_one():
+    assert PackedBf16Linear(torch.randn(20, 15).to(torch.bfloat16), None,
+                            layout="pairs").layout == "tiles"
+    assert PackedBf16Linear(torch.randn(20, 48).to(torch.bfloat16), None,
+                            layout="amx").layout == "pairs"  # 48: even, not 32-aligned
+    assert PackedBf16Linear(torch.randn(20, 15).to(torch.bfloat16), None,
+                            layout="amx").layout == "tiles"
+    with pytest.raises(ValueError, match="the pairs layout needs in_features divisible by 2, "
+                                         "got 15"):
+        pack_weight(torch.randn(20, 15).to(torch.bfloat16), "pairs")
+    with pytest.raises(ValueError, match="the amx layout needs in_features divisible by 32, "
+                                         "got 48"):
+        pack_weight(torch.randn(20, 48).to(torch.bfloat16), "amx")
 
 
 @pytest.mark.parametrize("value, plan", [
@@ -184,14 +226,14 @@ def test_the_gemm_plan_can_be_forced_without_measuring(monkeypatch, tmp_path, va
     assert not (tmp_path / "kernels").exists()  # nothing measured, nothing cached
     monkeypatch.setenv(PLAN_ENV, "fastest")
     with pytest.raises(ValueError, match="LLM_FORGE_GEMM_PLAN must be one of auto, torch, tiles, "
-                                         "pairs, got 'fastest'"):
+                                         "pairs, amx, got 'fastest'"):
         bf16_gemm_plan("any-key")
 
 
 @pytest.mark.parametrize("level", ["native", "x86-64-v3"])
 def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
-    """The plan is cached per plan key, and the key names the CPU whether the library was built
-    for this CPU or for a named level: another CPU never reads this one's plan."""
+    """Shape plans are cached per plan key, and the key names the CPU whether the library was
+    built for this CPU or for a named level: another CPU never reads this one's plans."""
     from triton_backend.engine.cpu import kernels
 
     monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
@@ -203,17 +245,51 @@ def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(kernels, "_cpu_signature", lambda: "model name: cpu B\nflags: avx2 amx")
     assert kernels.plan_key() != key_a
-    cached = tmp_path / "kernels" / key_a / "bf16_gemm_plan.json"
+    cached = tmp_path / "kernels" / key_a / "bf16_shape_plans.json"
     cached.parent.mkdir(parents=True)
-    cached.write_text('{"plan": {"packed": true, "upcast_min_rows": 512, "layout": "tiles"}}')
-    assert bf16_gemm_plan(key_a) == Bf16GemmPlan(True, 512, "tiles")  # A reads its own plan
+    cached.write_text('{"64x32": {"version": %d, "plan": {"packed": true, "upcast_min_rows": 512,'
+                      ' "layout": "tiles"}}}' % linear.SHAPE_PLAN_VERSION)
+    monkeypatch.setattr(linear, "available_layouts", lambda: ("tiles",))
+    assert bf16_gemm_plan(key_a).for_shape(32, 64) == Bf16GemmPlan(True, 512, "tiles")
     measured = []
-    monkeypatch.setattr("triton_backend.engine.cpu.linear._measure_layout",
+    monkeypatch.setattr(linear, "_measure_layout",
                         lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}))
-    monkeypatch.setattr("triton_backend.engine.cpu.linear.available_layouts",
-                        lambda: ("tiles",))
-    assert bf16_gemm_plan(kernels.plan_key()) == Bf16GemmPlan(True, None, "tiles")
+    assert bf16_gemm_plan(kernels.plan_key()).for_shape(32, 64) == Bf16GemmPlan(True)
     assert measured == ["tiles"]  # B measured anew
+
+
+def test_each_weight_shape_gets_the_kernel_its_own_timings_choose(monkeypatch, tmp_path):
+    """A shape where torch's GEMM keeps up stays an nn.Linear while the LM head's shape is
+    packed in the layout that won it; each shape is measured once, then read from the cache."""
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    monkeypatch.delenv(PLAN_ENV, raising=False)
+    monkeypatch.setattr(linear, "available_layouts", lambda: ("tiles", "pairs", "amx"))
+    measured = []
+
+    def fake_timings(layout, weight, k):  # torch's time over the kernel's at 1 and 16 rows
+        measured.append((tuple(weight.shape), layout))
+        if weight.shape[0] == 24:  # the "projection": torch as fast at 16 rows
+            return [2.0, 1.0], {}
+        return {"tiles": [1.5, 0.5], "pairs": [2.5, 0.8], "amx": [2.4, 1.9]}[layout], {}
+
+    monkeypatch.setattr(linear, "_measure_layout", fake_timings)
+    plan = bf16_gemm_plan("a-key")
+    assert plan.packed and plan.layout == "amx" and plan.measured_in == "a-key"
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(64, 24, bias=False).to(torch.bfloat16)
+    model.head = torch.nn.Linear(64, 40, bias=False).to(torch.bfloat16)
+    model.lm_head, model.tie_word_embeddings = torch.nn.Linear(64, 8), False
+    assert linear.pack_linears(model, plan) == 1
+    assert type(model.proj) is torch.nn.Linear
+    assert isinstance(model.head, PackedBf16Linear) and model.head.layout == "amx"
+    assert len(measured) == 6
+    assert plan.for_shape(40, 64) == Bf16GemmPlan(True, None, "amx")  # from the cache
+    assert plan.for_shape(24, 64) == Bf16GemmPlan(False)
+    assert len(measured) == 6
+    # Only layouts a shape fits are measured: in_features 48 is not 32-aligned.
+    plan.for_shape(40, 48)
+    assert [layout for shape, layout in measured[6:]] == ["tiles", "pairs"]
 
 
 def _paged_case(dtype, q_lens, ctx_lens, num_heads=6, num_kv_heads=2, head_dim=32, tpb=4):
@@ -617,8 +693,6 @@ def test_the_plan_timings_are_not_decided_by_a_burst_of_load(monkeypatch):
     """Candidates are timed in turns and each by its fastest run: load that falls on some runs
     (here 5 extra units on every other call of the faster candidate, 3 on the first rounds of
     the other) leaves each candidate's own cost, so the ratio and the plan stay as unloaded."""
-    from triton_backend.engine.cpu import linear
-
     clock = {"now": 0.0}
     monkeypatch.setattr(linear.time, "perf_counter", lambda: clock["now"])
     calls = {"fast": 0, "slow": 0}

@@ -1,11 +1,13 @@
 """bf16 projections on our packed-weight GEMM kernels, and when to use them.
 
-`pack_linears(model, plan)` swaps every plain bf16 `nn.Linear` of a loaded model (and the LM head
-of tied embeddings) for a `PackedBf16Linear` that keeps the weight in a kernel's layout: `tiles`
-(gemm.cpp: weights widened to fp32 in registers, for CPUs without bf16 dot products) or `pairs`
-(gemm_bf16_dot.cpp: AVX-512 BF16 dot products). It is applied only where a kernel beats torch's
-own bf16 GEMM on this machine (`bf16_gemm_plan`, measured once per machine and kernel build,
-cached; `LLM_FORGE_GEMM_PLAN` forces one, e.g. to run the suite as another CPU would).
+`pack_linears(model, plan)` swaps the plain bf16 `nn.Linear`s of a loaded model (and the LM head
+of tied embeddings) for `PackedBf16Linear`s that keep the weight in a kernel's layout: `tiles`
+(gemm.cpp: weights widened to fp32 in registers, for CPUs without bf16 dot products), `pairs`
+(gemm_bf16_dot.cpp: AVX-512 BF16 dot products) or `amx` (gemm_bf16_amx.cpp: the pairs' bytes as
+AMX tiles). Each weight shape is packed only where a kernel beats torch's own bf16 GEMM on this
+machine (`bf16_gemm_plan`, measured once per machine, kernel build and shape, cached;
+`LLM_FORGE_GEMM_PLAN` forces one plan for every shape, e.g. to run the suite as another CPU
+would).
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from triton_backend.engine.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 TILE = 16
-LAYOUTS = ("tiles", "pairs")
-PLAN_ENV = "LLM_FORGE_GEMM_PLAN"  # auto (measure) | torch | tiles | pairs
+LAYOUTS = ("tiles", "pairs", "amx")
+PLAN_ENV = "LLM_FORGE_GEMM_PLAN"  # auto (measure) | torch | tiles | pairs | amx
 PLAN_CHOICES = ("auto", "torch", *LAYOUTS)
+LAYOUT_K_MULTIPLE = {"tiles": 1, "pairs": 2, "amx": 32}  # what in_features must divide into
 
 
 
@@ -42,16 +45,28 @@ def _keep_plan(path: Path, text: str) -> None:
 def pack_weight(weight: torch.Tensor, layout: str = "tiles") -> torch.Tensor:
     """[N, K] -> bf16 tiles of 16 output columns. `tiles`: [ceil(N / 16), K, 16], tile t holds
     columns 16t..16t+15, k-major. `pairs`: [ceil(N / 16), K / 2, 16, 2], each column's k in
-    consecutive pairs (the operand order of a bf16 dot-product instruction); K must be even."""
+    consecutive pairs (the operand order of a bf16 dot-product instruction); K must be even.
+    `amx`: the same bytes viewed as [ceil(N / 16), K / 32, 16, 16, 2], one AMX B tile per 32 k
+    (the view tells the op which kernel reads it); K must be a multiple of 32."""
     n, k = weight.shape
     padded = -(-n // TILE) * TILE
     tiles = torch.zeros(padded, k, dtype=torch.bfloat16, device="cpu")
     tiles[:n] = weight
-    if layout == "pairs":
-        if k % 2:
-            raise ValueError(f"the pairs layout needs an even in_features, got {k}")
-        return tiles.view(padded // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if layout in ("pairs", "amx"):
+        if k % LAYOUT_K_MULTIPLE[layout]:
+            raise ValueError(f"the {layout} layout needs in_features divisible by "
+                             f"{LAYOUT_K_MULTIPLE[layout]}, got {k}")
+        pairs = tiles.view(padded // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return pairs if layout == "pairs" else pairs.view(padded // TILE, k // 32, 16, TILE, 2)
     return tiles.view(padded // TILE, TILE, k).permute(0, 2, 1).contiguous()
+
+
+def layout_for(layout: str, in_features: int) -> str:
+    """The layout a weight of `in_features` takes when `layout` is asked for: the next simpler
+    one where K does not fit it (amx -> pairs -> tiles)."""
+    while in_features % LAYOUT_K_MULTIPLE[layout]:
+        layout = LAYOUTS[LAYOUTS.index(layout) - 1]
+    return layout
 
 
 class PackedBf16Linear(nn.Module):
@@ -65,7 +80,7 @@ class PackedBf16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.upcast_min_rows = upcast_min_rows
-        self.layout = "tiles" if layout == "pairs" and self.in_features % 2 else layout
+        self.layout = layout_for(layout, self.in_features)
         self.register_buffer("packed", pack_weight(weight, self.layout))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
@@ -87,12 +102,18 @@ class PackedBf16Linear(nn.Module):
     def _widens(self, x: torch.Tensor) -> bool:
         return ((self.upcast_min_rows is not None
                  and x.numel() >= self.upcast_min_rows * self.in_features)
-                or (self.layout == "pairs" and x.dtype != torch.bfloat16))
+                or (self.layout != "tiles" and x.dtype != torch.bfloat16))
+
+    def _pairs(self) -> torch.Tensor:
+        return self.packed.view(self.packed.shape[0], self.in_features // 2, TILE, 2)
 
     def weight_rows(self) -> torch.Tensor:
         """The bf16 [N, K] weight as a view of the packed one (not contiguous)."""
-        order = (0, 2, 1, 3) if self.layout == "pairs" else (0, 2, 1)
-        return self.packed.permute(*order).reshape(-1, self.in_features)[:self.out_features]
+        if self.layout == "tiles":
+            rows = self.packed.permute(0, 2, 1)
+        else:
+            rows = self._pairs().permute(0, 2, 1, 3)
+        return rows.reshape(-1, self.in_features)[:self.out_features]
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 GEMM on the weight widened for this call (rounded once, at the end)."""
@@ -101,8 +122,8 @@ class PackedBf16Linear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows W[ids] (an embedding lookup when W is a tied embedding table)."""
-        if self.layout == "pairs":
-            picked = self.packed[ids // TILE, :, ids % TILE, :]  # [..., K / 2, 2]
+        if self.layout != "tiles":
+            picked = self._pairs()[ids // TILE, :, ids % TILE, :]  # [..., K / 2, 2]
             return picked.reshape(*ids.shape, self.in_features)
         return self.packed[ids // TILE, :, ids % TILE]
 
@@ -123,19 +144,24 @@ class PackedEmbedding(nn.Module):
 
 
 def pack_linears(model: nn.Module, plan: Bf16GemmPlan) -> int:
-    """Swap the model's bf16 `nn.Linear`s (and a tied LM head) for packed ones; returns how many."""
+    """Swap the model's bf16 `nn.Linear`s (and a tied LM head) for packed ones where `plan`
+    packs their shape (`plan.for_shape`); returns how many were swapped."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
-                setattr(parent, name, PackedBf16Linear(child.weight.data, child.bias,
-                                                       plan.upcast_min_rows, plan.layout))
-                count += 1
+                shape_plan = plan.for_shape(*child.weight.shape)
+                if shape_plan.packed:
+                    setattr(parent, name, PackedBf16Linear(
+                        child.weight.data, child.bias, shape_plan.upcast_min_rows,
+                        shape_plan.layout))
+                    count += 1
     if getattr(model, "lm_head", None) is None and model.tie_word_embeddings:
         embedding = model.transformer.vocab_embedding
-        if embedding.weight.dtype == torch.bfloat16:
-            model.lm_head = PackedBf16Linear(embedding.weight.data, None, plan.upcast_min_rows,
-                                             plan.layout)
+        shape_plan = plan.for_shape(*embedding.weight.shape)
+        if embedding.weight.dtype == torch.bfloat16 and shape_plan.packed:
+            model.lm_head = PackedBf16Linear(embedding.weight.data, None,
+                                             shape_plan.upcast_min_rows, shape_plan.layout)
             model.transformer.vocab_embedding = PackedEmbedding(model.lm_head)
             count += 1
     return count
@@ -161,14 +187,29 @@ def _best_times(fns, repeats: int = 7) -> list[float]:
 class Bf16GemmPlan:
     """How bf16 projections run on this machine: a packed kernel (`layout`) or torch's own bf16
     GEMM, and from how many rows on (if ever) the packed weights are widened to fp32 for torch's
-    fp32 GEMM instead (MKL's blocking for large M beats the widening kernel's register tiles)."""
+    fp32 GEMM instead (MKL's blocking for large M beats the packed kernels' register tiles).
+
+    With `measured_in` (a plan key) the plan is the machine's, decided per projection shape:
+    `for_shape` measures each (in, out) shape once and caches it under that key, because one
+    shape's winner says little about another's (Gemma 3's 262k x 640 LM head against a
+    2048 x 1024 projection). Without it (a forced plan, or one shape's) every shape takes it."""
 
     packed: bool
     upcast_min_rows: int | None = None
     layout: str = "tiles"
+    measured_in: str | None = None
+
+    def for_shape(self, out_features: int, in_features: int) -> Bf16GemmPlan:
+        if self.measured_in is None:
+            return self
+        return bf16_shape_plan(self.measured_in, in_features, out_features)
 
 
 UPCAST_ROWS = (256, 512, 1024)  # where widening for torch's fp32 GEMM is measured
+# Shapes above this many weights are not measured widened (an LM head's fp32 copy per call:
+# gigabytes at a large vocabulary, never the faster way to a few rows' logits).
+UPCAST_MAX_WEIGHTS = 1 << 24
+SHAPE_PLAN_VERSION = 1  # plans measured by an older rule or kernel set are measured again
 
 
 def _upcast_threshold(upcast_over_packed: dict[int, float]) -> int | None:
@@ -190,8 +231,11 @@ def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[
 
 
 def available_layouts() -> tuple[str, ...]:
-    """The packed layouts this build of the kernels can run (pairs needs AVX-512 BF16)."""
-    return LAYOUTS if torch.ops.llm_forge.bf16_dot_available() else ("tiles",)
+    """The packed layouts this build of the kernels can run (pairs needs AVX-512 BF16, amx
+    AMX-BF16 and the tile state granted to the process)."""
+    if not torch.ops.llm_forge.bf16_dot_available():
+        return ("tiles",)
+    return LAYOUTS if torch.ops.llm_forge.bf16_amx_available() else ("tiles", "pairs")
 
 
 def forced_plan() -> Bf16GemmPlan | None:
@@ -210,13 +254,16 @@ def forced_plan() -> Bf16GemmPlan | None:
 
 
 def _measure_layout(layout: str, weight: torch.Tensor, k: int) -> tuple[list[float], dict]:
-    """torch's time over the packed kernel's at decode sizes, and widening's over it above."""
+    """torch's time over the packed kernel's at decode sizes, and widening's over it above
+    (not for weights over UPCAST_MAX_WEIGHTS)."""
     layer = PackedBf16Linear(weight, None, layout=layout)
+    large = weight.numel() > UPCAST_MAX_WEIGHTS
     torch_over_packed, upcast_over_packed = [], {}
-    for m in (1, 16, *UPCAST_ROWS):
+    for m in (1, 16) if large else (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, k, device="cpu").to(torch.bfloat16)
         if m <= 16:
-            ours, theirs = _best_times([lambda: layer(x), lambda: F.linear(x, weight)], 15)
+            ours, theirs = _best_times([lambda: layer(x), lambda: F.linear(x, weight)],
+                                       5 if large else 15)
             torch_over_packed.append(theirs / ours)
         else:
             ours, widened = _best_times([lambda: layer(x), lambda: layer.widened(x)], 3)
@@ -225,28 +272,43 @@ def _measure_layout(layout: str, weight: torch.Tensor, k: int) -> tuple[list[flo
 
 
 def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
-    """Forced by `LLM_FORGE_GEMM_PLAN`, else measured once per machine and kernel build (`key`
-    names the CPU too, so another machine measures anew), then read from the cache. Each
-    candidate is timed in turns with the others and by its fastest run, so load on the machine
-    while it is measured slows every candidate alike instead of deciding the plan."""
+    """Forced by `LLM_FORGE_GEMM_PLAN`, else the machine's plan, measured per projection shape
+    (`Bf16GemmPlan.for_shape`; `key` names the CPU and kernel build, so another machine measures
+    anew)."""
     forced = forced_plan()
     if forced is not None:
         return forced
-    path = cache_root() / "kernels" / key / "bf16_gemm_plan.json"
+    return Bf16GemmPlan(True, None, available_layouts()[-1], key)
+
+
+def bf16_shape_plan(key: str, in_features: int, out_features: int) -> Bf16GemmPlan:
+    """The plan for one weight shape: measured once per machine, kernel build and shape, then
+    read from the cache. Each layout that fits the shape is timed in turns with torch's GEMM and
+    by its fastest run, so load on the machine while it is measured slows every candidate alike
+    instead of deciding the plan."""
+    path = cache_root() / "kernels" / key / "bf16_shape_plans.json"
+    shape = f"{in_features}x{out_features}"
     try:
-        return Bf16GemmPlan(**json.loads(path.read_text())["plan"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    k, n = 1024, 2048
-    weight = torch.randn(n, k, device="cpu").to(torch.bfloat16)
-    timings = {layout: _measure_layout(layout, weight, k) for layout in available_layouts()}
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(shape)
+    if isinstance(entry, dict) and entry.get("version") == SHAPE_PLAN_VERSION:
+        try:
+            return Bf16GemmPlan(**entry["plan"])
+        except (KeyError, TypeError):
+            pass
+    weight = torch.randn(out_features, in_features, device="cpu").to(torch.bfloat16)
+    layouts = dict.fromkeys(layout_for(name, in_features) for name in available_layouts())
+    timings = {layout: _measure_layout(layout, weight, in_features) for layout in layouts}
     # The layout whose worse decode-size ratio over torch is best.
     layout = max(timings, key=lambda name: min(timings[name][0]))
     plan = _plan_from_timings(*timings[layout], layout)
-    _keep_plan(path, json.dumps({"plan": plan.__dict__, "torch_over_packed_time": {
-        name: t[0] for name, t in timings.items()}, "upcast_over_packed_time": {
-        name: t[1] for name, t in timings.items()}}, indent=1) + "\n")
-    log.info("bf16 GEMM plan: %s", plan)
+    cached[shape] = {"plan": plan.__dict__, "version": SHAPE_PLAN_VERSION,
+                     "torch_over_packed_time": {name: t[0] for name, t in timings.items()},
+                     "upcast_over_packed_time": {name: t[1] for name, t in timings.items()}}
+    _keep_plan(path, json.dumps(cached, indent=1) + "\n")
+    log.info("bf16 GEMM plan for %s: %s", shape, plan)
     return plan
 
 

@@ -257,6 +257,7 @@ template void widen_row(const at::BFloat16*, const at::BFloat16*, int64_t, float
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out) {
+  if (packed.dim() == 5) return linear_bf16_amx(x, packed, bias, N, fp32_out);
   if (packed.dim() == 4) return linear_bf16_pairs(x, packed, bias, N, fp32_out);
   step::bf16_check_layout(packed, N);
   const Bf16Tiles w{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),

@@ -41,6 +41,11 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out);
 bool bf16_dot_available();
+// [tiles, K / 32, 16, 16, 2] weights (the pairs viewed as AMX B tiles) on AMX-BF16 tiles;
+// linear_bf16_packed sends 5-D packed weights here.
+at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out);
+bool bf16_amx_available();
 // x as fp32 rows [M, K], times the AWQ `prequant` scale when given (rounded as torch would).
 at::Tensor widen_rows(const at::Tensor& x2, const c10::optional<at::Tensor>& prequant);
 // INT4 weights in gemm_int4_dot.cpp's layout, int8 activations: [tiles, K / 8, 32] uint8 and fp16

@@ -8,6 +8,7 @@ TORCH_LIBRARY(llm_forge, m) {
         "-> Tensor",
         &llm_forge::linear_bf16_packed);
   m.def("bf16_dot_available() -> bool", &llm_forge::bf16_dot_available);
+  m.def("bf16_amx_available() -> bool", &llm_forge::bf16_amx_available);
   m.def("linear_int4_packed(Tensor x, Tensor packed, Tensor scale_offsets, Tensor? prequant, "
         "Tensor? bias, int group_size, int n) -> Tensor", &llm_forge::linear_int4_packed);
   m.def("linear_int8_packed(Tensor x, Tensor packed, Tensor scales, int n, bool fp32_out=False) "
