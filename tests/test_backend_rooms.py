@@ -67,6 +67,19 @@ def test_the_check_finds_a_backend_asked_for(source, expected):
     assert asks_which_backend(source) == expected
 
 
+def test_only_the_backend_choice_imports_a_backend_room():
+    """The engine outside the rooms (quant, lora, the sampler, the families) reaches kernels
+    through the backend it is handed; only `backend.py`, which picks one, imports a room."""
+    from tests.test_import_rules import imported
+
+    rooms = tuple(room.rstrip("/").replace("/", ".") for room in ROOMS)
+    importers = sorted(path.relative_to(ROOT).as_posix() for path in outside_the_rooms()
+                       if path.is_relative_to(ROOT / "triton_backend")
+                       and any(name == room or name.startswith(room + ".")
+                               for name in imported(path) for room in rooms))
+    assert importers == ["triton_backend/engine/backend.py"]
+
+
 def test_the_runner_has_one_step_path():
     """`ModelRunner.run` launches every step through its backend, once, and touches neither the
     model nor a backend's fast step itself."""

@@ -251,13 +251,13 @@ def test_int4_engines_decode_through_the_fast_path_with_the_python_models_tokens
     from tests.engine.test_kernels import _fast_and_python_ids
     from triton_backend.engine.cpu.kernels import load_cpu_kernels
     from triton_backend.engine.llm_engine import LLMEngine
-    from triton_backend.engine.cpu.linear import Int4Choice
-    from triton_backend.engine.quant import linear as quant_linear
+    from triton_backend.engine.cpu import quantized
+    from triton_backend.engine.cpu.quantized import Int4Choice
 
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")
     # Each decode kernel the per-machine plan may pick, whatever it measures on this machine.
-    monkeypatch.setattr(quant_linear, "_cpp_int4_choice", lambda *shape: Int4Choice(kernel))
+    monkeypatch.setattr(quantized, "int4_choice", lambda key, linear: Int4Choice(kernel))
     engine_dir = awq_plain_kv[0]
     mlp = LLMEngine(engine_dir).runner.model.transformer.layers[0].mlp
     assert mlp.gate_up.kernel == {"cpp": "cpp_int4", "torch": "cpu_int4pack"}[kernel]

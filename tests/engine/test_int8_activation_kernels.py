@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from triton_backend.engine.cpu.kernels import load_cpu_kernels
-from triton_backend.engine.cpu.linear import (Int8Head, PackedBf16Linear, dequantize_int4,
-                                                  pack_int4_dot, quantize_lm_head)
+from triton_backend.engine.cpu.linear import PackedBf16Linear
+from triton_backend.engine.cpu.quantized import (Int8Head, dequantize_int4, pack_int4_dot,
+                                                 quantize_lm_head)
 from triton_backend.engine.quant import int4
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels did not build")

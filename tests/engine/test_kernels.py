@@ -569,7 +569,7 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
     the cache in `dtype`, or of one byte per element (`kv_dtype`) with a scale per layer. The
     sequences from `prefill_from` on are the prefill kernel's (after the paged kernel's rows)."""
     from triton_backend.engine.quant import int4
-    from triton_backend.engine.cpu.linear import pack_int4_dot
+    from triton_backend.engine.cpu.quantized import pack_int4_dot
 
     torch.manual_seed(len(rows_per_seq) * 7 + sum(rows_per_seq))
     layers, hidden, heads, kv_heads, d, inter, block = 2, 64, 4, 2, 16, 96, 16
@@ -705,6 +705,6 @@ def test_the_plan_timings_are_not_decided_by_a_burst_of_load(monkeypatch):
 
     fast = run("fast", 1.0, lambda n: 5.0 if n % 2 else 0.0)
     slow = run("slow", 3.0, lambda n: 3.0 if n < 4 else 0.0)
-    ours, theirs = linear._best_times([fast, slow], 7)
+    ours, theirs = linear.best_times([fast, slow], 7)
     assert (ours, theirs) == (1.0, 3.0)
     assert linear._plan_from_timings([theirs / ours, theirs / ours], {}) == Bf16GemmPlan(True)

@@ -58,27 +58,30 @@ def _int4_linear(out_f: int, in_f: int, group: int, prequant: bool, bias: bool):
     return linear, int4.dequantize(q, scales), pre, b
 
 
-def _plan_int4(monkeypatch, choice) -> None:
-    """Every INT4 layer built from here on takes `choice` (an Int4Choice, or None: no kernel)
-    instead of the machine's plan; skips when the C++ kernels did not build and a choice
-    needs them."""
+def _for_kernel(linear, choice):
+    """`linear` repacked as the CPU backend's `prepare` would for `choice` (an Int4Choice; None:
+    no kernel of ours, torch's int4pack where it takes the shape); skips when the C++ kernels did
+    not build and the choice needs them."""
     from triton_backend.engine.cpu.kernels import load_cpu_kernels
-    from triton_backend.engine.quant import linear as quant_linear
+    from triton_backend.engine.cpu.quantized import CppInt4Linear
 
-    if choice is not None and not load_cpu_kernels():
+    if choice is None:
+        linear.use_int4pack()
+        return linear
+    if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")
-    monkeypatch.setattr(quant_linear, "_cpp_int4_choice", lambda *shape: choice)
+    return CppInt4Linear.repack(linear, choice)
 
 
 @pytest.mark.parametrize("out_f,ours,kernel", [(96, True, "cpp_int4"), (40, True, "cpp_int4"),
                                                (96, False, "cpu_int4pack"), (40, False, "dequant")])
 def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypatch):
     """Each CPU path: our kernel (any even width), torch's int4pack (widths of 16), dequant."""
-    from triton_backend.engine.cpu.linear import Int4Choice
+    from triton_backend.engine.cpu.quantized import Int4Choice
 
-    _plan_int4(monkeypatch, Int4Choice("cpp") if ours else None)
     torch.manual_seed(0)
     linear, w_ref, pre, b = _int4_linear(out_f, 64, 32, prequant=True, bias=True)
+    linear = _for_kernel(linear, Int4Choice("cpp") if ours else None)
     assert linear.kernel == kernel
     x = torch.randn(5, 64)
     ref = torch.nn.functional.linear(x * pre, w_ref, b)
@@ -89,11 +92,11 @@ def test_int4_linear_matches_dequantized_reference(out_f, ours, kernel, monkeypa
 
 
 def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monkeypatch):
-    from triton_backend.engine.cpu.linear import Int4Choice
+    from triton_backend.engine.cpu.quantized import Int4Choice
 
-    _plan_int4(monkeypatch, Int4Choice("cpp", 4))
     torch.manual_seed(1)
     linear, w_ref, pre, b = _int4_linear(40, 64, 32, prequant=True, bias=True)
+    linear = _for_kernel(linear, Int4Choice("cpp", 4))
     assert linear.upcast_min_rows == 4
     x = torch.randn(3, 64)  # the kernel: int8 activations
     ref = F.linear(x * pre, w_ref, b)
@@ -107,11 +110,11 @@ def test_int4_linear_dequantizes_for_torchs_gemm_from_its_upcast_row_count(monke
 def test_int4_linear_meets_bf16_activations_in_the_planned_dtype(monkeypatch):
     """A plan with upcast_dtype bfloat16: a bf16 prefill multiplies by the bf16-rounded weight
     (torch's bf16 GEMM); fp32 activations still take the fp32 weight, exactly."""
-    from triton_backend.engine.cpu.linear import Int4Choice
+    from triton_backend.engine.cpu.quantized import Int4Choice
 
-    _plan_int4(monkeypatch, Int4Choice("cpp", 4, "bfloat16"))
     torch.manual_seed(2)
     linear, w_ref, pre, b = _int4_linear(40, 64, 32, prequant=True, bias=True)
+    linear = _for_kernel(linear, Int4Choice("cpp", 4, "bfloat16"))
     assert linear.upcast_dtype == torch.bfloat16
     x = torch.randn(9, 64)
     dense = linear.dequantized_weight()
@@ -124,11 +127,11 @@ def test_int4_linear_meets_bf16_activations_in_the_planned_dtype(monkeypatch):
 def test_with_torchs_int4_kernel_a_large_prefill_dequantizes_our_layout(monkeypatch):
     """torch's int4pack wins decode-sized calls, dequantizing wins from 4 rows: our layout is kept
     beside torch's for that, and both paths multiply by the same weight."""
-    from triton_backend.engine.cpu.linear import Int4Choice
+    from triton_backend.engine.cpu.quantized import Int4Choice
 
-    _plan_int4(monkeypatch, Int4Choice("torch", 4, "bfloat16"))
     torch.manual_seed(3)
     linear, w_ref, pre, b = _int4_linear(96, 64, 32, prequant=True, bias=True)
+    linear = _for_kernel(linear, Int4Choice("torch", 4, "bfloat16"))
     assert linear.kernel == "cpu_int4pack" and linear.tiles is not None
     dense = linear.dequantized_weight()  # our layout's (fp16 scales)
     torch.testing.assert_close(dense, w_ref, atol=1e-3, rtol=1e-3)
@@ -219,7 +222,7 @@ def test_a_group_size_torchs_int4_kernel_refuses_is_planned_for_ours(monkeypatch
     alone (it raised inside the measurement before), and caches that choice with the prefill
     row counts it timed."""
     from triton_backend.engine.cpu.kernels import build_key, load_cpu_kernels
-    from triton_backend.engine.cpu.linear import int4_kernel_choice
+    from triton_backend.engine.cpu.quantized import int4_kernel_choice
 
     if not load_cpu_kernels():
         pytest.skip("the C++ kernels did not build")
@@ -268,13 +271,13 @@ def _zero_point_linear(out_f: int, in_f: int, group: int):
     ("upcast", 96, "cpp_int4"),      # prefills of 4+ rows dequantize (with the zeros)
 ])
 def test_zero_point_int4_linear_matches_its_dequantized_weight(monkeypatch, plan, out_f, kernel):
-    from triton_backend.engine.cpu.linear import Int4Choice
+    from triton_backend.engine.cpu.quantized import Int4Choice
 
     choices = {"cpp": Int4Choice("cpp"), "torch": Int4Choice("torch"), "none": None,
                "upcast": Int4Choice("cpp", 4, "float32")}
-    _plan_int4(monkeypatch, choices[plan])
     torch.manual_seed(5)
     linear, w_ref, b = _zero_point_linear(out_f, 64, 32)
+    linear = _for_kernel(linear, choices[plan])
     assert linear.kernel == kernel
     x = torch.randn(9, 64)
     ref = F.linear(x, w_ref, b)

@@ -25,6 +25,7 @@ from triton_backend.engine.attention import AttentionMetadata, paged_attention
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.device import host_to_device
 from triton_backend.engine.kv_cache import PagedKVCache
+from triton_backend.engine.quant.linear import Int4WeightOnlyLinear
 from triton_backend.engine.step_inputs import StepInputs
 
 
@@ -58,6 +59,9 @@ class TorchOps:
         if config.quantization.lm_head == "int8":
             raise ValueError("quantization.lm_head: int8 needs the CPU kernels and an "
                              "in_features divisible by 32")
+        for module in model.modules():  # INT4 layers on a CPU: torch's own kernel
+            if isinstance(module, Int4WeightOnlyLinear):
+                module.use_int4pack()
         self.bind(model, kv_cache, config, dtype)
 
     def bind(self, model, kv_cache: PagedKVCache, config: EngineConfig, dtype: torch.dtype

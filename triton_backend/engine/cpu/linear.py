@@ -33,12 +33,23 @@ LAYOUT_K_MULTIPLE = {"tiles": 1, "pairs": 2, "amx": 32}  # what in_features must
 
 
 
-def _keep_plan(path: Path, text: str) -> None:
-    """Cache a measured plan. A cache it cannot write (an image's, under a read-only root
+def cached_plan(path: Path, shape: str, version: int) -> tuple[dict, dict | None]:
+    """A plan cache's entries, and `shape`'s where it was measured by this `version` of the
+    rule (plans measured by an older rule or kernel set are measured again)."""
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(shape)
+    return cached, entry if isinstance(entry, dict) and entry.get("version") == version else None
+
+
+def keep_plan(path: Path, cached: dict) -> None:
+    """Cache measured plans. A cache it cannot write (an image's, under a read-only root
     filesystem, on a CPU the image was not built on) only means measuring again next start."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_text(json.dumps(cached, indent=1) + "\n")
     except OSError as exc:
         log.warning("GEMM plan not cached (%s); it is measured again at the next start", exc)
 
@@ -167,7 +178,7 @@ def pack_linears(model: nn.Module, plan: Bf16GemmPlan) -> int:
     return count
 
 
-def _best_times(fns, repeats: int = 7) -> list[float]:
+def best_times(fns, repeats: int = 7) -> list[float]:
     """The fastest of `repeats` calls of each of `fns`, timed in turns (one call of each per
     round): other processes only ever add time, so the minimum is the steadiest estimate of a
     kernel's own cost, and taking turns means a burst of load cannot fall on one candidate's
@@ -212,7 +223,7 @@ UPCAST_MAX_WEIGHTS = 1 << 24
 SHAPE_PLAN_VERSION = 1  # plans measured by an older rule or kernel set are measured again
 
 
-def _upcast_threshold(upcast_over_packed: dict[int, float]) -> int | None:
+def upcast_threshold(upcast_over_packed: dict[int, float]) -> int | None:
     """The smallest measured M from which widening wins by 10% at that M and every larger one."""
     threshold = None
     for m in sorted(upcast_over_packed, reverse=True):
@@ -227,7 +238,7 @@ def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[
     packed = min(torch_over_packed) > 1.1
     if not packed:
         return Bf16GemmPlan(False)
-    return Bf16GemmPlan(True, _upcast_threshold(upcast_over_packed), layout)
+    return Bf16GemmPlan(True, upcast_threshold(upcast_over_packed), layout)
 
 
 def available_layouts() -> tuple[str, ...]:
@@ -262,11 +273,11 @@ def _measure_layout(layout: str, weight: torch.Tensor, k: int) -> tuple[list[flo
     for m in (1, 16) if large else (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, k, device="cpu").to(torch.bfloat16)
         if m <= 16:
-            ours, theirs = _best_times([lambda: layer(x), lambda: F.linear(x, weight)],
+            ours, theirs = best_times([lambda: layer(x), lambda: F.linear(x, weight)],
                                        5 if large else 15)
             torch_over_packed.append(theirs / ours)
         else:
-            ours, widened = _best_times([lambda: layer(x), lambda: layer.widened(x)], 3)
+            ours, widened = best_times([lambda: layer(x), lambda: layer.widened(x)], 3)
             upcast_over_packed[m] = widened / ours
     return torch_over_packed, upcast_over_packed
 
@@ -288,12 +299,8 @@ def bf16_shape_plan(key: str, in_features: int, out_features: int) -> Bf16GemmPl
     instead of deciding the plan."""
     path = cache_root() / "kernels" / key / "bf16_shape_plans.json"
     shape = f"{in_features}x{out_features}"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    entry = cached.get(shape)
-    if isinstance(entry, dict) and entry.get("version") == SHAPE_PLAN_VERSION:
+    cached, entry = cached_plan(path, shape, SHAPE_PLAN_VERSION)
+    if entry is not None:
         try:
             return Bf16GemmPlan(**entry["plan"])
         except (KeyError, TypeError):
@@ -307,187 +314,6 @@ def bf16_shape_plan(key: str, in_features: int, out_features: int) -> Bf16GemmPl
     cached[shape] = {"plan": plan.__dict__, "version": SHAPE_PLAN_VERSION,
                      "torch_over_packed_time": {name: t[0] for name, t in timings.items()},
                      "upcast_over_packed_time": {name: t[1] for name, t in timings.items()}}
-    _keep_plan(path, json.dumps(cached, indent=1) + "\n")
+    keep_plan(path, cached)
     log.info("bf16 GEMM plan for %s: %s", shape, plan)
     return plan
-
-
-DOT_PANEL = 32  # output columns per panel of the int8-activation kernels (four registers of 8)
-
-
-def pack_int4_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """INT4 q [N, K] (values in [-8, 7]), scales [N, K / group] and optional zeros (w = q * scale
-    + zero) -> the INT4 kernel's layout (gemm_int4_dot.cpp): uint8 [ceil(N/32), K/8, 128], the
-    stored nibbles u = q + 8 of column 8r + c for k = 8s + j (low) and 8s + 4 + j (high) in byte
-    32r + 4c + j of step s; and fp16 [ceil(N/32), K / group, 64], per register r of 8 columns
-    their 8 scales then their 8 offsets c = zero - 8 * scale (so that w = u * scale + c). K must
-    be a multiple of 8."""
-    n, k = q.shape
-    if k % 8:
-        raise ValueError(f"the INT4 kernel needs in_features divisible by 8, got {k}")
-    panels = -(-n // DOT_PANEL)
-    padded = panels * DOT_PANEL
-    u = torch.zeros(padded, k, dtype=torch.uint8, device="cpu")  # padding columns: scale 0, offset 0
-    u[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
-    u = u.view(panels, 4, 8, k // 8, 2, 4)  # [panel, register, column, step, half, j]
-    packed = (u[..., 0, :] | (u[..., 1, :] << 4)).permute(0, 3, 1, 2, 4)  # [p, step, r, c, j]
-    groups = scales.shape[1]
-    scale = torch.zeros(padded, groups, dtype=torch.float32, device="cpu")
-    scale[:n] = scales.float()
-    offset = -8 * scale
-    if zeros is not None:
-        offset[:n] = zeros.float() - 8 * scales.float()
-    params = torch.stack((scale.view(panels, 4, 8, groups),
-                          offset.view(panels, 4, 8, groups)), dim=2)  # [p, r, 2, c, g]
-    params = params.permute(0, 4, 1, 2, 3).reshape(panels, groups, 64)
-    return packed.reshape(panels, k // 8, 128).contiguous(), params.to(torch.float16).contiguous()
-
-
-def pack_int8_dot(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> int8 per column and block of 32 inputs (q = round(w / s), s = max |w| / 127:
-    llama.cpp's Q8_0) in the int8 kernel's layout: the values as uint8 [ceil(N/32), K/4, 128],
-    column 8r + c's q for k = 4s + j in byte 32r + 4c + j of step s, and fp16 scales
-    [ceil(N/32), K/32, 32]. K must be a multiple of 32."""
-    n, k = weight.shape
-    if k % 32:
-        raise ValueError(f"the int8 kernel needs in_features divisible by 32, got {k}")
-    panels = -(-n // DOT_PANEL)
-    padded = panels * DOT_PANEL
-    blocks = weight.float().reshape(n, k // 32, 32)
-    scale = (blocks.abs().amax(-1) / 127).half()
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-    q = torch.zeros(padded, k, dtype=torch.int8, device="cpu")
-    q[:n] = (blocks / safe[..., None]).round().clamp(-127, 127).reshape(n, k).to(torch.int8)
-    scales = torch.zeros(padded, k // 32, dtype=torch.float16, device="cpu")
-    scales[:n] = scale
-    packed = q.view(panels, 4, 8, k // 4, 4).permute(0, 3, 1, 2, 4)  # [p, step, r, c, j]
-    packed = packed.reshape(panels, k // 4, 128).contiguous().view(torch.uint8)
-    scales = scales.view(panels, DOT_PANEL, k // 32).permute(0, 2, 1).contiguous()
-    return packed, scales
-
-
-class Int8Head(nn.Module):
-    """An LM head in int8 (`quantization.lm_head: int8`): the int8 kernel multiplies it by the
-    hidden states quantized to int8 per block of 32, returning fp32 logits. The token embedding
-    of a tied model keeps its bf16 table for lookups."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        packed, scales = pack_int8_dot(weight)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-
-    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llm_forge.linear_int8_packed(x, self.packed, self.scales,
-                                                      self.out_features, True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_fp32(x).to(x.dtype)
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The fp32 [N, K] weight the kernel multiplies by (for tests and checks)."""
-        panels, steps, _ = self.packed.shape
-        q = self.packed.view(torch.int8).view(panels, steps, 4, 8, 4).permute(0, 2, 3, 1, 4)
-        q = q.reshape(panels * DOT_PANEL, steps * 4)[:self.out_features].float()
-        scales = self.scales.permute(0, 2, 1).reshape(-1, self.in_features // 32)
-        return q * scales[:self.out_features].float().repeat_interleave(32, 1)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-
-def quantize_lm_head(model: nn.Module) -> bool:
-    """Swap the model's LM head (or the projection of its tied embedding) for an `Int8Head`;
-    False when the head is not a bf16/fp32 weight of a width the kernel takes."""
-    head = model.lm_head
-    if head is None:
-        weight = model.transformer.vocab_embedding.weight
-    elif isinstance(head, PackedBf16Linear):
-        weight = head.weight_rows()
-    elif type(head) is nn.Linear:
-        weight = head.weight
-    else:
-        return False
-    if weight.shape[1] % 32:
-        return False
-    model.lm_head = Int8Head(weight.detach())
-    return True
-
-
-@dataclass(frozen=True)
-class Int4Choice:
-    """For one INT4 weight shape: which kernel runs decode-sized calls ('cpp' ours, 'torch'
-    torch's int4pack), from how many rows on the weights are dequantized for torch's dense GEMM
-    instead (large prefills), and in which dtype bf16 activations meet them there
-    (`upcast_dtype`: 'bfloat16' where torch's bf16 GEMM has the hardware for it and wins, else
-    'float32')."""
-
-    kernel: str
-    upcast_min_rows: int | None = None
-    upcast_dtype: str = "float32"
-
-
-# Prefill row counts where dequantizing for torch's GEMM is timed against the INT4 kernel: a
-# prompt of a hundred tokens already runs a GEMM that a 4-bit kernel does not make cheaper.
-INT4_UPCAST_ROWS = (32, 64, 128, 256, 512, 1024)
-INT4_PLAN_VERSION = 3  # plans measured by an older rule or kernel are measured again
-
-
-def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size: int
-                       ) -> Int4Choice:
-    """Our kernel wins at 1 and 16 tokens (decode batch sizes) or torch's does; measured once
-    per machine, kernel build and shape, then read from the cache. Only the winner's layout is
-    kept in memory."""
-    path = cache_root() / "kernels" / key / "int4_plan.json"
-    shape = f"{in_features}x{out_features}/g{group_size}"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if shape in cached and cached[shape].get("version") == INT4_PLAN_VERSION:
-        return Int4Choice(**cached[shape]["choice"])
-    from triton_backend.engine.quant import int4
-
-    q, scales = int4.quantize_rtn(torch.randn(out_features, in_features, device="cpu"), group_size)
-    ours = pack_int4_dot(q, scales)
-    theirs = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
-    scale_t = scales.t().to(torch.bfloat16)
-    zeros = torch.stack((scale_t, torch.zeros_like(scale_t)), dim=-1).contiguous()
-    kernels = {
-        "cpp": lambda x: torch.ops.llm_forge.linear_int4_packed(
-            x, ours[0], ours[1], None, None, group_size, out_features),
-        "torch": lambda x: torch._weight_int4pack_mm_for_cpu(x, theirs, group_size, zeros)}
-    torch_over_ours = []
-    for m in (1, 16) if group_size in int4.TORCH_INT4PACK_GROUP_SIZES else ():
-        x = torch.randn(m, in_features, device="cpu").to(torch.bfloat16)
-        t_ours, t_torch = _best_times([lambda: kernels["cpp"](x), lambda: kernels["torch"](x)], 15)
-        torch_over_ours.append(t_torch / t_ours)
-    wins = not torch_over_ours or min(torch_over_ours) >= 1.0 or sum(torch_over_ours) >= 2.0
-    winner = "cpp" if wins else "torch"
-    # Large prefills: the winner against dequantizing (our layout) for torch's dense GEMM.
-    dense = lambda: dequantize_int4(ours[0], ours[1], group_size, out_features)  # noqa: E731
-    upcast_over_kernel: dict[str, dict[int, float]] = {"float32": {}, "bfloat16": {}}
-    for m in INT4_UPCAST_ROWS:
-        x = torch.randn(m, in_features, device="cpu").to(torch.bfloat16)
-        t_kernel, t_fp32, t_bf16 = _best_times([
-            lambda: kernels[winner](x), lambda: F.linear(x.float(), dense()),
-            lambda: F.linear(x, dense().to(torch.bfloat16))], 3)
-        upcast_over_kernel["float32"][m] = t_fp32 / t_kernel
-        upcast_over_kernel["bfloat16"][m] = t_bf16 / t_kernel
-    # The dtype whose dequantize-and-GEMM is faster at the largest measured row count.
-    largest = max(INT4_UPCAST_ROWS)
-    dtype = min(upcast_over_kernel, key=lambda name: upcast_over_kernel[name][largest])
-    choice = Int4Choice(winner, _upcast_threshold(upcast_over_kernel[dtype]), dtype)
-    cached[shape] = {"choice": choice.__dict__, "torch_over_ours_time": torch_over_ours,
-                     "upcast_over_kernel_time": upcast_over_kernel, "version": INT4_PLAN_VERSION}
-    _keep_plan(path, json.dumps(cached, indent=1) + "\n")
-    log.info("INT4 %s: %s", shape, choice)
-    return choice
-
-
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
-                    out_features: int) -> torch.Tensor:
-    """The dense fp32 [out, in] weight of the INT4 kernel's packed layout (offsets included)."""
-    return torch.ops.llm_forge.dequantize_int4_packed(packed, scales, group_size, out_features)

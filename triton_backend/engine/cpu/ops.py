@@ -15,9 +15,9 @@ import torch
 from triton_backend.engine.attention import prefill_attention
 from triton_backend.engine.cpu.forward import DecodeForward
 from triton_backend.engine.cpu.kernels import plan_key
-from triton_backend.engine.cpu.linear import (PackedBf16Linear, bf16_gemm_plan, pack_linears,
-                                              quantize_lm_head)
+from triton_backend.engine.cpu.linear import PackedBf16Linear, bf16_gemm_plan, pack_linears
 from triton_backend.engine.cpu import moe as cpu_moe
+from triton_backend.engine.cpu.quantized import pack_int4_linears, quantize_lm_head
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.ops import TorchOps
 
@@ -42,8 +42,9 @@ class CppOps(TorchOps):
         self.one_call_max_rows = 0
 
     def prepare(self, model, kv_cache, config, dtype, lora, num_blocks, cuda_graphs=True):
-        """Pack the projections for the measured bf16 GEMM (adapters too), quantize the LM head
-        when asked, and set up the one-call decode path."""
+        """Pack the projections for the measured bf16 GEMM (adapters too) and the INT4 kernels,
+        quantize the LM head when asked, and set up the one-call decode path."""
+        pack_int4_linears(model, plan_key())
         if dtype == torch.bfloat16:
             plan = bf16_gemm_plan(plan_key())
             if plan.packed:

@@ -2,14 +2,11 @@
 
 `Int4WeightOnlyLinear` (W4A16_AWQ): keys `weight` (packed int8 [out/2, in]),
 `weights_scaling_factor` [out, in/g], `prequant_scaling_factor` [in], optional `bias`; with
-`zero_point`, `zero` [out, in/g] (w = q * scale + zero, see int4.py). On a CPU it
-repacks once for the faster of two packed-int4 kernels, chosen per weight shape by a measurement
-cached per machine: ours (`torch.ops.llm_forge.linear_int4_packed`: int8 activations quantized
-per block of 32 inputs, integer dot products, scales and zeros as fp16) or torch's
-(`_weight_int4pack_mm_for_cpu`, bf16 activations); elsewhere, or for shapes neither takes, it
-dequantizes per call (keeping 4-bit residency). Large prefills (from the measured
-`upcast_min_rows`) dequantize our layout per call for torch's dense GEMM; with torch's kernel
-that layout is kept beside its own (4 bits per weight more).
+`zero_point`, `zero` [out, in/g] (w = q * scale + zero, see int4.py). Loaded, it keeps the
+4-bit weights and dequantizes them per call; the backend's `prepare` repacks them for a kernel:
+torch's int4pack (`use_int4pack`, bf16 activations) on a CPU, or the CPU backend's own choice
+per weight shape (`cpu/int4.py`: our int8-activation kernel or torch's, and from which prefill
+size on a call dequantizes for torch's dense GEMM).
 
 `Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
 per output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor
@@ -69,18 +66,6 @@ class _QuantizedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-def _cpp_int4_choice(in_features: int, out_features: int, group_size: int):
-    """The measured `Int4Choice` for this shape when our kernels are built (the decode kernel
-    may still be torch's int4pack); None otherwise (torch's int4pack for every call)."""
-    from triton_backend.engine.cpu.kernels import kernels_wanted, load_cpu_kernels, plan_key
-
-    if not kernels_wanted() or not load_cpu_kernels():
-        return None
-    from triton_backend.engine.cpu.linear import int4_kernel_choice
-
-    return int4_kernel_choice(plan_key(), in_features, out_features, group_size)
-
-
 class Int4WeightOnlyLinear(_QuantizedLinear):
     """y = (x * prequant_scale) @ dequant(W).T + b, with W INT4 per `group_size` group, symmetric
     or (`zero_point`) with a zero per group."""
@@ -95,11 +80,8 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         self.group_size = group_size
         self.has_bias, self.zero_point = bias, zero_point
         self.kernel = "unloaded"
-        self.upcast_min_rows: int | None = None  # rows from which a call dequantizes (cpp_int4)
-        self.upcast_dtype = torch.float32  # what bf16 activations meet the dequantized weight in
         # Runtime tensors are non-persistent buffers: they follow .to() but are never saved.
-        for buffer in ("packed_weight", "scales", "scales_and_zeros", "prequant", "bias",
-                       "tiles", "tile_scales", "zeros"):
+        for buffer in ("packed_weight", "scales", "scales_and_zeros", "prequant", "bias", "zeros"):
             self.register_buffer(buffer, None, persistent=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -124,59 +106,37 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
     def load_quantized(self, packed: torch.Tensor, scales: torch.Tensor,
                        prequant: torch.Tensor | None, bias: torch.Tensor | None,
                        zeros: torch.Tensor | None = None) -> None:
-        """Take checkpoint tensors and build the runtime form (kernel repack or dequant fallback)."""
+        """Take checkpoint tensors in the form every device multiplies by (dequantized per
+        call); a backend's `prepare` repacks them for its kernels (`use_int4pack`, or the CPU
+        backend's own)."""
         unit = prequant is None or bool((prequant == 1).all())
         self.prequant = None if unit else prequant  # round-to-nearest carries no smoothing
         self.bias = bias
         self.zeros = None if zeros is None else zeros.float()
-        q = int4.unpack(packed)
-        if packed.device.type == "cpu" and self._pack_for_cpu_kernel(q, scales):
-            return
         self.kernel = "dequant"
         self.packed_weight, self.scales = packed, scales.float()
 
-    def _pack_for_cpu_kernel(self, q: torch.Tensor, scales: torch.Tensor) -> bool:
-        """Repack for the faster CPU kernel of this shape: ours (`llm_forge.linear_int4_packed`)
-        or torch's int4pack; False when neither is available."""
-        fits_ours = self.in_features % 8 == 0 and self.group_size % 8 == 0
-        choice = (_cpp_int4_choice(self.in_features, self.out_features, self.group_size)
-                  if fits_ours else None)
-        if choice is not None and choice.kernel == "cpp":
-            from triton_backend.engine.cpu.linear import pack_int4_dot
-
-            self.packed_weight, self.scales = pack_int4_dot(q, scales, self.zeros)
-            self.zeros = None  # folded into the packed offsets
-            self.kernel, self.upcast_min_rows = "cpp_int4", choice.upcast_min_rows
-            self.upcast_dtype = getattr(torch, choice.upcast_dtype)
-            return True
-        # torch's kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero 0.
-        if (self.out_features % 16 or self.group_size not in int4.TORCH_INT4PACK_GROUP_SIZES
+    def use_int4pack(self) -> bool:
+        """Repack a CPU layer for torch's int4pack kernel (bf16 activations); False where it
+        does not take the shape (widths of 16, groups of 32..256)."""
+        if (self.kernel != "dequant" or self.packed_weight.device.type != "cpu"
+                or self.out_features % 16 or self.group_size not in int4.TORCH_INT4PACK_GROUP_SIZES
                 or not hasattr(torch, "_weight_int4pack_mm_for_cpu")):
             return False
+        # torch's kernel takes unsigned nibbles with w = (u - 8) * scale + zero: u = q + 8, zero 0.
+        q = int4.unpack(self.packed_weight)
         try:
             packed = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
         except RuntimeError:
             return False
-        scale_t = scales.t().to(torch.bfloat16)
+        scale_t = self.scales.t().to(torch.bfloat16)
         zero_t = torch.zeros_like(scale_t) if self.zeros is None else self.zeros.t().to(torch.bfloat16)
         self.scales_and_zeros = torch.stack((scale_t, zero_t), dim=-1).contiguous()
         self.packed_weight, self.kernel = packed, "cpu_int4pack"
-        if choice is not None and choice.upcast_min_rows is not None:
-            from triton_backend.engine.cpu.linear import pack_int4_dot
-
-            self.tiles, self.tile_scales = pack_int4_dot(q, scales, self.zeros)
-            self.upcast_min_rows = choice.upcast_min_rows
-            self.upcast_dtype = getattr(torch, choice.upcast_dtype)
         return True
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, as a dense [out, in] tensor (for tests and checks)."""
-        if self.kernel == "cpp_int4" or self.tiles is not None:
-            from triton_backend.engine.cpu.linear import dequantize_int4
-
-            tiles, scales = ((self.packed_weight, self.scales) if self.kernel == "cpp_int4"
-                             else (self.tiles, self.tile_scales))
-            return dequantize_int4(tiles, scales, self.group_size, self.out_features).to(dtype)
         if self.kernel == "cpu_int4pack":
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             dense = torch._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
@@ -185,19 +145,6 @@ class Int4WeightOnlyLinear(_QuantizedLinear):
         return int4.dequantize(int4.unpack(self.packed_weight), self.scales, dtype, self.zeros)
 
     def _matmul(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.upcast_min_rows is not None and x2.shape[0] >= self.upcast_min_rows:
-            # A large prefill: torch's GEMM on the weight dequantized for this call, in bf16
-            # for bf16 activations where the plan measured that faster, else in fp32.
-            if self.prequant is not None:
-                x2 = x2 * self.prequant.to(x2.dtype)
-            gemm_dtype = self.upcast_dtype if x2.dtype == torch.bfloat16 else torch.float32
-            return F.linear(x2.to(gemm_dtype), self.dequantized_weight(gemm_dtype)).to(dtype)
-        if self.kernel == "cpp_int4":
-            # The AWQ scale is applied inside (rounded as torch would round it), then the rows
-            # are quantized to int8 per block of 32 inputs.
-            return torch.ops.llm_forge.linear_int4_packed(x2, self.packed_weight, self.scales,
-                                                          self.prequant, None, self.group_size,
-                                                          self.out_features).to(dtype)
         if self.prequant is not None:
             x2 = x2 * self.prequant.to(x2.dtype)
         if self.kernel == "cpu_int4pack":
