@@ -129,7 +129,7 @@ def _stage_torch_engine(spec: BuildSpec, config: EngineConfig, hf_dir: Path, ste
         with steps.step(f"quantize: weights {options.weights}, KV cache {options.kv_cache} "
                         f"(calibration, TensorRT-LLM checkpoint, runtime weights)") as log:
             result = quantize_checkpoint(hf_dir, tmp_dir, options, TORCH_DTYPES[spec.dtype],
-                                         progress=log)
+                                         progress=log, config=config)
             result.apply(config)
             config.quantization.lm_head = options.lm_head
             log(f"{(tmp_dir / WEIGHTS_FILE).stat().st_size / 2**20:.0f} MiB of runtime weights")

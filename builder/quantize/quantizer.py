@@ -26,12 +26,16 @@ Progress = Callable[[str], None]
 
 def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: QuantizeOptions,
                         dtype: torch.dtype = torch.bfloat16, progress: Progress | None = None,
-                        parallelism: tuple[int, int] = (1, 1)) -> QuantizationResult:
+                        parallelism: tuple[int, int] = (1, 1), config: EngineConfig | None = None
+                        ) -> QuantizationResult:
     """Calibrate and quantize `hf_dir` per `options`; write `engine_dir/trtllm_checkpoint/` and
     `engine_dir/model.safetensors` (unquantized tensors in `dtype`). The caller records the
     returned result in the engine config (`result.apply(config)`) and writes config.json.
     `parallelism` (tp, pp) splits the TensorRT-LLM checkpoint into ranks; the runtime's weights
     are repacked from a single-rank export of the same calibrated model.
+
+    FP8 for a family ModelOpt cannot export (`fp8.takes_own_fp8`) is ours and needs the engine's
+    `config` (its activation scales are measured by our runtime).
 
     Raises ValueError (bad group size, too little calibration text) before any long work.
     """
@@ -43,6 +47,11 @@ def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: Qua
         from builder.quantize.zero_point import quantize_zero_point
 
         return quantize_zero_point(hf_dir, engine_dir, options, dtype, progress)
+    if options.weights == "fp8" and config is not None:
+        from builder.quantize import fp8
+
+        if fp8.takes_own_fp8(hf_dir):
+            return fp8.quantize_fp8(hf_dir, engine_dir, options, dtype, config, progress)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     modelopt_run.check_exclusions(model, options)
     modelopt_run.check_group_size(model, options)
@@ -100,7 +109,8 @@ def quantize_engine(engine_dir: str | Path, hf_dir: str | Path, options: Quantiz
     if config.quantization.weights != "none" or config.kv_cache.dtype != "auto":
         raise ValueError(f"{engine_dir}: already quantized ({config.quantization.weights} weights, "
                          f"{config.kv_cache.dtype} KV cache); rebuild it from the checkpoint")
-    result = quantize_checkpoint(hf_dir, engine_dir, options, TORCH_DTYPES[config.dtype], progress)
+    result = quantize_checkpoint(hf_dir, engine_dir, options, TORCH_DTYPES[config.dtype], progress,
+                                 config=config)
     result.apply(config)
     config.save(engine_dir)
     return result

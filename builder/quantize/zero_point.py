@@ -34,7 +34,7 @@ from triton_backend.engine.quant import int4
 QUANT_ALGO = "W4A16_ZERO_POINT"
 
 
-def _is_projection(module: str) -> bool:
+def is_projection(module: str) -> bool:
     """A layer's projection, an expert's included (`mlp.experts.3.gate_up`); never the router."""
     kinds = tuple(p.rpartition(".")[2] for p in PROJECTIONS)
     return module.startswith("transformer.layers.") and module.rpartition(".")[2] in kinds
@@ -49,7 +49,7 @@ def quantize_state(state: dict[str, torch.Tensor], options: QuantizeOptions,
     out = {}
     for key, tensor in state.items():
         module, _, suffix = key.rpartition(".")
-        if suffix == "weight" and _is_projection(module) and not is_excluded(
+        if suffix == "weight" and is_projection(module) and not is_excluded(
                 module, options.exclude_modules):
             int4.check_group_size(tensor.shape[1], options.group_size, module)
             q, scales, zeros = int4.quantize_rtn_zero_point(tensor, options.group_size)
@@ -92,18 +92,21 @@ def attention_kv_scales(model: nn.Module) -> dict[str, list[float]]:
     return scales
 
 
-def calibrate_kv_cache(hf_dir: Path, options: QuantizeOptions, progress: Callable[[str], None]
-                       ) -> tuple[dict[str, list[float]], dict]:
-    """(per-layer K/V cache scales, the calibration's record) for a zero-point INT4 build."""
+def calibrate_kv_cache(hf_dir: Path, options: QuantizeOptions, progress: Callable[[str], None],
+                       dequantize: Callable[[nn.Module, QuantizeOptions], nn.Module]
+                       = dequantize_projections) -> tuple[dict[str, list[float]], dict]:
+    """(per-layer K/V cache scales, the calibration's record) for a build whose weights are
+    ours: ModelOpt's K/V quantizers over the checkpoint with its projections as `dequantize`
+    leaves them (zero-point INT4's rounding by default)."""
     import modelopt
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    dequantize_projections(model, options)
+    dequantize(model, options)
     cal = options.calibration
     batches = calibration.windows(AutoTokenizer.from_pretrained(str(hf_dir)), cal)
-    progress(f"calibrating the {options.kv_cache} KV cache on the INT4 weights: "
+    progress(f"calibrating the {options.kv_cache} KV cache on the {options.weights} weights: "
              f"{len(batches)} x {cal.seq_len} tokens of {cal.dataset!r}")
     kv_only = replace(options, weights="none", zero_point=False)
     modelopt_run.calibrate(model, kv_only, batches, progress)

@@ -153,7 +153,8 @@ def test_int4_linear_rejects_a_mis_shaped_checkpoint():
         linear.load_state_dict(state)
 
 
-@pytest.mark.parametrize("per_row_scale,use_scaled_mm", [(False, None), (False, True), (True, None)])
+@pytest.mark.parametrize("per_row_scale,use_scaled_mm", [(False, None), (False, True), (True, None),
+                                                          (True, True)])
 def test_fp8_linear_matches_dequantized_reference(per_row_scale, use_scaled_mm):
     torch.manual_seed(0)
     w = torch.randn(32, 64)

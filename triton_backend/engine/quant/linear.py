@@ -8,11 +8,12 @@ torch's int4pack (`use_int4pack`, bf16 activations) on a CPU, or the CPU backend
 per weight shape (`cpu/int4.py`: our int8-activation kernel or torch's, and from which prefill
 size on a call dequantizes for torch's dense GEMM).
 
-`Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or
-per output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor
-cores (compute capability >= 8.9) it uses `torch._scaled_mm` with the static per-tensor activation
-scale, as TensorRT-LLM's FP8 GEMM does; elsewhere it dequantizes the weight per call (a CPU has no
-FP8 arithmetic: torch's CPU `_scaled_mm` is emulated and measured slower than dequantizing).
+`Fp8Linear` (FP8): keys `weight` (float8_e4m3fn [out, in]), `weights_scaling_factor` ([1] or per
+output row [out]), `activation_scaling_factor` [1], optional `bias`. On GPUs with FP8 tensor cores
+(compute capability >= 8.9) it uses `torch._scaled_mm` with the static per-tensor activation scale,
+as TensorRT-LLM's FP8 GEMM does (row-wise where the weight has a scale per output row); elsewhere
+it dequantizes the weight per call (a CPU has no FP8 arithmetic: torch's CPU `_scaled_mm` is
+emulated and measured slower than dequantizing).
 
 Both replace their checkpoint tensors by the runtime form when loaded, so a loaded module's
 `state_dict()` is not a checkpoint; nothing in the runtime saves one.
@@ -203,7 +204,7 @@ class Fp8Linear(_QuantizedLinear):
         self.kernel = "scaled_mm" if use_scaled_mm and self._scaled_mm_runs() else "dequant"
 
     def _scaled_mm_runs(self) -> bool:
-        if self.weight_scale.numel() != 1 or not hasattr(torch, "_scaled_mm"):
+        if not hasattr(torch, "_scaled_mm"):
             return False
         try:
             probe = torch.zeros(16, self.in_features, dtype=torch.float8_e4m3fn,
@@ -214,8 +215,13 @@ class Fp8Linear(_QuantizedLinear):
         return True
 
     def _scaled_mm(self, xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch._scaled_mm(xq, self.weight.t(), scale_a=self.activation_scale,
-                                scale_b=self.weight_scale.reshape(()), out_dtype=dtype)
+        if self.weight_scale.numel() == 1:
+            return torch._scaled_mm(xq, self.weight.t(), scale_a=self.activation_scale,
+                                    scale_b=self.weight_scale.reshape(()), out_dtype=dtype)
+        # A scale per output row: torch's row-wise scaling, the input's one scale on every row.
+        return torch._scaled_mm(xq, self.weight.t(),
+                                scale_a=self.activation_scale.expand(len(xq), 1).contiguous(),
+                                scale_b=self.weight_scale[None, :], out_dtype=dtype)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.weight_scale if self.weight_scale.numel() == 1 else self.weight_scale[:, None]
