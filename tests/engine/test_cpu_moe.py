@@ -174,6 +174,11 @@ def test_engines_with_the_fused_path_are_greedy_identical_to_transformers(
     calls = []
     fused = cpu_moe.sparse_moe
     monkeypatch.setattr(cpu_moe, "sparse_moe", lambda moe, x: calls.append(len(x)) or fused(moe, x))
+    one_call = engine.runner.ops.decode_forward  # decode steps: the experts from C++
+    assert one_call is not None and one_call.supported
+    engine.runner.ops.decode_forward = lambda ids, *args: calls.append(len(ids)) or one_call(
+        ids, *args)
+    engine.runner.ops.decode_forward.covers = one_call.covers
     prompts = [list(range(100, 190, 3)), [5, 9, 13, 17], list(range(2, 60))]
     ids = [engine.add_request(Request(p, 16, ignore_eos=True)) for p in prompts]
     outputs = {i: [] for i in ids}

@@ -548,26 +548,70 @@ def test_the_decode_fast_path_gives_the_python_models_tokens(tmp_path, shape, dt
     assert steps > 10 and with_fast == without
 
 
+def _fast_and_python_log_probs(engine_dir):
+    """(ids, log probs) of a few requests with the decode fast path, then without it; and how
+    many steps the fast path ran."""
+    from triton_backend.engine import Request
+    from triton_backend.engine.llm_engine import LLMEngine
+    from triton_backend.engine.offline import generate
+
+    prompts = [[5 + i, 9, 13 + 2 * i, 7] * (i + 1) for i in range(3)]
+    requests = lambda: [Request(p, 12, ignore_eos=True, return_log_probs=True)  # noqa: E731
+                        for p in prompts]
+    engine = LLMEngine(engine_dir, enable_prefix_caching=False)
+    fast = engine.runner.ops.decode_forward
+    assert fast is not None and fast.supported
+    covered = []
+    covers = fast.covers
+    fast.covers = lambda meta, rows: covered.append(covers(meta, rows)) or covered[-1]
+    runs = []
+    for _ in range(2):
+        runs.append([(r.output_ids, r.log_probs) for r in generate(engine, requests())])
+        engine.runner.ops.decode_forward = None
+    return runs[0], runs[1], sum(covered)
+
+
+@pytest.mark.parametrize("shape", ["qwen3_qk_norm", "family:qwen3_moe", "family:mixtral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_fast_path_computes_qk_norm_and_experts_as_the_python_model(tmp_path, shape,
+                                                                                dtype):
+    """QK-norm (Qwen3) and a mixture of experts (Qwen3-MoE with a dense layer, Mixtral) in the
+    one-call path: the Python model's tokens and log probs, which the same kernels give."""
+    import tiny
+
+    engine_dir = tiny.build_engine(tmp_path, shape, dtype=dtype)
+    with_fast, without, steps = _fast_and_python_log_probs(engine_dir)
+    assert steps > 10
+    assert [ids for ids, _ in with_fast] == [ids for ids, _ in without]
+    torch.testing.assert_close([lp for _, lp in with_fast], [lp for _, lp in without],
+                               rtol=0, atol=1e-5 if dtype == "float32" else 0)
+
+
 def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
-    """Qwen3's QK-norm is not in the C++ layer: its engine takes the Python model (and keeps
-    transformers' tokens, test_parity), where a Llama engine of the same dtype takes the fast path."""
+    """Gemma 3's layers (local attention, its own norms) are not in the C++ layer: its engine
+    takes the Python model, where Llama and Qwen3 engines of the same dtype take the fast path."""
     import tiny
     from triton_backend.engine.cpu.forward import DecodeForward
     from triton_backend.engine.llm_engine import LLMEngine
 
-    for shape, declared in (("qwen3_qk_norm", False), ("llama_gqa", True)):
-        runner = LLMEngine(tiny.build_engine(tmp_path / shape, shape, dtype="bfloat16")).runner
+    for shape, declared in (("family:gemma3", False), ("qwen3_qk_norm", True),
+                            ("llama_gqa", True)):
+        engine_dir = tiny.build_engine(tmp_path / shape.replace(":", "-"), shape,
+                                       dtype="bfloat16")
+        runner = LLMEngine(engine_dir).runner
         assert DecodeForward(runner.model, runner.kv_cache, torch.bfloat16).supported is declared
         if runner.ops.decode_forward is not None:
             assert runner.ops.decode_forward.supported is declared
 
 
-def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None):
+def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None,
+                           qk_norm=False):
     """decode_forward's arguments for a two-layer Llama layer of made-up weights: per layer the
     projections are INT4 (qkv with an AWQ scale, gate_up with zero points) and bf16 tiles (dense
     with a bias, down), over sequences of 20 + i cached tokens each adding `rows_per_seq[i]` rows;
     the cache in `dtype`, or of one byte per element (`kv_dtype`) with a scale per layer. The
-    sequences from `prefill_from` on are the prefill kernel's (after the paged kernel's rows)."""
+    sequences from `prefill_from` on are the prefill kernel's (after the paged kernel's rows).
+    `qk_norm`: each layer norms its q and k heads first (Qwen3)."""
     from triton_backend.engine.quant import int4
     from triton_backend.engine.cpu.quantized import pack_int4_dot
 
@@ -589,6 +633,9 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
                 weights += [pack_weight(w.bfloat16()), None, None,
                             torch.randn(n) * 0.1 if i == 1 else None]
     weights.append(1 + 0.1 * torch.randn(hidden, dtype=dtype))
+    layer_extras = [w for _ in range(layers) for w in (
+        1 + 0.3 * torch.randn(d, dtype=dtype), 1 + 0.3 * torch.randn(d, dtype=dtype), None,
+        None)] if qk_norm else []
     cached = [20 + i for i in range(len(rows_per_seq))]
     lens = [c + r for c, r in zip(cached, rows_per_seq)]
     per_seq = max(4, *(-(-n // block) for n in lens))  # blocks of the cache each sequence owns
@@ -621,7 +668,8 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
                 weights=weights, kinds=[1, 0, 1, 0] * layers,
                 out_features=[n for n, _ in shapes] * layers, group_sizes=[32, 0, 32, 0] * layers,
                 num_heads=heads, num_kv_heads=kv_heads, head_dim=d, tokens_per_block=block,
-                eps=1e-5, scale=d ** -0.5, lora=[], lora_runs=[], kv_scales=kv_scales)
+                eps=1e-5, scale=d ** -0.5, lora=[], lora_runs=[], layer_extras=layer_extras,
+                routing=[], kv_scales=kv_scales)
 
 
 @pytest.mark.parametrize("rows_per_seq, dtype, threads, kv_dtype, prefill_from", [
@@ -657,6 +705,27 @@ def test_the_one_region_decode_step_computes_the_op_by_op_steps_values(rows_per_
     assert torch.isfinite(out.float()).all() and not torch.equal(k, args["k_cache"])
     assert torch.equal(region_out, out)
     assert torch.equal(region_k, k) and torch.equal(region_v, v)
+
+
+@pytest.mark.parametrize("rows_per_seq, dtype, prefill_from", [
+    *[(rows, dtype, None) for rows in ([1], [1] * 9) for dtype in DTYPES],
+    *[([1, 1, 6], dtype, 2) for dtype in DTYPES]])
+def test_the_one_region_decode_step_norms_q_and_k_heads_as_the_op_by_op_step(rows_per_seq, dtype,
+                                                                             prefill_from):
+    """QK-norm in the region: the op-by-op path's values (qk_norm_), bit for bit, and not the
+    values without it."""
+    args = _decode_step_arguments(rows_per_seq, dtype, None, prefill_from, qk_norm=True)
+    results = []
+    for single_region, extras in ((False, args["layer_extras"]), (True, args["layer_extras"]),
+                                  (True, [])):
+        run = dict(args, hidden=args["hidden"].clone(), k_cache=args["k_cache"].clone(),
+                   v_cache=args["v_cache"].clone(), layer_extras=extras)
+        out = torch.ops.llm_forge.decode_forward(**run, single_region=single_region)
+        results.append((out, run["k_cache"]))
+    (out, k), (region_out, region_k), (plain_out, plain_k) = results
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(region_out, out) and torch.equal(region_k, k)
+    assert not torch.equal(plain_out, out) and not torch.equal(plain_k, k)
 
 
 def test_a_cache_the_kernels_cannot_read_is_refused_with_its_dtype_named():

@@ -8,6 +8,10 @@ prefill kernel over the cache (chunks of several rows, verify steps), a cache th
 the activation dtype, or one byte per element), and projections that are
 packed bf16, packed INT4 (our kernel) or dense in the activation dtype (below the row count where
 bf16 projections switch to torch's GEMM).
+A layer may norm each head of q and k first (QK-norm: Qwen3), and may be a mixture of experts
+(Qwen3-MoE, Mixtral) whose experts the fused kernel covers (`moe.py`): the router is projected
+like an MLP's gate_up, routed as `engine/moe.py` routes, and the experts' stacks run in one call
+(such steps run op by op in C++, not in the single parallel region).
 Rows with LoRA adapters run there too: each projection adds its runs' deltas as the Python
 model does (`lora/batch.py`). Anything else, and every other device, takes the Python model,
 which stays the reference.
@@ -22,6 +26,8 @@ from triton_backend.engine.attention import AttentionMetadata
 from triton_backend.engine.cpu.linear import PackedBf16Linear
 from triton_backend.engine.kv_cache import PagedKVCache
 from triton_backend.engine.lora.batch import LoRABatch
+from triton_backend.engine.model import Attention
+from triton_backend.engine.moe import SparseMoE
 
 PACKED_BF16, PACKED_INT4, DENSE, TORCH_INT4 = 0, 1, 2, 3
 
@@ -54,21 +60,52 @@ class DecodeForward:
         self.out_features: list[int] = []
         self.group_sizes: list[int] = []
         self.upcast_min_rows: int | None = None
+        # Per layer: q and k head norms, a mixture of experts' gate_up and down stacks (None
+        # where absent); empty when no layer has any. routing: [top_k, renormalise,
+        # intermediate] of the experts, empty without them.
+        self.layer_extras: list[torch.Tensor | None] = []
+        self.routing: list[int] = []
+        # Weights a row multiplies at most (every expert of a layer counted): sizes a step.
+        self.weights_per_row = 0
         # The step in one parallel region of the C++ side where its projections allow (packed
         # INT4 or bf16 tiles, no LoRA rows); False: op by op (the same values, for tests).
         self.single_region = True
-        # The C++ side computes the Llama layer and nothing else (global attention, one dense
-        # SiLU MLP, the default scale): a family must declare it, and its shape must be one.
-        llama_layers = (shape.sliding_window is None and not shape.num_experts
-                        and shape.hidden_act == "silu" and shape.attention_scale is None)
+        # The C++ side computes the Llama layer (global attention, optionally QK-normed, a
+        # SiLU MLP or experts the fused kernel covers, the default scale) and nothing else: a
+        # family must declare it, and its shape must be one.
+        llama_layers = (shape.sliding_window is None and shape.hidden_act == "silu"
+                        and shape.attention_scale is None)
         self.supported = (families.get(shape.architecture).fused_decode and llama_layers
                           and self._gather(model, dtype))
 
     def _gather(self, model: nn.Module, dtype: torch.dtype) -> bool:
+        extras: list[torch.Tensor | None] = []
         for layer in model.transformer.layers:
             self.weights += [layer.input_layernorm.weight, layer.post_layernorm.weight]
-            for proj in (layer.attention.qkv, layer.attention.dense, layer.mlp.gate_up,
-                         layer.mlp.proj):
+            attention, mlp = layer.attention, layer.mlp
+            q_norm, k_norm = (getattr(attention, name, None) for name in ("q_layernorm",
+                                                                           "k_layernorm"))
+            if type(attention).project_qkv is not Attention.project_qkv and q_norm is None:
+                return False  # a family's own qkv hook that is not QK-norm
+            extras += [None, None] if q_norm is None else [q_norm.weight, k_norm.weight]
+            if isinstance(mlp, SparseMoE):
+                packed = getattr(mlp, "packed_experts", None)
+                if packed is None or packed.activation_dtype != dtype:
+                    return False
+                projections = (attention.qkv, attention.dense, mlp.router, None)
+                extras += [packed.gate_up, packed.down]
+                self.routing = [mlp.top_k, int(mlp.renormalise), packed.intermediate]
+                self.weights_per_row += packed.gate_up.numel() + packed.down.numel()
+            else:
+                projections = (attention.qkv, attention.dense, mlp.gate_up, mlp.proj)
+                extras += [None, None]
+            for proj in projections:
+                if proj is None:  # a mixture of experts' proj slot
+                    self.weights += [None] * 4
+                    self.kinds.append(DENSE)
+                    self.out_features.append(0)
+                    self.group_sizes.append(0)
+                    continue
                 slots = _projection_slots(proj, dtype)
                 if slots is None:
                     return False
@@ -81,6 +118,9 @@ class DecodeForward:
                 if rows is not None:
                     self.upcast_min_rows = min(rows, self.upcast_min_rows or rows)
         self.weights.append(model.transformer.ln_f.weight)
+        if any(t is not None for t in extras):
+            self.layer_extras = extras
+        self.weights_per_row += sum(t.numel() for t in self.weights if t is not None)
         return True
 
     def covers(self, meta: AttentionMetadata, num_rows: int) -> bool:
@@ -114,4 +154,5 @@ class DecodeForward:
             hidden, positions, meta.slot_mapping, *paged, rotary.cos, rotary.sin, self.cache.k,
             self.cache.v, self.weights, self.kinds, self.out_features, self.group_sizes,
             *self.dims, self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs,
-            self.single_region, self.cache.kernel_scales(), *prefill)
+            self.layer_extras, self.routing, self.single_region, self.cache.kernel_scales(),
+            *prefill)

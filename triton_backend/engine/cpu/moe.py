@@ -7,7 +7,8 @@ tiles. A bf16 layer's expert projections become views of the stacks (the weights
 `SparseMoE.grouped`, the reference, still runs them. `sparse_moe(moe, x)` routes in torch (the
 router's GEMM, softmax, top-k, renormalisation: `moe.route`, as the reference) and runs the experts' MLPs and the weighted sum in
 `torch.ops.llm_forge.moe_experts` (csrc/moe.cpp), which reads each routed expert's weights once a
-step and none of an expert no row chose.
+step and none of an expert no row chose. The one-call decode path (`forward.py`, csrc/forward.cpp)
+routes the same way in C++ (the same ops, in order) and calls the same kernel.
 
 Covered: bf16 or fp32 experts with a SiLU gate, no biases, an intermediate size divisible by 16.
 Anything else (INT4 or FP8 experts, GELU, biases) keeps the per-expert path: `covers` says which.

@@ -59,7 +59,7 @@ class CppOps(TorchOps):
         self.bind(model, kv_cache, config, dtype)
         if self.inputs.kernel_attention:
             self.decode_forward = DecodeForward(model, kv_cache, dtype)
-            weights = sum(t.numel() for t in self.decode_forward.weights if t is not None)
+            weights = self.decode_forward.weights_per_row  # a mixture's experts all counted
             self.one_call_max_rows = max(1, ONE_CALL_MAX_WORK // max(1, weights))
 
     def forward(self, input_ids, positions, meta, lora):

@@ -3,7 +3,7 @@ embedding (QK-norm), and no QKV bias.
 
 Runtime names of the two norms follow TensorRT-LLM's Qwen3 checkpoint:
 `transformer.layers.{i}.attention.q_layernorm.weight` / `.k_layernorm.weight` ([head_dim]).
-The C++ one-call decode path does not compute QK-norm, so decode steps take the Python model.
+The C++ one-call decode path (`cpu/forward.py`) norms the heads as `qk_norm` does.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ class Qwen3Family(LlamaFamily):
         Weight("attention.q_layernorm", ("self_attn.q_norm",)),
         Weight("attention.k_layernorm", ("self_attn.k_norm",)),
     )
-    fused_decode = False
 
     def attention_class(self) -> type[nn.Module]:
         return QKNormAttention

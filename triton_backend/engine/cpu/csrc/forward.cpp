@@ -5,10 +5,13 @@
 // over a cache in the activation dtype or of one byte per element (int8, FP8),
 // with projections of four kinds:
 // packed bf16, packed INT4 (ours, or torch's int4pack where the plan measured it faster), or a
-// dense weight in the activation dtype. LoRA adapters of the step's rows are added after each
-// projection, as `lora/batch.py` adds them in the Python model, with the same kernels. Everything
-// else takes the Python model (`model.py`), which stays the reference: tests hold the two to
-// each other.
+// dense weight in the activation dtype. A layer may norm each query and key head first
+// (QK-norm: Qwen3) and may be a mixture of experts (Qwen3-MoE, Mixtral): its router is projected
+// like the MLP's gate_up, routed as `engine/moe.py` routes, and its experts run in
+// `moe_experts` (moe.cpp) over stacks packed at load. LoRA adapters of the step's rows are added
+// after each projection, as `lora/batch.py` adds them in the Python model, with the same
+// kernels. Everything else takes the Python model (`model.py`), which stays the reference: tests
+// hold the two to each other.
 #include "layer_rows.h"
 #include "ops.h"
 #include "step.h"
@@ -34,6 +37,11 @@ enum LinearKind : int64_t { kPackedBf16 = 0, kPackedInt4 = 1, kDense = 2, kTorch
 // weight, scales, prequant, bias], then the final norm.
 constexpr int64_t kSlotsPerLinear = 4;
 constexpr int64_t kSlotsPerLayer = 2 + 4 * kSlotsPerLinear;
+// layer_extras (empty, or per layer): the q and k head norms (QK-norm), then a mixture of experts'
+// gate_up and down stacks; empty slots where the layer has none. A mixture-of-experts layer's
+// gate_up projection slot holds its router (out_features: the experts), its proj slot is empty;
+// routing: [top_k, renormalise, intermediate].
+constexpr int64_t kExtrasPerLayer = 4;
 
 // LoRA: per layer, projection and run of rows, four slots: A^T [in, r] and B^T [r, out] in
 // float32, then A and B packed for the bf16 kernel when the run takes it (else empty). An empty
@@ -102,6 +110,20 @@ void add_lora(const at::Tensor& in, at::Tensor& out, const Weights& lora, at::In
     }
     target.add_(delta.scalar_type() == out.scalar_type() ? delta : delta.to(out.scalar_type()));
   }
+}
+
+// A mixture of experts' output for the rows h from their router logits: softmax in fp32, the
+// top_k kept, renormalised when asked, in h's dtype (engine/moe.py's `route`, op for op), then
+// every routed expert in one call.
+at::Tensor sparse_moe(const at::Tensor& h, const at::Tensor& logits, at::IntArrayRef routing,
+                      const at::Tensor& gate_up, const at::Tensor& down) {
+  TORCH_CHECK(routing.size() == 3,
+              "decode_forward: routing is [top_k, renormalise, intermediate]");
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [weights, experts] = at::topk(probs, routing[0], -1);
+  if (routing[1]) weights = weights / weights.sum(-1, true);
+  return moe_experts(h.contiguous(), experts.contiguous(),
+                     weights.to(h.scalar_type()).contiguous(), gate_up, down, routing[2]);
 }
 
 // ---- The whole step in one parallel region ----
@@ -266,6 +288,7 @@ struct StepArgs {
   double eps, scale;
   const float* k_scales;  // per layer, for a one-byte cache (else null: scales of 1)
   const float* v_scales;
+  const Weights& extras;  // layer_extras: only QK-norm weights reach the region
 };
 
 // T: the activations' dtype; C: the cache's (T, or a one-byte cache's int8 / fp8).
@@ -285,6 +308,7 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
   std::vector<RegionLinear> lin;
   std::vector<at::Tensor> keep;  // fp32 biases
   std::vector<const T*> norms;
+  std::vector<const T*> head_norms;  // per layer q, k: null without QK-norm
   int64_t k_max = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t base = layer * kSlotsPerLayer;
@@ -293,6 +317,12 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       TORCH_CHECK(w.scalar_type() == x_in.scalar_type() && w.is_contiguous() && w.numel() == H,
                   "decode_forward: norm weights must match the hidden size and dtype");
       norms.push_back(w.data_ptr<T>());
+      const c10::optional<at::Tensor> head =
+          args.extras.empty() ? c10::nullopt : args.extras.get(layer * kExtrasPerLayer + j);
+      TORCH_CHECK(!head.has_value() || (head->scalar_type() == x_in.scalar_type() &&
+                                        head->is_contiguous() && head->numel() == D),
+                  "decode_forward: QK-norm weights must match head_dim and the dtype");
+      head_norms.push_back(head.has_value() ? head->data_ptr<T>() : nullptr);
     }
     for (int64_t i = 0; i < 4; ++i) {
       const int64_t p = 4 * layer + i;
@@ -448,10 +478,17 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       claim(c + 0, L[0].units, L[0].chunk(team),
             [&](int64_t b, int64_t e) { project(L[0], qkv, b, e); });
       wait_fetching(&L[1], c + 6);
-      for (int64_t m = r_begin; m < r_end; ++m)
-        layer_row::rope_write(qkv + m * L[0].N, cp + pos[m] * D, sp + pos[m] * D, num_heads,
-                              num_kv_heads, D, kl + slots[m] * kv_width,
-                              vl + slots[m] * kv_width, k_scale, v_scale);
+      const T* q_norm = head_norms[2 * layer];
+      const T* k_norm = head_norms[2 * layer + 1];
+      for (int64_t m = r_begin; m < r_end; ++m) {
+        T* row = qkv + m * L[0].N;
+        for (int64_t hd = 0; q_norm != nullptr && hd < num_heads + num_kv_heads; ++hd)
+          layer_row::rms_norm(row + hd * D, hd < num_heads ? q_norm : k_norm, row + hd * D, D,
+                              feps);
+        layer_row::rope_write(row, cp + pos[m] * D, sp + pos[m] * D, num_heads, num_kv_heads, D,
+                              kl + slots[m] * kv_width, vl + slots[m] * kv_width, k_scale,
+                              v_scale);
+      }
       wait_fetching(&L[1], c + 6);
       claim(c + 4, n_items + n_works, 1, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) {
@@ -508,6 +545,7 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           at::IntArrayRef group_sizes, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t tokens_per_block, double eps, double scale,
                           const Weights& lora, at::IntArrayRef lora_runs,
+                          const Weights& layer_extras, at::IntArrayRef routing,
                           bool single_region, const c10::optional<at::Tensor>& kv_scales,
                           const c10::optional<at::Tensor>& prefill_block_tables,
                           const c10::optional<at::Tensor>& prefill_seq_lens,
@@ -534,13 +572,22 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                       4 * layers * static_cast<int64_t>(lora_runs.size() / 2) * kLoraSlotsPerRun,
               "decode_forward: LoRA slots for ", layers, " layers and ", lora_runs.size() / 2,
               " runs expected");
-  if (single_region && lora_runs.empty() && hidden.dim() == 2 && k_cache.dim() == 4 &&
-      region_supports(weights, kinds, layers)) {
+  TORCH_CHECK(layer_extras.empty() ||
+                  static_cast<int64_t>(layer_extras.size()) == layers * kExtrasPerLayer,
+              "decode_forward: layer_extras for ", layers, " layers expected (or none)");
+  auto extra = [&](int64_t layer, int64_t i) -> c10::optional<at::Tensor> {
+    return layer_extras.empty() ? c10::nullopt : layer_extras.get(layer * kExtrasPerLayer + i);
+  };
+  bool any_experts = false;
+  for (int64_t layer = 0; layer < layers; ++layer) any_experts |= extra(layer, 2).has_value();
+  // The region computes attention (with QK-norm) and dense MLPs: experts take the ops below.
+  if (single_region && lora_runs.empty() && !any_experts && hidden.dim() == 2 &&
+      k_cache.dim() == 4 && region_supports(weights, kinds, layers)) {
     const at::Tensor x_in = hidden.contiguous();
     const StepArgs args{positions, slot_mapping, block_tables, seq_lens, query_start, cos, sin,
                         k_cache, v_cache, prefill, weights, kinds, out_features, group_sizes,
                         num_heads, num_kv_heads, head_dim, tokens_per_block, eps, scale,
-                        k_scales, v_scales};
+                        k_scales, v_scales, layer_extras};
     at::Tensor out;
     auto run = [&](auto* activations) {
       using T = std::remove_pointer_t<decltype(activations)>;
@@ -589,6 +636,12 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     at::Tensor h = layer == 0 ? rms_norm(x, required(weights, base), eps)
                               : add_rms_norm(x, residual, required(weights, base), eps);
     at::Tensor qkv = proj(0, h).contiguous();
+    const c10::optional<at::Tensor> q_norm = extra(layer, 0);
+    if (q_norm.has_value()) {
+      const c10::optional<at::Tensor> k_norm = extra(layer, 1);
+      TORCH_CHECK(k_norm.has_value(), "decode_forward: QK-norm needs a k norm too");
+      qk_norm_(qkv, *q_norm, *k_norm, num_heads, num_kv_heads, eps);
+    }
     at::Tensor k_layer = k_cache.select(0, layer), v_layer = v_cache.select(0, layer);
     const double k_scale = one_byte ? k_scales[layer] : 1.0;
     const double v_scale = one_byte ? v_scales[layer] : 1.0;
@@ -597,7 +650,17 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads, head_dim});
     at::Tensor o = attend(q, k_layer, v_layer, k_scale, v_scale);
     h = add_rms_norm(proj(1, o.view({-1, q_size})), residual, required(weights, base + 1), eps);
-    x = proj(3, silu_mul(proj(2, h)));
+    const c10::optional<at::Tensor> gate_up_stack = extra(layer, 2);
+    if (gate_up_stack.has_value()) {  // the router in the gate_up slot; no adapters on it
+      const int64_t p = 4 * layer + 2;
+      const at::Tensor logits = project(h, weights, base + 2 + 2 * kSlotsPerLinear, kinds[p],
+                                        out_features[p], group_sizes[p]);
+      const c10::optional<at::Tensor> down_stack = extra(layer, 3);
+      TORCH_CHECK(down_stack.has_value(), "decode_forward: experts need a down stack too");
+      x = sparse_moe(h, logits, routing, *gate_up_stack, *down_stack);
+    } else {
+      x = proj(3, silu_mul(proj(2, h)));
+    }
   }
   return add_rms_norm(x, residual, required(weights, layers * kSlotsPerLayer), eps);
 }

@@ -47,7 +47,8 @@ TORCH_LIBRARY(llm_forge, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] weights, int[] kinds, "
         "int[] out_features, int[] group_sizes, int num_heads, int num_kv_heads, int head_dim, "
         "int tokens_per_block, float eps, float scale, Tensor?[] lora, int[] lora_runs, "
-        "bool single_region=True, Tensor? kv_scales=None, Tensor? prefill_block_tables=None, "
+        "Tensor?[] layer_extras, int[] routing, bool single_region=True, "
+        "Tensor? kv_scales=None, Tensor? prefill_block_tables=None, "
         "Tensor? prefill_seq_lens=None, Tensor? prefill_query_start=None) -> Tensor",
         &llm_forge::decode_forward);
 }
