@@ -180,6 +180,27 @@ def test_packed_kernels_at_model_widths_match_torch_at_every_row_count(layout, k
 
 
 @pytest.mark.parametrize("layout", _layouts())
+@pytest.mark.parametrize("k, n", [(640, 1000), (2048, 77), (1024, 48)])
+def test_prefill_sized_gemms_give_each_row_its_bits_alone(layout, k, n):
+    """Prefill-sized calls (several row blocks and row panels, partial ones among them, at the
+    model widths' K): every row of 17 .. 600 rows has the bits it has alone, within fp32
+    summation error of the exact product."""
+    torch.manual_seed(k + n)
+    weight, bias = torch.randn(n, k).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    layer = PackedBf16Linear(weight, bias, layout=layout)
+    x = torch.randn(600, k).to(torch.bfloat16)
+    alone = {i: layer.forward_fp32(x[i:i + 1]) for i in (0, 15, 16, 17, 31, 40, 511, 512, 599)}
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    for m in (17, 31, 33, 40, 600):
+        fp32 = layer.forward_fp32(x[:m])
+        assert (fp32.double() - exact[:m]).abs().max() < 1e-4 * math.sqrt(k)
+        assert torch.equal(layer(x[:m]), fp32.to(torch.bfloat16))
+        for i, row in alone.items():
+            if i < m:
+                assert torch.equal(fp32[i:i + 1], row), (m, i)
+
+
+@pytest.mark.parametrize("layout", _layouts())
 def test_fp32_outputs_are_the_unrounded_sums(layout):
     torch.manual_seed(3)
     layer = PackedBf16Linear(torch.randn(40, 64).to(torch.bfloat16), None, layout=layout)

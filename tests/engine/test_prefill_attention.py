@@ -47,7 +47,7 @@ def _case(dtype, heads, kv_heads, head_dim, tpb, chunks, seed=11):
     return q, k, v, tables
 
 
-def _attend(q, k, v, tables, chunks, tpb, scale, k_scale=1.0, v_scale=1.0):
+def _attend(q, k, v, tables, chunks, tpb, scale, k_scale=1.0, v_scale=1.0, window=0):
     width = max(len(t) for t in tables)
     starts = [0]
     for rows, _ in chunks:
@@ -55,19 +55,23 @@ def _attend(q, k, v, tables, chunks, tpb, scale, k_scale=1.0, v_scale=1.0):
     out = torch.full_like(q, float("nan"))
     torch.ops.llm_forge.prefill_attention(
         out, q, k, v, _int32([t + [0] * (width - len(t)) for t in tables]),
-        _int32([keys for _, keys in chunks]), _int32(starts), tpb, scale, k_scale, v_scale)
+        _int32([keys for _, keys in chunks]), _int32(starts), tpb, scale, k_scale, v_scale, window)
     return out
 
 
-def _reference(q, k, v, tables, chunks, tpb, scale, dtype=torch.float32):
-    """torch's SDPA over each chunk's gathered keys (causal, offset by the keys before it)."""
+def _reference(q, k, v, tables, chunks, tpb, scale, dtype=torch.float32, window=0):
+    """torch's SDPA over each chunk's gathered keys (causal, offset by the keys before it; with
+    `window`, a row sees key k when row - window < k <= row, transformers' sliding window)."""
     out, row = [], 0
     for table, (rows, keys) in zip(tables, chunks):
         pos = torch.arange(keys)
         slots = torch.tensor(table)[pos // tpb] * tpb + pos % tpb
         ks, vs = (x[slots].to(dtype).transpose(0, 1)[None] for x in (k, v))
         qs = q[row:row + rows].to(dtype).transpose(0, 1)[None]
-        mask = pos[None, :] <= torch.arange(rows)[:, None] + keys - rows
+        row_pos = torch.arange(rows)[:, None] + keys - rows
+        mask = pos[None, :] <= row_pos
+        if window:
+            mask &= pos[None, :] > row_pos - window
         out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                   enable_gqa=True)[0].transpose(0, 1))
         row += rows
@@ -119,6 +123,71 @@ def test_a_row_gives_the_same_values_however_its_prompt_is_chunked_and_batched(d
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, whole)
+
+
+# A local layer's window (heads, kv heads, head_dim, tokens_per_block, window, chunks): Gemma 3's
+# heads with a window of 512 over a 1,024-token first chunk, and a chunk deep in a prompt;
+# windows that are no multiple of the key block (and of one key), chunks shorter than the
+# window beside ones past it, a window over the whole prompt.
+WINDOW_CASES = {
+    "gemma3-first-chunk": (4, 1, 256, 16, 512, [(1024, 1024)]),
+    "gemma3-deep-chunk": (4, 1, 256, 16, 512, [(300, 1400)]),
+    "odd-window-two-chunks": (9, 3, 64, 16, 77, [(200, 200), (50, 330)]),
+    "window-1-tpb3": (7, 1, 64, 3, 1, [(40, 40), (9, 100)]),
+    "window-past-prompt": (8, 2, 40, 8, 600, [(130, 300)]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_a_window_attends_each_rows_last_keys_as_torch_does(name, dtype):
+    """Keys before a row's window are masked (not merely down-weighted): against torch's SDPA
+    with the sliding-window mask, within summation order in fp32, as accurate as torch's own
+    bf16 attention in bf16; and not the unwindowed result."""
+    heads, kv_heads, head_dim, tpb, window, chunks = WINDOW_CASES[name]
+    q, k, v, tables = _case(dtype, heads, kv_heads, head_dim, tpb, chunks)
+    scale = 1 / math.sqrt(head_dim)
+    out = _attend(q, k, v, tables, chunks, tpb, scale, window=window)
+    exact = _reference(q, k, v, tables, chunks, tpb, scale, window=window)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, exact, atol=2e-6, rtol=1e-5)
+    else:
+        ours = (out.float() - exact).abs()
+        theirs = (_reference(q, k, v, tables, chunks, tpb, scale, torch.bfloat16,
+                             window=window).float() - exact).abs()
+        assert ours.mean() <= 1.25 * theirs.mean()
+        assert ours.max() <= 2 * theirs.max()
+    if max(keys for _, keys in chunks) > window:
+        unwindowed = _reference(q, k, v, tables, chunks, tpb, scale)
+        assert not torch.allclose(out.float(), unwindowed, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_windowed_row_gives_the_same_values_however_its_prompt_is_chunked(dtype):
+    """Items start at the key block of their first row's window, so different rows of one item
+    skip different blocks: a row's values are still the same in one chunk or two, alone or
+    beside another sequence, with one thread or several."""
+    heads, kv_heads, head_dim, tpb, window = 4, 1, 256, 16, 300
+    q, k, v, tables = _case(dtype, heads, kv_heads, head_dim, tpb, [(700, 700), (77, 500)])
+    scale = 0.0625
+    whole = _attend(q[:700], k, v, tables[:1], [(700, 700)], tpb, scale, window=window)
+    head = _attend(q[:333], k, v, tables[:1], [(333, 333)], tpb, scale, window=window)
+    tail = _attend(torch.cat([q[333:700], q[700:]]), k, v, tables, [(367, 700), (77, 500)], tpb,
+                   scale, window=window)
+    assert torch.equal(torch.cat([head, tail[:367]]), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _attend(q[:700], k, v, tables[:1], [(700, 700)], tpb, scale, window=window)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, whole)
+
+
+def test_a_negative_window_is_refused():
+    q, k, v, tables = _case(torch.float32, 4, 2, 16, 4, [(10, 30)])
+    with pytest.raises(RuntimeError, match="window must be 0"):
+        _attend(q, k, v, tables, [(10, 30)], 4, 0.25, window=-1)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])

@@ -139,16 +139,11 @@ class CppOps(TorchOps):
                 keys = qkv[span, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
                 values = qkv[span, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
                 scales = (1.0, 1.0)
-            if window is not None and run.max_seq_len > window:
-                # The prefill kernel attends every key up to a row; the paged kernel stops at
-                # the window (reading each key once per row: local layers' long prompts only).
-                out[span] = self._ops.paged_attention(
-                    q[span], keys.contiguous(), values.contiguous(), run.block_tables,
-                    run.seq_lens, run.query_start, run.tokens_per_block, scale, *scales, window)
-                continue
+            # A local layer's rows see their last `window` keys only (the kernel starts each
+            # work item at its window, where the paged kernel read every key once per row).
             self._ops.prefill_attention(out[span], q[span], keys, values, run.block_tables,
                                         run.seq_lens, run.query_start, run.tokens_per_block,
-                                        scale, *scales)
+                                        scale, *scales, window or 0)
         if meta.prefills:  # chunks routed to torch's flash attention over the rotated q, k, v
             k = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)

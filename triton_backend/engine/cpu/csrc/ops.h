@@ -79,12 +79,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            int64_t tokens_per_block, double scale, double k_scale = 1.0,
                            double v_scale = 1.0, int64_t window = 0);
 // The same contract for chunks of many query rows, blocked like a GEMM (prefill_attention.cpp),
-// written into `out` (q's shape).
+// written into `out` (q's shape); `window` as paged_attention's.
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& seq_lens, const at::Tensor& query_start,
                        int64_t tokens_per_block, double scale, double k_scale = 1.0,
-                       double v_scale = 1.0);
+                       double v_scale = 1.0, int64_t window = 0);
 
 // Each row's first maximal logit and its log probability; masked (row, id) pairs count as -inf.
 std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits,

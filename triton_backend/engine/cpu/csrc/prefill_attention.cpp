@@ -14,10 +14,14 @@
 // build has AVX-512 BF16 and the activations are bf16 (prefill_tiles_dot.h), 8-lane FMAs
 // otherwise (prefill_tiles.h).
 //
-// A row's result depends only on its own query and keys: the key blocks start at key 0 for every
-// row, a block past a row's position changes nothing of it (its probabilities are exactly 0 and
-// its alpha exactly 1), and every sum of a lane runs in one order. So a row gives the same values
-// whatever chunk, step or item it is computed in.
+// A local layer's rows (`window` > 0) see only their last `window` keys: an item starts at the key
+// block holding its first row's first key, and a lane tile skips the blocks before its window.
+//
+// A row's result depends only on its own query and keys: the key blocks sit at multiples of
+// kKeyBlock for every row, a block past a row's position or before its window changes nothing of
+// it (its probabilities are exactly 0 and its alpha exactly 1, or, before any key it sees, its
+// state stays the initial one), and every sum of a lane runs in one order. So a row gives the
+// same values whatever chunk, step or item it is computed in.
 //
 // A one-byte cache (int8, FP8 e4m3) is widened as it is read (exactly, to bf16 on the dot path),
 // the key scale folded into the scores' scale and the value scale applied to the output.
@@ -46,10 +50,11 @@ constexpr int64_t kMaxHeadDim = 512;
 
 // One sequence's rows in blocks of `rows` per kv head, costed by lanes x keys.
 void add_work(std::vector<PrefillWork>& work, int64_t seq, int64_t n_q, int64_t seq_len,
-              int64_t rows, int64_t num_kv_heads) {
+              int64_t rows, int64_t num_kv_heads, int64_t window) {
   for (int64_t r0 = 0; r0 < n_q; r0 += rows) {
     const int64_t r1 = std::min(n_q, r0 + rows);
-    const int64_t keys = seq_len - n_q + r1;  // the block's last row sees this many
+    int64_t keys = seq_len - n_q + r1;  // the block's last row sees keys up to this one
+    if (window > 0) keys = std::min(keys, window + r1 - r0);
     for (int64_t h = 0; h < num_kv_heads; ++h) work.push_back({seq, h, r0, r1, (r1 - r0) * keys});
   }
 }
@@ -96,7 +101,7 @@ namespace step {
 
 PrefillPlan plan_prefill(const Geometry& g, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& query_start,
-                         int64_t num_slots, int64_t num_rows, int64_t threads) {
+                         int64_t num_slots, int64_t num_rows, int64_t threads, int64_t window) {
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous() &&
@@ -110,14 +115,15 @@ PrefillPlan plan_prefill(const Geometry& g, const at::Tensor& block_tables,
               g.D);
   TORCH_CHECK(g.num_kv_heads >= 1 && g.num_q_heads % g.num_kv_heads == 0, "query heads (",
               g.num_q_heads, ") must be a multiple of kv heads (", g.num_kv_heads, ")");
+  TORCH_CHECK(window >= 0, "window must be 0 (every key) or more, got ", window);
   PrefillPlan plan{g, block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                   query_start.data_ptr<int32_t>(), {}};
+                   query_start.data_ptr<int32_t>(), {}, window};
   check_sequences(plan.tables, plan.seq_lens, plan.starts, num_seqs, g.max_blocks,
                   g.tokens_per_block, num_slots, num_rows);
   const int64_t rows = rows_per_item(g, plan.starts, num_seqs, threads);
   for (int64_t b = 0; b < num_seqs; ++b)
     add_work(plan.work, b, plan.starts[b + 1] - plan.starts[b], plan.seq_lens[b], rows,
-             g.num_kv_heads);
+             g.num_kv_heads, window);
   // The dearest first, so the cheap ones fill in at the end of the region.
   std::stable_sort(plan.work.begin(), plan.work.end(),
                    [](const PrefillWork& a, const PrefillWork& b) { return a.cost > b.cost; });
@@ -133,10 +139,11 @@ void prefill_work(const PrefillPlan& plan, const T* q, const C* k_cache, const C
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same<T, bf16>::value) {
     if (plan.g.D % 2 == 0)
-      return WorkItem<prefill::DotTiles, T, C>(plan.g, call, plan.work[i], buf).run();
+      return WorkItem<prefill::DotTiles, T, C>(plan.g, call, plan.work[i], plan.window, buf)
+          .run();
   }
 #endif
-  WorkItem<WidenTiles, T, C>(plan.g, call, plan.work[i], buf).run();
+  WorkItem<WidenTiles, T, C>(plan.g, call, plan.work[i], plan.window, buf).run();
 }
 #define LLM_FORGE_PREFILL_WORK(T, C)                                                            \
   template void prefill_work(const PrefillPlan&, const T*, const C*, const C*, T*, int64_t, \
@@ -154,7 +161,8 @@ LLM_FORGE_PREFILL_WORK(bf16, fp8)
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                        const at::Tensor& seq_lens, const at::Tensor& query_start,
-                       int64_t tokens_per_block, double scale, double k_scale, double v_scale) {
+                       int64_t tokens_per_block, double scale, double k_scale, double v_scale,
+                       int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with unit last stride");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
               "q must be bf16 or fp32, got ", q.scalar_type());
@@ -170,7 +178,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
                    q.stride(0), q.stride(1), k_cache.stride(0), static_cast<float>(scale)};
   const step::PrefillPlan plan =
       step::plan_prefill(g, block_tables, seq_lens, query_start, k_cache.size(0), q.size(0),
-                         at::get_num_threads());
+                         at::get_num_threads(), window);
   auto run = [&](auto* activations) {
     using T = std::remove_pointer_t<decltype(activations)>;
     step::with_cache_type<T>(k_cache, v_cache, [&](auto* tag) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -33,20 +34,23 @@ struct Call {
 
 // One work item: a block of one sequence's query rows for one kv head. Lane r is query row
 // row_begin + r / G, query head r % G of the kv head (position-major); padding lanes sit at the
-// last position with zero queries.
+// last position with zero queries. `window` > 0: a lane sees only the last `window` keys up to
+// its own position.
 template <class Tiles, typename T, typename C>
 class WorkItem {
  public:
   static constexpr int64_t L = Tiles::kL, KB = kKeyBlock;
 
-  WorkItem(const Geometry& g, const Call<T, C>& call, const PrefillWork& w,
+  WorkItem(const Geometry& g, const Call<T, C>& call, const PrefillWork& w, int64_t window,
            std::vector<float>& buf)
       : g_(g), call_(call), w_(w), G_(g.group()), D_(g.D), R_((w.row_end - w.row_begin) * G_),
         tiles_(ceil_div(R_, L)), Rp_(tiles_ * L),
         first_row_(call.starts[w.seq] + w.row_begin),
         first_pos_(call.seq_lens[w.seq] - (call.starts[w.seq + 1] - call.starts[w.seq]) +
                    w.row_begin),
-        last_(first_pos_ + (w.row_end - w.row_begin) - 1) {
+        last_(first_pos_ + (w.row_end - w.row_begin) - 1), window_(window),
+        // the key block holding the first row's first key (blocks sit at multiples of KB)
+        first_block_(window > 0 ? std::max<int64_t>(0, first_pos_ - window + 1) / KB * KB : 0) {
     const int64_t q_size = Tiles::query_elems(D_) * Rp_;
     const int64_t kbuf_size = Tiles::template key_elems<T, C>(D_);
     const int64_t p_size = Tiles::prob_rows(KB) * Rp_, v_size = Tiles::prob_rows(KB) * D_;
@@ -69,8 +73,8 @@ class WorkItem {
   void run() {
     pack_lanes();
     const C* cache_rows[2][2][KB];  // [this block or the next][keys, values][key]
-    int64_t n_next = walk(0, cache_rows[0][0], cache_rows[0][1], false);
-    for (int64_t kb = 0, at = 0; kb <= last_; kb += KB, at ^= 1) {
+    int64_t n_next = walk(first_block_, cache_rows[0][0], cache_rows[0][1], false);
+    for (int64_t kb = first_block_, at = 0; kb <= last_; kb += KB, at ^= 1) {
       const int64_t n = n_next;
       if (kb + KB <= last_)
         n_next = walk(kb + KB, cache_rows[at ^ 1][0], cache_rows[at ^ 1][1], true);
@@ -83,6 +87,7 @@ class WorkItem {
   int64_t lane_row(int64_t r) const { return first_row_ + r / G_; }
   int64_t lane_head(int64_t r) const { return w_.kv_head * G_ + r % G_; }
   int64_t tile_last(int64_t t) const { return static_cast<int64_t>(pos_[t * L + L - 1]); }
+  int64_t tile_first(int64_t t) const { return static_cast<int64_t>(pos_[t * L]); }
 
   void pack_lanes() {
     for (int64_t t = 0; t < tiles_; ++t) {
@@ -121,24 +126,29 @@ class WorkItem {
   }
 
   // Keys [kb, kb + n): scores, the online softmax, O^T. Lane tiles that see none of them (their
-  // last position before kb) are skipped; tile t sees keys [kb, kb + seen(t)), and a group of
-  // tiles computes as far as its last tile sees.
+  // last position before kb, or, in a local layer, their first lane's window starting after the
+  // block) are skipped; tile t sees keys [kb, kb + seen(t)) but the ones before its lanes'
+  // windows, and a group of tiles computes as far as its last tile sees.
   void attend_block(int64_t kb, int64_t n, const C* const* krows, const C* const* vrows) {
-    const Lanes ln{D_, Rp_, tiles_, pos_, g_.scale * call_.k_scale * prefill::kLog2e};
-    int64_t t_first = 0;
+    const float window = window_ > 0 ? static_cast<float>(window_)
+                                     : std::numeric_limits<float>::infinity();
+    const Lanes ln{D_, Rp_, tiles_, pos_, g_.scale * call_.k_scale * prefill::kLog2e, window};
+    int64_t t_first = 0, t_end = tiles_;
     while (t_first < tiles_ && tile_last(t_first) < kb) ++t_first;
+    while (window_ > 0 && t_end > t_first && tile_first(t_end - 1) - window_ + 1 >= kb + n)
+      --t_end;
     auto seen = [&](int64_t t) { return std::min(n, tile_last(t) + 1 - kb); };
     const typename Tiles::KeyBlock keys = Tiles::prepare_keys(krows, n, D_, kbuf_);
     std::fill(bmax_ + t_first * L, bmax_ + Rp_, Tiles::kMasked);
-    for_tile_groups<Tiles>(t_first, tiles_, [&](auto nt, int64_t t) {
+    for_tile_groups<Tiles>(t_first, t_end, [&](auto nt, int64_t t) {
       constexpr int NT = decltype(nt)::value;
       scores_group<Tiles, NT>(ln, keys, q_, s_, bmax_, kb, seen(t + NT - 1), t);
     });
-    for (int64_t t = t_first; t < tiles_; ++t)
+    for (int64_t t = t_first; t < t_end; ++t)
       Tiles::softmax(ln, t, s_, seen(t), Tiles::prob_rows(n), bmax_, m_, l_, alpha_, p_,
                      std::is_same<T, bf16>::value);
     Tiles::pack_values(vrows, n, D_, v_);
-    for_tile_groups<Tiles>(t_first, tiles_, [&](auto nt, int64_t t) {
+    for_tile_groups<Tiles>(t_first, t_end, [&](auto nt, int64_t t) {
       constexpr int NT = decltype(nt)::value;
       values_group<Tiles, NT>(ln, v_, p_, Tiles::prob_rows(seen(t + NT - 1)), ot_, alpha_, t);
     });
@@ -162,7 +172,7 @@ class WorkItem {
   const Geometry& g_;
   const Call<T, C>& call_;
   const PrefillWork& w_;
-  const int64_t G_, D_, R_, tiles_, Rp_, first_row_, first_pos_, last_;
+  const int64_t G_, D_, R_, tiles_, Rp_, first_row_, first_pos_, last_, window_, first_block_;
   float *pos_, *m_, *l_, *alpha_, *bmax_, *s_, *kbuf_, *ot_;
   typename Tiles::QElem* q_;
   typename Tiles::PElem *p_, *v_;

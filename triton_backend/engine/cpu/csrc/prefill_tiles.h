@@ -10,7 +10,7 @@
 //
 // Each policy provides, over an item's scratch (layouts below; Rp = padded lanes):
 //   pack_query(d, r, values of Q[row r][d..]): fill the packed queries
-//   scores<NK, NT>: S^T for NK keys x NT lane tiles, scaled, causal-masked
+//   scores<NK, NT>: S^T for NK keys x NT lane tiles, scaled, causal- and window-masked
 //   softmax: per lane tile, the running max and sum, alpha, and the packed probabilities
 //   pack_values: one block's values in the layout `values<ND, NT>` broadcasts from
 //   values<ND, NT>: O^T[d][lane] = O^T * alpha + sum over the block's keys of V[k][d] * P[k][lane]
@@ -54,6 +54,8 @@ struct Lanes {
   int64_t D, Rp, tiles;  // head dim, padded lanes, lane tiles
   const float* pos;      // [Rp] each lane's position (its query row's); padding lanes the last
   float c;               // scale * k_scale * log2(e): scores are kept in log2 units
+  // A lane sees key k when 0 <= pos - k < window (+inf: every key up to its own).
+  float window = std::numeric_limits<float>::infinity();
 };
 
 // ---- 8-lane fp32 FMAs ----
@@ -64,7 +66,9 @@ struct WidenTiles {
   static constexpr int kL = kLanes;
   // Register tiles: up to 3 lane tiles, 12 sums (AVX2 has 16 registers).
   static constexpr int kTiles = 3, kSums = 12;
-  static constexpr float kMasked = -std::numeric_limits<float>::infinity();  // a masked score
+  // A masked score. A lane whose keys so far were all masked (before its window) keeps m = -inf:
+  // its alpha and probabilities come out of vexp2(nan) as exactly 0, and its sums stay 0.
+  static constexpr float kMasked = -std::numeric_limits<float>::infinity();
   using QElem = float;
   using PElem = float;
   using KeyBlock = const float*;
@@ -128,7 +132,8 @@ struct WidenTiles {
       const vf pos = load(pos_at + t * kL);
       vf mx = load(bmax + t * kL);
       for (int k = 0; k < NK; ++k) {
-        const vi keep = pos >= splat(static_cast<float>(key0 + k));
+        const vf behind = pos - splat(static_cast<float>(key0 + k));  // exact: small integers
+        const vi keep = (behind >= splat(0.f)) & (behind < splat(ln.window));
         const vf x = keep ? acc[k][t] * splat(ln.c) : minus_inf;
         store(s + k * ln.Rp + t * kL, x);
         mx = x > mx ? x : mx;

@@ -89,6 +89,9 @@ struct DotTiles {
   // A masked score (and the running max before any key): finite, so that 2^(score - max) needs
   // no test for -inf - -inf; vscalefps takes its huge negative exponent to exactly 0.
   static constexpr float kMasked = -1e30f;
+  // A key before a lane's window scores below kMasked: a lane that has seen no key yet (m still
+  // kMasked) gets probability 2^(kBeforeWindow - kMasked) = exactly 0 for it, not 2^0.
+  static constexpr float kBeforeWindow = -3e30f;
   using QElem = pair_bits;
   using PElem = pair_bits;
   struct KeyBlock {
@@ -199,13 +202,17 @@ struct DotTiles {
     }
     const __m512 c = _mm512_set1_ps(ln.c);
     const __m512 minus_inf = _mm512_set1_ps(kMasked);
+    const __m512 before = _mm512_set1_ps(kBeforeWindow), window = _mm512_set1_ps(ln.window);
     for (int t = 0; t < NT; ++t) {
       const __m512 pos = _mm512_loadu_ps(pos_at + t * kL);
       __m512 mx = _mm512_loadu_ps(bmax + t * kL);
       for (int k = 0; k < NK; ++k) {
-        const __mmask16 keep = _mm512_cmp_ps_mask(
-            pos, _mm512_set1_ps(static_cast<float>(key0 + k)), _CMP_GE_OQ);
-        const __m512 x = _mm512_mask_mul_ps(minus_inf, keep, acc[k][t], c);
+        const __m512 key = _mm512_set1_ps(static_cast<float>(key0 + k));
+        const __mmask16 keep = _mm512_cmp_ps_mask(pos, key, _CMP_GE_OQ);
+        const __mmask16 in_window =
+            _mm512_cmp_ps_mask(_mm512_sub_ps(pos, key), window, _CMP_LT_OQ);
+        const __m512 x = _mm512_mask_mov_ps(
+            before, in_window, _mm512_mask_mul_ps(minus_inf, keep, acc[k][t], c));
         _mm512_storeu_ps(s + k * ln.Rp + t * kL, x);
         mx = _mm512_max_ps(mx, x);
       }

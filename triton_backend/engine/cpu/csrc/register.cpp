@@ -33,7 +33,7 @@ TORCH_LIBRARY(llm_forge, m) {
         &llm_forge::paged_attention);
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start, int tokens_per_block, "
-        "float scale, float k_scale=1.0, float v_scale=1.0) -> ()",
+        "float scale, float k_scale=1.0, float v_scale=1.0, int window=0) -> ()",
         &llm_forge::prefill_attention);
   m.def("greedy_pick(Tensor logits, int[] masked_rows, int[] masked_ids) -> (Tensor, Tensor)",
         &llm_forge::greedy_pick);

@@ -131,12 +131,15 @@ struct PrefillPlan {
   const int32_t* seq_lens;
   const int32_t* starts;
   std::vector<PrefillWork> work;
+  int64_t window = 0;  // > 0: each row attends only its last `window` keys (a local layer)
 };
 // Checks the tables' dtypes and shapes, the head geometry, every chunk's rows and keys against
 // its block table and every block against the cache's num_slots (TORCH_CHECK, naming them).
+// `window` > 0: each row attends only its last `window` keys, its own included.
 PrefillPlan plan_prefill(const Geometry& g, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& query_start,
-                         int64_t num_slots, int64_t num_rows, int64_t threads);
+                         int64_t num_slots, int64_t num_rows, int64_t threads,
+                         int64_t window = 0);
 // Work i of the plan: its rows' outputs written into out [rows, Hq, D] (contiguous), q and out
 // from the plan's first row; a one-byte cache's k_scale and v_scale (else 1).
 template <typename T, typename C>
