@@ -15,8 +15,11 @@
 # - PyPI has llama-cpp-python as a source distribution only: pip builds llama.cpp with CMake and
 #   the C++ compiler here, several minutes on two cores (CMAKE_BUILD_PARALLEL_LEVEL defaults to
 #   every core). Nothing is downloaded but the source and four small pure-Python dependencies.
-# - -DGGML_NATIVE=ON builds for this CPU (-march=native: AVX-512, VNNI, BF16, AMX where it has
+# - Built for this CPU's vector extensions (AVX2, AVX-512, VNNI, BF16 as /proc/cpuinfo lists
 #   them), as llama.cpp built from source for one machine runs; the venv belongs to this machine.
+#   AMX stays off: on a 2-vCPU Xeon with AMX, a -DGGML_NATIVE=ON build's AMX matmul died with
+#   SIGILL at its first tile instruction (tilezero), with the tile state granted or not. Where
+#   /proc/cpuinfo is absent (not x86-64 Linux), -DGGML_NATIVE=ON.
 # - -DLLAVA_BUILD=OFF leaves out the multimodal library (the binding loads it only for images).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +33,19 @@ LLAMACPP_PYTHON="${LLAMACPP_PYTHON:-python3}"
 STAMP="$LLAMACPP_VENV/.llm-forge-llamacpp"
 read -r -a EXTRA_PIP <<< "${LLAMACPP_PIP_ARGS:-}"
 
+# -DGGML_<EXT>=ON for each extension the CPU has, AMX off; -DGGML_NATIVE=ON off x86-64 Linux.
+cpu_cmake_args() {
+    if [[ "$(uname -m)" != x86_64 || ! -r /proc/cpuinfo ]]; then echo "-DGGML_NATIVE=ON"; return; fi
+    local flags args="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+    local pair
+    for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+                avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+        [[ "$flags" == *" ${pair%%:*} "* ]] && args+=" -DGGML_${pair#*:}=ON"
+    done
+    echo "$args"
+}
+
 install_llamacpp() {
     local started=$SECONDS
     log "building llama-cpp-python==$LLAMACPP_VERSION into $LLAMACPP_VENV (once; several minutes)"
@@ -42,7 +58,7 @@ install_llamacpp() {
     "$LLAMACPP_PYTHON" -m venv "$LLAMACPP_VENV"
     local py="$LLAMACPP_VENV/bin/python" log_file="$LLAMACPP_VENV/install.log"
     local pip=("$py" -m pip --disable-pip-version-check)
-    export CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAVA_BUILD=OFF}"
+    export CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:-$(cpu_cmake_args) -DLLAVA_BUILD=OFF}"
     export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
     log "CMAKE_ARGS=$CMAKE_ARGS, $CMAKE_BUILD_PARALLEL_LEVEL jobs; the build's log: $log_file"
     "${pip[@]}" install --no-cache-dir --verbose "llama-cpp-python==$LLAMACPP_VERSION" \

@@ -4,23 +4,10 @@ loaded, then reads one JSON line per run ({"prompts": [[ids]], "max_tokens": n})
 prompts one after another (the binding holds one sequence), greedy, exactly n tokens each (its
 `generate` does not stop at an end id), and answers {"start": t0, "times": [[arrival time of
 each token] per prompt], "perf": [llama.cpp's own counters per prompt]} on stdout."""
-import ctypes
 import json
 import os
-import platform
 import sys
 import time
-
-
-def request_amx() -> bool:
-    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), as our own
-    AMX kernel does: llama.cpp built for a CPU with AMX runs its AMX matmuls without asking, and
-    its first tile instruction dies with SIGILL. False where there is none to ask for."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return False
-    sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
 
 
 def perf_counters(llama_cpp, ctx) -> dict:
@@ -49,7 +36,6 @@ def main() -> None:
     # stderr, set up before it is loaded.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    amx = request_amx()
     import llama_cpp
 
     gguf, n_ctx, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -59,7 +45,7 @@ def main() -> None:
                           n_threads_batch=threads, flash_attn=True, seed=0, verbose=False)
     out.write(json.dumps({
         "ready": True, "llama_cpp_python": llama_cpp.__version__, "n_vocab": llm.n_vocab(),
-        "threads": threads, "n_ctx": n_ctx, "amx_permitted": amx,
+        "threads": threads, "n_ctx": n_ctx,
         "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
     }) + "\n")
     out.flush()
