@@ -26,11 +26,10 @@ from torch import nn
 
 from builder.pipeline import convert
 from builder.quantize import calibration
-from builder.quantize.modelopt_run import check_exclusion_patterns, is_excluded
 from builder.quantize.options import QuantizeOptions
 from builder.quantize.result import QuantizationResult, linear_bytes
 from builder.quantize.trtllm_checkpoint import KV_CACHE_QUANT_ALGOS
-from builder.quantize.zero_point import calibrate_kv_cache, is_projection
+from builder.quantize.zero_point import calibrate_kv_cache, is_projection, quantize_projections
 from builder.trtllm.families import OWN_WRITER
 from triton_backend.engine.config import (WEIGHTS_FILE, EngineConfig, QuantConfig,
                                           SpeculativeConfig)
@@ -81,21 +80,15 @@ def activation_amax(modules: list[str], measured: dict[str, float]) -> tuple[dic
 
 def quantize_state(state: dict[str, torch.Tensor], amax: dict[str, float],
                    options: QuantizeOptions, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Runtime weights (fp32) -> the same with every projection not excluded in FP8 (weight,
-    per-row scales, the activation scale: `amax` / 448); the rest cast to `dtype`."""
-    modules = {key.rpartition(".")[0] for key in state} | {"lm_head"}
-    check_exclusion_patterns(options.exclude_modules, modules)
-    out = {}
-    for key, tensor in state.items():
-        module, _, suffix = key.rpartition(".")
-        if suffix == "weight" and is_projection(module) and not is_excluded(
-                module, options.exclude_modules):
-            out[key], out[f"{module}.weights_scaling_factor"] = quantize_weight(tensor)
-            out[f"{module}.activation_scaling_factor"] = torch.tensor(
-                [max(amax[module] / FP8_MAX, TINY)], dtype=torch.float32)
-        else:
-            out[key] = tensor.to(dtype)
-    return out
+    """Every projection not excluded in FP8: weight, per-row scales, the activation scale
+    (`amax` / 448)."""
+    def fp8(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales = quantize_weight(weight)
+        activation = torch.tensor([max(amax[module] / FP8_MAX, TINY)], dtype=torch.float32)
+        return {"weight": q, "weights_scaling_factor": scales,
+                "activation_scaling_factor": activation}
+
+    return quantize_projections(state, options, dtype, fp8)
 
 
 @contextmanager

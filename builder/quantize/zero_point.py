@@ -40,10 +40,13 @@ def is_projection(module: str) -> bool:
     return module.startswith("transformer.layers.") and module.rpartition(".")[2] in kinds
 
 
-def quantize_state(state: dict[str, torch.Tensor], options: QuantizeOptions,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Runtime weights (fp32) -> the same with every projection not excluded as packed INT4,
-    `weights_scaling_factor` and `zero`; the rest cast to `dtype`."""
+def quantize_projections(state: dict[str, torch.Tensor], options: QuantizeOptions,
+                         dtype: torch.dtype,
+                         quantize: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+                         ) -> dict[str, torch.Tensor]:
+    """Runtime weights (fp32) -> the same with each projection's weight not excluded replaced by
+    `quantize(module, weight)`'s tensors (suffix -> tensor, `weight` among them); the rest cast
+    to `dtype`."""
     modules = {key.rpartition(".")[0] for key in state} | {"lm_head"}  # a tied head is a module
     check_exclusion_patterns(options.exclude_modules, modules)
     out = {}
@@ -51,14 +54,22 @@ def quantize_state(state: dict[str, torch.Tensor], options: QuantizeOptions,
         module, _, suffix = key.rpartition(".")
         if suffix == "weight" and is_projection(module) and not is_excluded(
                 module, options.exclude_modules):
-            int4.check_group_size(tensor.shape[1], options.group_size, module)
-            q, scales, zeros = int4.quantize_rtn_zero_point(tensor, options.group_size)
-            out[key] = int4.pack(q)
-            out[f"{module}.weights_scaling_factor"] = scales
-            out[f"{module}.zero"] = zeros
+            out.update((f"{module}.{name}", value)
+                       for name, value in quantize(module, tensor).items())
         else:
             out[key] = tensor.to(dtype)
     return out
+
+
+def quantize_state(state: dict[str, torch.Tensor], options: QuantizeOptions,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every projection not excluded as packed INT4, `weights_scaling_factor` and `zero`."""
+    def zero_point(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        int4.check_group_size(weight.shape[1], options.group_size, module)
+        q, scales, zeros = int4.quantize_rtn_zero_point(weight, options.group_size)
+        return {"weight": int4.pack(q), "weights_scaling_factor": scales, "zero": zeros}
+
+    return quantize_projections(state, options, dtype, zero_point)
 
 
 def dequantize_projections(model: nn.Module, options: QuantizeOptions) -> nn.Module:
