@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from builder.bench.engine_level import (AllTimings, EngineProtocol, OneTimings, all_timings,
-                                        one_timings)
+from builder.bench.child_side import ChildSide, venv_python
+from builder.bench.engine_level import EngineProtocol, OneTimings, one_timings
 from builder.bench.servers import clean_env
 
 CHILD = Path(__file__).with_name("llamacpp_child.py")
@@ -34,11 +32,7 @@ def default_llamacpp_venv() -> str:
 
 def llamacpp_python(venv: str | Path) -> Path:
     """The venv's Python, or a FileNotFoundError that names the option and the installer."""
-    python = Path(venv) / "bin" / "python"
-    if not python.is_file():
-        raise FileNotFoundError(f"--llamacpp-venv: no {python} ({INSTALL_LLAMACPP} installs "
-                                "llama-cpp-python there)")
-    return python
+    return venv_python(venv, "--llamacpp-venv", INSTALL_LLAMACPP, "llama-cpp-python there")
 
 
 def engine_gguf(engine_dir: str | Path, given: str | Path | None = None) -> Path:
@@ -73,38 +67,28 @@ def gguf_weight_bytes(gguf: str | Path) -> int:
     return sum(sizes.values())
 
 
-class LlamaCppSide:
+class LlamaCppSide(ChildSide):
+    side, peer = "llamacpp", "llama.cpp's child"
     concurrent = False  # run_all runs the prompts one at a time
 
     def __init__(self, venv: str | Path, gguf: str | Path, protocol: EngineProtocol,
                  threads: int) -> None:
         python = llamacpp_python(venv)
-        self.protocol, self.gguf = protocol, Path(gguf)
+        self.gguf = Path(gguf)
         self.decode_counters: list[float] = []  # llama.cpp's own decode tok/s, c=1 runs
         n_ctx = protocol.prompt_len + protocol.max_tokens + 16
         env = clean_env()
         # llama.cpp's OpenMP team as it ships, not with the short spin our engine runs with.
         env.pop("GOMP_SPINCOUNT", None)
-        self.child = subprocess.Popen(
-            [str(python), "-P", str(CHILD), str(gguf), str(n_ctx), str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.info = self._read()  # {"ready": ..., "n_vocab": ..., "system_info": ...}
-
-    def _read(self) -> dict:
-        line = self.child.stdout.readline()
-        if not line:
-            raise ValueError(f"--sides llamacpp: llama.cpp's child exited with "
-                             f"{self.child.wait()} (its log is above)")
-        return json.loads(line)
+        # self.info: {"ready": ..., "n_vocab": ..., "system_info": ...}
+        super().__init__(python, [str(CHILD), str(gguf), str(n_ctx), str(threads)], protocol, env)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> dict:
         vocab = self.info["n_vocab"]
         if any(i >= vocab or i < 0 for ids in prompts for i in ids):
             raise ValueError(f"--sides llamacpp: a prompt id is outside {self.gguf.name}'s "
                              f"vocabulary of {vocab} (is it the engine's GGUF?)")
-        self.child.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.child.stdin.flush()
-        return self._read()
+        return super()._run(prompts, max_tokens)
 
     def run_one(self, ids: list[int], text: str, max_tokens: int | None = None) -> OneTimings:
         answer = self._run([list(ids)], max_tokens or self.protocol.max_tokens)
@@ -112,12 +96,6 @@ class LlamaCppSide:
         if len(ids) == self.protocol.prompt_len and perf["eval_tokens"] > 1:  # not the warm-up
             self.decode_counters.append(perf["eval_tokens"] / perf["eval_ms"] * 1e3)
         return one_timings(answer["start"], answer["times"][0])
-
-    def run_all(self, ids_list: list[list[int]], texts: list[str]) -> AllTimings:
-        answer = self._run([list(i) for i in ids_list], self.protocol.max_tokens)
-        times = answer["times"]
-        return all_timings(answer["start"], [t[0] for t in times], [t[-1] for t in times],
-                           len(ids_list) * self.protocol.max_tokens)
 
     def describe(self) -> str:
         """What ran, for the notes under the table."""
@@ -128,12 +106,3 @@ class LlamaCppSide:
                 f"{self.info['threads']} threads, flash attention on; c=N is its prompts one "
                 f"after another (the binding has no batching), not comparable with the others'"
                 f"{counters}; {self.info['system_info']}")
-
-    def close(self) -> None:
-        if self.child.poll() is None:
-            self.child.stdin.close()
-            try:
-                self.child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.child.kill()
-        print("llama.cpp child stopped", file=sys.stderr)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.bench.servers import LOOPBACK, ServerProcess, clean_env, forge_command, tail
+from builder.bench.servers import LOOPBACK, ServerProcess, clean_env, forge_command, tail, vllm_env
 from builder.bench.shapes import Shape
 from builder.bench.summary import Table, busy_before, document
 from builder.serving.serve import free_port
@@ -180,7 +180,7 @@ def one_server(matrix: Matrix, label: str, run_dir: Path, log: Any) -> dict:
                    "--host", LOOPBACK, "--port", str(port), "--dtype", "bfloat16",
                    "--served-model-name", matrix.model_name,
                    "--max-model-len", str(matrix.max_model_len)]
-        env, stop_signal = clean_env({"VLLM_CPU_KVCACHE_SPACE": str(matrix.vllm_kv_gib)}), signal.SIGINT
+        env, stop_signal = vllm_env(matrix.vllm_kv_gib), signal.SIGINT
     else:  # Triton's own ports and the health port: 0 lets forge serve pick free ones
         command = forge_command() + ["serve", "--repository", matrix.repositories[label],
                                      "--http-port", "0", "--grpc-port", "0", "--metrics-port",

@@ -443,3 +443,19 @@ def test_the_vllm_side_drives_vllms_engine_in_its_venv_over_a_pipe(tmp_path, mon
     (line,) = ratio_notes(medians, runs)
     assert line.startswith("engine vs vllm: prefill of all 1.75x as fast (repeat by repeat: "
                            "2.00, 1.50), tok/s c=N 2.00x, decode c=1 2.00x, TTFT c=1 2.00x")
+
+
+def test_vllm_computes_on_every_allowed_core_unless_the_environment_binds_it(monkeypatch):
+    import os
+
+    from builder.bench.servers import vllm_env
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1})
+    env = vllm_env(4)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,3"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    env = vllm_env(2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env
