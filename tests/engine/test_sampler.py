@@ -139,14 +139,21 @@ def test_infinite_logits_are_made_finite_before_a_draw():
 def test_top_p_over_a_wide_vocabulary_keeps_the_nucleus_a_full_sort_gives(scale, top_p):
     """Gemma's 262,144 logits: the nucleus from the best thousand or the histogram cut is the
     one the definition gives (the smallest prefix of the sorted probabilities reaching top_p,
-    computed here in float64), up to the tokens float32 sums may put on either side of its
-    boundary (one, or one in 10,000 where the nucleus is nearly the whole vocabulary)."""
+    computed here in float64), up to the tokens a float32 sum may put on either side of its
+    boundary: those whose mass before them is within the summation's error bound of top_p
+    (n terms of at most 1 in all: n * 2**-24; the order of the sum, and so where inside the
+    bound it lands, changes with the CPU's vector width)."""
     from triton_backend.engine.sampler import _top_k_top_p
 
     row = torch.randn(262_144, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
     probs = torch.softmax(row.double(), dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True)
-    expected = set(order[(sorted_probs.cumsum(0) - sorted_probs) < top_p].tolist())
+    before = sorted_probs.cumsum(0) - sorted_probs
+    expected = set(order[before < top_p].tolist())
+    bound = 2 * len(expected) * 2.0 ** -24 + 2.0 ** -24
+    surely_in = set(order[before < top_p - bound].tolist())
+    maybe_in = set(order[before < top_p + bound].tolist())
     kept = set(torch.nonzero(torch.isfinite(_top_k_top_p(row, 0, top_p))).squeeze(1).tolist())
-    assert len(kept ^ expected) <= max(1, len(expected) // 10_000), (len(kept), len(expected))
+    assert surely_in <= kept <= maybe_in, (len(kept), len(expected), len(maybe_in - surely_in))
+    assert len(maybe_in - surely_in) <= len(expected) // 4  # the bound leaves a test
     assert len(expected) > 1
