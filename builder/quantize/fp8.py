@@ -12,27 +12,22 @@ checkpoint, as for INT4 with zeros.
 """
 from __future__ import annotations
 
-import copy
-import os
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 from builder.pipeline import convert
 from builder.quantize import calibration
 from builder.quantize.options import QuantizeOptions
 from builder.quantize.result import QuantizationResult, linear_bytes
 from builder.quantize.trtllm_checkpoint import KV_CACHE_QUANT_ALGOS
-from builder.quantize.zero_point import calibrate_kv_cache, is_projection, quantize_projections
+from builder.quantize.zero_point import (calibrate_kv_cache, is_projection,
+                                         observe_projection_inputs, quantize_projections)
 from builder.trtllm.families import OWN_WRITER
-from triton_backend.engine.config import (WEIGHTS_FILE, EngineConfig, QuantConfig,
-                                          SpeculativeConfig)
+from triton_backend.engine.config import (WEIGHTS_FILE, EngineConfig, QuantConfig)
 from triton_backend.engine.quant.linear import FP8_MAX
 
 QUANT_ALGO = "FP8"
@@ -91,49 +86,16 @@ def quantize_state(state: dict[str, torch.Tensor], amax: dict[str, float],
     return quantize_projections(state, options, dtype, fp8)
 
 
-@contextmanager
-def _torch_ops() -> Iterator[None]:
-    """The runtime's pure-torch ops: every projection a module call that a hook sees (the CPU
-    backend runs a short step, and a mixture of experts, inside one kernel call)."""
-    from triton_backend.engine.cpu.kernels import ENV_SWITCH
-
-    before = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "torch"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[ENV_SWITCH]
-        else:
-            os.environ[ENV_SWITCH] = before
-
-
 def input_amax(state: dict[str, torch.Tensor], config: EngineConfig, windows: torch.Tensor
                ) -> dict[str, float]:
     """Projection name -> the largest |input| it meets when our runtime, in float32 on the CPU,
     prefills each calibration window (a request of its own)."""
-    from triton_backend.engine.llm_engine import LLMEngine
-    from triton_backend.engine.offline import generate
-    from triton_backend.engine.request import Request
-
-    plain = copy.deepcopy(config)
-    plain.dtype, plain.hardware, plain.quantization, plain.lora = "float32", "cpu", QuantConfig(), None
-    plain.kv_cache.dtype, plain.speculative = "auto", SpeculativeConfig()
     found: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="fp8-calibration-") as tmp, _torch_ops():
-        plain.save(tmp)
-        save_file(state, str(Path(tmp) / WEIGHTS_FILE), metadata={"format": "pt"})
-        engine = LLMEngine(tmp, enable_prefix_caching=False, device="cpu")
-        hooks = []
-        for name, module in engine.runner.model.named_modules():
-            if isinstance(module, nn.Linear) and is_projection(name):
-                def record(_module, args, _out, name=name):
-                    found[name] = max(found.get(name, 0.0), float(args[0].abs().max()))
-                hooks.append(module.register_forward_hook(record))
-        generate(engine, [Request(input_token_ids=row.tolist(), max_tokens=1)
-                          for row in windows])
-        for hook in hooks:
-            hook.remove()
+
+    def record(name: str, rows: torch.Tensor) -> None:
+        found[name] = max(found.get(name, 0.0), float(rows.abs().max()))
+
+    observe_projection_inputs(state, config, windows, record)
     return found
 
 

@@ -8,6 +8,7 @@ from triton_backend.engine.numbers import is_int
 from triton_backend.engine.quant import KV_CACHE_MODES, LM_HEAD_MODES, WEIGHT_MODES  # one list for both halves
 
 CALIBRATION_KEYS = ("dataset", "samples", "seq_len", "batch_size")
+ROUNDINGS = ("minmax", "search", "activation")
 
 
 def _positive_int(key: str, value: Any) -> int:
@@ -51,6 +52,11 @@ class QuantizeOptions:
     # The LM head in int8 (per column and block of 32 inputs), quantized when the torch runtime
     # loads the engine and multiplied with int8 activations by the CPU kernels.
     lm_head: str = "none"
+    # How a zero-point group's grid is chosen: `minmax` (its min and max are the grid's ends),
+    # `search` (candidate scales refit by least squares, int4.quantize_search_zero_point) or
+    # `activation` (the same, each input column weighted by its RMS activation over the
+    # calibration text).
+    rounding: str = "minmax"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:
@@ -69,6 +75,12 @@ class QuantizeOptions:
         if self.zero_point and self.weights != "int4_rtn":
             raise ValueError(f"quantization.zero_point: needs weights int4_rtn (int4_awq and fp8 "
                              f"are symmetric, as TensorRT-LLM runs them), got {self.weights!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"quantization.rounding: must be one of {list(ROUNDINGS)}, "
+                             f"got {self.rounding!r}")
+        if self.rounding != "minmax" and not self.zero_point:
+            raise ValueError(f"quantization.rounding: {self.rounding!r} searches a zero-point "
+                             f"grid; it needs zero_point: true")
 
     @property
     def enabled(self) -> bool:
@@ -88,4 +100,5 @@ class QuantizeOptions:
                    group_size=get("group_size", 128),
                    exclude_modules=list(["lm_head"] if excludes is None else excludes),
                    calibration=CalibrationOptions(**calibration),
-                   zero_point=get("zero_point", False), lm_head=get("lm_head", "none"))
+                   zero_point=get("zero_point", False), lm_head=get("lm_head", "none"),
+                   rounding=get("rounding", "minmax"))

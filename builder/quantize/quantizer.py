@@ -43,10 +43,10 @@ def quantize_checkpoint(hf_dir: str | Path, engine_dir: str | Path, options: Qua
 
     progress = progress or (lambda message: None)
     hf_dir, engine_dir = Path(hf_dir), Path(engine_dir)
-    if options.zero_point:  # ours, without ModelOpt: no calibration, no TensorRT-LLM checkpoint
+    if options.zero_point:  # ours, without ModelOpt or a TensorRT-LLM checkpoint
         from builder.quantize.zero_point import quantize_zero_point
 
-        return quantize_zero_point(hf_dir, engine_dir, options, dtype, progress)
+        return quantize_zero_point(hf_dir, engine_dir, options, dtype, progress, config)
     if options.weights == "fp8" and config is not None:
         from builder.quantize import fp8
 

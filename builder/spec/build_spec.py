@@ -50,6 +50,7 @@ class QuantizationSpec:
     quality: dict = field(default_factory=dict)
     zero_point: bool = False
     lm_head: str = "none"  # checked by the quantizer's own options (spec/checks.py)
+    rounding: str = "minmax"  # the same
 
 
 

@@ -36,6 +36,10 @@ def test_from_a_spec_dataclass_like_section():
      r"quantization\.zero_point: must be true or false, got 'yes'"),
     ({"weights": "int4_awq", "zero_point": True},
      r"quantization\.zero_point: needs weights int4_rtn \(int4_awq and fp8 are symmetric"),
+    ({"weights": "int4_rtn", "zero_point": True, "rounding": "gptq"},
+     r"quantization\.rounding: must be one of \['minmax', 'search', 'activation'\], got 'gptq'"),
+    ({"weights": "int4_rtn", "rounding": "activation"},
+     r"quantization\.rounding: 'activation' searches a zero-point grid; it needs zero_point: true"),
     ({"lm_head": "int4"}, r"quantization\.lm_head: must be one of \['none', 'int8'\], got 'int4'"),
 ])
 def test_errors_name_the_field(section, message):

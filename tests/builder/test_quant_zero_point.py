@@ -84,7 +84,121 @@ def test_zero_point_engines_decode_through_the_fast_path_with_the_python_models_
     # is this machine's measured INT4 plan, and under load the measurement can go either way.
     assert qkv.kernel in ("cpp_int4", "cpu_int4pack")
     with_fast, without, steps = _fast_and_python_ids(engine_dir)
-    assert steps > 10 and with_fast == without
+    assert steps > 10
+    _agree_up_to_near_ties(engine_dir, with_fast, without)
+
+
+def _agree_up_to_near_ties(engine_dir, ours, theirs):
+    """Greedy ids of `_fast_and_python_ids`' requests equal, or parting only where the logits
+    make it a near tie (the two picks within 3 bf16 steps of each other: this random INT4 model
+    in bf16 meets one on some CPUs); most tokens compared before any parting."""
+    from tests.engine.test_kernels import FAST_PATH_PROMPTS
+
+    compared = 0
+    for prompt, a, b in zip(FAST_PATH_PROMPTS, ours, theirs):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        compared += same
+        if same < len(a):
+            logits = prefill_logits(engine_dir, prompt + a[:same])[-1].float()
+            step = 2.0 ** (torch.floor(torch.log2(logits.abs().max())) - 7)
+            assert abs(logits[a[same]] - logits[b[same]]) <= 3 * step, (prompt, a, b)
+    assert compared >= sum(len(a) for a in ours) // 2
+
+
+def _group_errors(weight, grid, importance=None):
+    """Each group's squared error [out, in/g], weighted per input column by `importance`."""
+    q, scales, zeros = grid
+    err = (int4.dequantize(q, scales, zeros=zeros) - weight) ** 2
+    if importance is not None:
+        err = err * importance
+    return err.reshape(weight.shape[0], -1, GROUP).sum(-1)
+
+
+def test_the_searched_grid_is_never_worse_than_min_max_in_any_group_and_better_overall():
+    torch.manual_seed(0)
+    weight = torch.randn(96, 4 * GROUP) * torch.rand(96, 1)
+    importance = torch.rand(4 * GROUP) * 4
+    minmax = int4.quantize_rtn_zero_point(weight, GROUP)
+    for weights in (None, importance):
+        searched = int4.quantize_search_zero_point(weight, GROUP, weights, rows=40)
+        q, scales, _ = searched
+        assert q.dtype == torch.int8 and int(q.min()) >= -8 and int(q.max()) <= 7
+        assert bool((scales > 0).all())
+        ours, theirs = _group_errors(weight, searched, weights), _group_errors(weight, minmax,
+                                                                              weights)
+        assert bool((ours <= theirs * (1 + 1e-6)).all())
+        assert ours.sum() < 0.9 * theirs.sum()
+    # Weighting moves the error off the columns that matter: less weighted error than unweighted.
+    unweighted = int4.quantize_search_zero_point(weight, GROUP)
+    assert (_group_errors(weight, int4.quantize_search_zero_point(weight, GROUP, importance),
+                          importance).sum()
+            < _group_errors(weight, unweighted, importance).sum())
+
+
+def test_a_weight_already_on_an_asymmetric_grid_is_reproduced_by_the_search():
+    """Q4_1-like groups (every level from -8 to 7 present) stay exact: the min/max grid is
+    among the candidates and has no error to beat."""
+    torch.manual_seed(1)
+    levels = torch.stack([torch.randperm(GROUP) % 16 - 8 for _ in range(64 * 2)])
+    q = levels.reshape(64, 2 * GROUP).to(torch.int8)
+    scales, zeros = torch.rand(64, 2) + 0.1, torch.randn(64, 2)
+    weight = int4.dequantize(q, scales, zeros=zeros)
+    for importance in (None, torch.rand(2 * GROUP)):
+        got = int4.quantize_search_zero_point(weight, GROUP, importance)
+        torch.testing.assert_close(int4.dequantize(*got[:2], zeros=got[2]), weight,
+                                   rtol=0, atol=1e-5)  # a level off would be >= 0.1
+
+
+def test_activation_rounding_measures_each_projections_input_rms_as_transformers_sees_it(
+        tmp_path):
+    """The importance is our runtime's input RMS per column: equal to the RMS of what
+    transformers feeds q_proj / o_proj / gate_proj / down_proj on the same windows; the build
+    records the rounding and its calibration, and its grids beat min/max in weighted error."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from builder.pipeline import convert
+    from builder.quantize import zero_point
+
+    engine_dir = tiny.build_engine(tmp_path, "qwen2_bias_tied", dtype="bfloat16")
+    hf_dir = tmp_path / "hf-qwen2_bias_tied"
+    cal = CalibrationOptions(samples=4, seq_len=32)
+    windows = calibration.windows(AutoTokenizer.from_pretrained(str(hf_dir)), cal)
+    shape = convert.model_shape_from_hf(convert.read_hf_config(hf_dir))
+    state = convert.convert_state_dict(convert.load_hf_state_dict(hf_dir), shape, torch.float32)
+    ours = zero_point.input_rms(state, EngineConfig.load(engine_dir), windows)
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    parts = {"self_attn.q_proj": "attention.qkv", "self_attn.o_proj": "attention.dense",
+             "mlp.gate_proj": "mlp.gate_up", "mlp.down_proj": "mlp.proj"}
+    inputs = {}
+    hooks = [model.get_submodule(f"model.layers.{i}.{hf}").register_forward_hook(
+                 lambda _m, args, _o, key=f"transformer.layers.{i}.{rt}":
+                 inputs.setdefault(key, []).append(args[0].reshape(-1, args[0].shape[-1])))
+             for i in range(model.config.num_hidden_layers) for hf, rt in parts.items()]
+    with torch.inference_mode():
+        for row in windows:
+            model(row[None])
+    for hook in hooks:
+        hook.remove()
+    assert set(ours) == set(inputs)
+    for key, rows in inputs.items():
+        torch.testing.assert_close(ours[key], torch.cat(rows).square().mean(0).sqrt(),
+                                   rtol=1e-4, atol=1e-6)
+
+    options = QuantizeOptions(weights="int4_rtn", zero_point=True, group_size=GROUP,
+                              rounding="activation", calibration=cal)
+    quantize_engine(engine_dir, hf_dir, options)
+    extra = EngineConfig.load(engine_dir).extra["quantization"]
+    assert extra["rounding"] == "activation"
+    assert extra["rounding_calibration"]["samples"] == len(windows) == 4
+    stored = load_file(str(engine_dir / "model.safetensors"))
+    qkv = "transformer.layers.0.attention.qkv"
+    grid = (int4.unpack(stored[f"{qkv}.weight"]), stored[f"{qkv}.weights_scaling_factor"],
+            stored[f"{qkv}.zero"])
+    weight, importance = state[f"{qkv}.weight"], ours[qkv]
+    assert (_group_errors(weight, grid, importance).sum()
+            < _group_errors(weight, int4.quantize_rtn_zero_point(weight, GROUP),
+                            importance).sum())
 
 
 KV_CALIBRATION = CalibrationOptions(samples=6, seq_len=48, batch_size=4)

@@ -531,6 +531,9 @@ def test_torch_and_cpp_backends_agree_on_a_one_byte_cache(tiny_engines, tmp_path
     assert mismatched <= 1e-3 * written.sum()
 
 
+FAST_PATH_PROMPTS = [[5 + i, 9, 13 + 2 * i, 7] * (i + 1) for i in range(4)]
+
+
 def _fast_and_python_ids(engine_dir):
     """Greedy ids of a few requests (mixed lengths, streamed or not) with the decode fast path,
     then without it; and how many steps the fast path ran."""
@@ -538,9 +541,8 @@ def _fast_and_python_ids(engine_dir):
     from triton_backend.engine.llm_engine import LLMEngine
     from triton_backend.engine.offline import generate
 
-    prompts = [[5 + i, 9, 13 + 2 * i, 7] * (i + 1) for i in range(4)]
     requests = lambda: [Request(p, 10 + i, streaming=i % 2 == 0, ignore_eos=True)  # noqa: E731
-                        for i, p in enumerate(prompts)]
+                        for i, p in enumerate(FAST_PATH_PROMPTS)]
     # The second pass must compute what the first did: with the prefix cache it would reuse the
     # first pass's blocks and prefill the rest on another path (equal in fp32, not in bf16).
     engine = LLMEngine(engine_dir, enable_prefix_caching=False)

@@ -165,14 +165,15 @@ def kernels_wanted() -> bool:
 def load_cpu_kernels(report: Callable[[str], None] | None = None) -> bool:
     """Make `torch.ops.llm_forge` available; False (with the reason logged) when it cannot be.
 
-    `report` receives one human line (built in N s / loaded from cache / unavailable: why)."""
-    if "ok" in _state:
-        return bool(_state["ok"])
+    `report` receives one human line (built in N s / loaded from cache / unavailable: why).
+    The switch is read at every call (a calibration run turns the kernels off for a while and
+    back on); what a load found is kept for the process."""
     say = report or log.info
     if not kernels_wanted():
-        _state["ok"] = False
         say(f"CPU kernels: off ({ENV_SWITCH}=torch), using the pure-torch paths")
         return False
+    if "ok" in _state:
+        return bool(_state["ok"])
     if platform.machine() == "x86_64":
         missing = missing_cpu_flags(march(), _cpu_flags())
         if missing:

@@ -64,6 +64,49 @@ def quantize_rtn_zero_point(weight: torch.Tensor, group_size: int
     return q.reshape(out_features, in_features).to(torch.int8), scales, zeros
 
 
+def quantize_search_zero_point(weight: torch.Tensor, group_size: int,
+                               importance: torch.Tensor | None = None, steps: int = 20,
+                               rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_rtn_zero_point`'s format with each group's grid searched, not taken from its
+    min and max: for `steps + 1` candidate scales around (max - min) / 15 the group is rounded,
+    then its scale and zero are refit to those levels by least squares, weighted per input
+    column by `importance` ([in], e.g. the calibration activations' mean square; None: equal);
+    the group keeps the fit with the least weighted squared error, the min/max grid among the
+    candidates (so a group that grid reproduces stays exact). llama.cpp's k-quant search."""
+    out_features, in_features = weight.shape
+    check_group_size(in_features, group_size)
+    levels = INT4_MAX - INT4_MIN
+    q_all, s_all, z_all = quantize_rtn_zero_point(weight, group_size)
+    for start in range(0, out_features, rows):  # bounded temporaries on wide layers
+        x = weight[start:start + rows].float().reshape(-1, in_features // group_size, group_size)
+        w = (torch.ones_like(x) if importance is None else
+             importance.float().reshape(1, -1, group_size).expand_as(x))
+        low = x.amin(-1, keepdim=True)
+        span = (x.amax(-1, keepdim=True) - low).clamp_min(torch.finfo(torch.float32).tiny)
+        scale, zero = s_all[start:start + rows, :, None], z_all[start:start + rows, :, None]
+        q = q_all[start:start + rows].float().reshape(x.shape)
+        best = (w * (q * scale + zero - x) ** 2).sum(-1, keepdim=True)
+        sum_w, sum_wx = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
+        for step in range(steps + 1):
+            inverse = (levels + (step - steps / 2) * 0.1) / span
+            levels_q = ((x - low) * inverse).round().clamp(0, levels)
+            sum_wq = (w * levels_q).sum(-1, keepdim=True)
+            det = sum_w * (w * levels_q * levels_q).sum(-1, keepdim=True) - sum_wq * sum_wq
+            fit = (sum_w * (w * levels_q * x).sum(-1, keepdim=True) - sum_wq * sum_wx) / det
+            ok = (det > 0) & (fit > 0)
+            fit = torch.where(ok, fit, scale)
+            offset = (sum_wx - fit * sum_wq) / sum_w  # w = levels_q * fit + offset
+            error = (w * (levels_q * fit + offset - x) ** 2).sum(-1, keepdim=True)
+            better = ok & (error < best)
+            best = torch.where(better, error, best)
+            scale = torch.where(better, fit, scale)
+            zero = torch.where(better, offset - INT4_MIN * fit, zero)  # q = levels_q + INT4_MIN
+            q = torch.where(better, levels_q + INT4_MIN, q)
+        q_all[start:start + rows] = q.reshape(-1, in_features).to(torch.int8)
+        s_all[start:start + rows], z_all[start:start + rows] = scale[..., 0], zero[..., 0]
+    return q_all, s_all, z_all
+
+
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
                zeros: torch.Tensor | None = None) -> torch.Tensor:
     """q int8 [out, in] (unpacked), scales [out, in/g] and zeros (None: symmetric) -> weight
