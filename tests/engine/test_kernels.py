@@ -127,7 +127,9 @@ def test_from_upcast_min_rows_the_weight_is_widened_for_torchs_gemm(dtype):
 
 
 @pytest.mark.parametrize("torch_over_packed, upcast_over_packed, plan", [
-    ([0.9, 3.0], {256: 0.5, 512: 0.5}, Bf16GemmPlan(False)),      # torch's GEMM is as fast
+    ([0.9, 3.0], {256: 0.5, 512: 0.5}, Bf16GemmPlan(False)),      # torch's GEMM is faster at 1
+    ([0.99, 1.98], {}, Bf16GemmPlan(True)),   # a tie at one row (both at memory speed), 2x at 16
+    ([0.99, 1.05], {256: 1.0}, Bf16GemmPlan(False)),  # 10% better nowhere
     ([1.5, 5.0], {256: 0.95, 512: 0.85, 1024: 0.8}, Bf16GemmPlan(True, 512)),
     ([1.5, 5.0], {256: 0.8, 512: 1.2, 1024: 0.8}, Bf16GemmPlan(True, 1024)),  # must hold above
     ([1.5, 5.0], {256: 1.0, 512: 1.0, 1024: 0.95}, Bf16GemmPlan(True, None)),  # never 10% better
@@ -136,6 +138,17 @@ def test_the_bf16_gemm_plan_follows_the_timings(torch_over_packed, upcast_over_p
     assert _plan_from_timings(torch_over_packed, upcast_over_packed) == plan
     assert _plan_from_timings(torch_over_packed, upcast_over_packed, "pairs").layout == (
         "pairs" if plan.packed else "tiles")
+
+
+def test_a_kernel_that_ties_at_decode_sizes_is_packed_where_torchs_prefill_gemm_is_slower():
+    """An AVX2 CPU has no bf16 dot product: torch's bf16 GEMM is several times slower at a
+    prefill's rows than the kernel or widening, while at 1 and 16 rows all read at memory speed."""
+    ties, upcast = [1.0, 1.02], {256: 0.6, 512: 0.5, 1024: 0.5}
+    assert _plan_from_timings(ties, upcast) == Bf16GemmPlan(False)
+    assert _plan_from_timings(ties, upcast, "tiles", {256: 3.0, 512: 4.0, 1024: 4.0}) == (
+        Bf16GemmPlan(True, 256))
+    assert _plan_from_timings(ties, upcast, "tiles", {256: 1.05, 512: 1.0}) == Bf16GemmPlan(False)
+    assert _plan_from_timings([0.9, 1.0], upcast, "tiles", {256: 4.0}) == Bf16GemmPlan(False)
 
 
 @pytest.mark.parametrize("layout", _layouts())
@@ -274,7 +287,7 @@ def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
     assert bf16_gemm_plan(key_a).for_shape(32, 64) == Bf16GemmPlan(True, 512, "tiles")
     measured = []
     monkeypatch.setattr(linear, "_measure_layout",
-                        lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}))
+                        lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}, {}))
     assert bf16_gemm_plan(kernels.plan_key()).for_shape(32, 64) == Bf16GemmPlan(True)
     assert measured == ["tiles"]  # B measured anew
 
@@ -289,9 +302,9 @@ def test_each_weight_shape_gets_the_kernel_its_own_timings_choose(monkeypatch, t
 
     def fake_timings(layout, weight, k):  # torch's time over the kernel's at 1 and 16 rows
         measured.append((tuple(weight.shape), layout))
-        if weight.shape[0] == 24:  # the "projection": torch as fast at 16 rows
-            return [2.0, 1.0], {}
-        return {"tiles": [1.5, 0.5], "pairs": [2.5, 0.8], "amx": [2.4, 1.9]}[layout], {}
+        if weight.shape[0] == 24:  # the "projection": torch faster at 16 rows
+            return [1.0, 0.9], {}, {}
+        return {"tiles": [1.5, 0.5], "pairs": [2.5, 0.8], "amx": [2.4, 1.9]}[layout], {}, {}
 
     monkeypatch.setattr(linear, "_measure_layout", fake_timings)
     plan = bf16_gemm_plan("a-key")

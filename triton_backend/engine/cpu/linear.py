@@ -220,7 +220,7 @@ UPCAST_ROWS = (256, 512, 1024)  # where widening for torch's fp32 GEMM is measur
 # Shapes above this many weights are not measured widened (an LM head's fp32 copy per call:
 # gigabytes at a large vocabulary, never the faster way to a few rows' logits).
 UPCAST_MAX_WEIGHTS = 1 << 24
-SHAPE_PLAN_VERSION = 1  # plans measured by an older rule or kernel set are measured again
+SHAPE_PLAN_VERSION = 2  # plans measured by an older rule or kernel set are measured again
 
 
 def upcast_threshold(upcast_over_packed: dict[int, float]) -> int | None:
@@ -234,9 +234,14 @@ def upcast_threshold(upcast_over_packed: dict[int, float]) -> int | None:
 
 
 def _plan_from_timings(torch_over_packed: list[float], upcast_over_packed: dict[int, float],
-                       layout: str = "tiles") -> Bf16GemmPlan:
-    packed = min(torch_over_packed) > 1.1
-    if not packed:
+                       layout: str = "tiles",
+                       torch_over_prefill: dict[int, float] | None = None) -> Bf16GemmPlan:
+    """Packed where it is not slower than torch's GEMM at any decode size (within 5%: at one
+    row both read the weight once, at the memory's speed) and 10% faster at one measured size,
+    a prefill's included (`torch_over_prefill`: torch's time over the faster of the kernel and
+    widening; on a CPU without AVX-512 BF16, torch's bf16 GEMM is the slow one there)."""
+    wins = [*torch_over_packed, *(torch_over_prefill or {}).values()]
+    if min(torch_over_packed) < 0.95 or max(wins) <= 1.1:
         return Bf16GemmPlan(False)
     return Bf16GemmPlan(True, upcast_threshold(upcast_over_packed), layout)
 
@@ -264,12 +269,13 @@ def forced_plan() -> Bf16GemmPlan | None:
     return Bf16GemmPlan(True, None, choice)
 
 
-def _measure_layout(layout: str, weight: torch.Tensor, k: int) -> tuple[list[float], dict]:
-    """torch's time over the packed kernel's at decode sizes, and widening's over it above
-    (not for weights over UPCAST_MAX_WEIGHTS)."""
+def _measure_layout(layout: str, weight: torch.Tensor, k: int
+                    ) -> tuple[list[float], dict[int, float], dict[int, float]]:
+    """torch's time over the packed kernel's at decode sizes; above them (not for weights over
+    UPCAST_MAX_WEIGHTS) widening's over the kernel's, and torch's over the faster of the two."""
     layer = PackedBf16Linear(weight, None, layout=layout)
     large = weight.numel() > UPCAST_MAX_WEIGHTS
-    torch_over_packed, upcast_over_packed = [], {}
+    torch_over_packed, upcast_over_packed, torch_over_prefill = [], {}, {}
     for m in (1, 16) if large else (1, 16, *UPCAST_ROWS):
         x = torch.randn(m, k, device="cpu").to(torch.bfloat16)
         if m <= 16:
@@ -277,9 +283,11 @@ def _measure_layout(layout: str, weight: torch.Tensor, k: int) -> tuple[list[flo
                                        5 if large else 15)
             torch_over_packed.append(theirs / ours)
         else:
-            ours, widened = best_times([lambda: layer(x), lambda: layer.widened(x)], 3)
+            ours, widened, theirs = best_times(
+                [lambda: layer(x), lambda: layer.widened(x), lambda: F.linear(x, weight)], 3)
             upcast_over_packed[m] = widened / ours
-    return torch_over_packed, upcast_over_packed
+            torch_over_prefill[m] = theirs / min(ours, widened)
+    return torch_over_packed, upcast_over_packed, torch_over_prefill
 
 
 def bf16_gemm_plan(key: str) -> Bf16GemmPlan:
@@ -310,10 +318,12 @@ def bf16_shape_plan(key: str, in_features: int, out_features: int) -> Bf16GemmPl
     timings = {layout: _measure_layout(layout, weight, in_features) for layout in layouts}
     # The layout whose worse decode-size ratio over torch is best.
     layout = max(timings, key=lambda name: min(timings[name][0]))
-    plan = _plan_from_timings(*timings[layout], layout)
+    decode, upcast, prefill = timings[layout]
+    plan = _plan_from_timings(decode, upcast, layout, prefill)
     cached[shape] = {"plan": plan.__dict__, "version": SHAPE_PLAN_VERSION,
                      "torch_over_packed_time": {name: t[0] for name, t in timings.items()},
-                     "upcast_over_packed_time": {name: t[1] for name, t in timings.items()}}
+                     "upcast_over_packed_time": {name: t[1] for name, t in timings.items()},
+                     "torch_over_prefill_time": {name: t[2] for name, t in timings.items()}}
     keep_plan(path, cached)
     log.info("bf16 GEMM plan for %s: %s", shape, plan)
     return plan
