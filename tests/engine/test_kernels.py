@@ -1,5 +1,6 @@
 """The C++ CPU kernels against the pure-torch reference they replace, op by op and end to end."""
 import math
+import platform
 
 import pytest
 import torch
@@ -290,6 +291,46 @@ def test_a_new_machine_measures_its_own_plan(monkeypatch, tmp_path, level):
                         lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}, {}))
     assert bf16_gemm_plan(kernels.plan_key()).for_shape(32, 64) == Bf16GemmPlan(True)
     assert measured == ["tiles"]  # B measured anew
+
+
+def test_a_plan_measured_while_other_processes_used_the_cpus_is_measured_again(monkeypatch,
+                                                                              tmp_path):
+    """Measured while a build beside it took 60% of the CPUs: measured again at the next
+    start; measured on a quiet machine (10%): read from the cache from then on."""
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    monkeypatch.delenv(PLAN_ENV, raising=False)
+    monkeypatch.setattr(linear, "available_layouts", lambda: ("tiles",))
+    measured, shares = [], iter([0.6, 0.1])
+    monkeypatch.setattr(linear, "_measure_layout",
+                        lambda layout, weight, k: measured.append(layout) or ([3.0, 2.0], {}, {}))
+
+    class Busy:
+        def __enter__(self):
+            self.share = next(shares)
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(linear, "OthersCpuShare", Busy)
+    plan = bf16_gemm_plan("a-key")
+    for _ in range(3):
+        assert plan.for_shape(40, 64) == Bf16GemmPlan(True)
+    assert measured == ["tiles", "tiles"]
+
+
+def test_the_others_share_is_the_machines_busy_time_less_this_process_over_all_cpu_time(
+        monkeypatch):
+    machine, own = iter([(10.0, 20.0), (13.0, 24.0)]), iter([5.0, 6.0])
+    monkeypatch.setattr(linear, "_machine_cpu_seconds", lambda: next(machine))
+    monkeypatch.setattr(linear, "_own_cpu_seconds", lambda: next(own))
+    with linear.OthersCpuShare() as busy:
+        pass
+    assert busy.share == 0.5  # 3 s busy, 1 of them ours, over 4 s of CPU time
+    if platform.system() == "Linux":
+        monkeypatch.undo()
+        busy_s, all_s = linear._machine_cpu_seconds()
+        assert 0 < busy_s <= all_s
 
 
 def test_each_weight_shape_gets_the_kernel_its_own_timings_choose(monkeypatch, tmp_path):

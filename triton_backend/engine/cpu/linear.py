@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -33,15 +34,63 @@ LAYOUT_K_MULTIPLE = {"tiles": 1, "pairs": 2, "amx": 32}  # what in_features must
 
 
 
+# A plan measured while other processes used more than this share of the machine's CPU time
+# is measured again at the next start (a build or a benchmark beside it can turn a 5x win into
+# a tie).
+BUSY_SHARE = 0.25
+
+
 def cached_plan(path: Path, shape: str, version: int) -> tuple[dict, dict | None]:
     """A plan cache's entries, and `shape`'s where it was measured by this `version` of the
-    rule (plans measured by an older rule or kernel set are measured again)."""
+    rule on a machine other processes left mostly to it (plans measured by an older rule or
+    kernel set, or while the machine was busy, are measured again)."""
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
     entry = cached.get(shape)
-    return cached, entry if isinstance(entry, dict) and entry.get("version") == version else None
+    if not isinstance(entry, dict) or entry.get("version") != version:
+        return cached, None
+    busy = entry.get("others_cpu_share", 0.0)
+    if busy > BUSY_SHARE:
+        log.info("plan for %s was measured while other processes used %.0f%% of the CPUs; "
+                 "measuring it again", shape, 100 * busy)
+        return cached, None
+    return cached, entry
+
+
+def _machine_cpu_seconds() -> tuple[float, float] | None:
+    """(busy, all) CPU seconds of every CPU since boot (/proc/stat), None where it is absent."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields) - idle) / tick, sum(fields) / tick
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+class OthersCpuShare:
+    """`with OthersCpuShare() as busy:` ... `busy.share`: the share of the machine's CPU time
+    that other processes used meanwhile (0.0 where /proc/stat is absent)."""
+
+    share = 0.0
+
+    def __enter__(self) -> "OthersCpuShare":
+        self._machine, self._own = _machine_cpu_seconds(), _own_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        machine, own = _machine_cpu_seconds(), _own_cpu_seconds()
+        if machine is None or self._machine is None or machine[1] <= self._machine[1]:
+            return
+        others = machine[0] - self._machine[0] - (own - self._own)
+        self.share = round(max(0.0, others / (machine[1] - self._machine[1])), 3)
 
 
 def keep_plan(path: Path, cached: dict) -> None:
@@ -315,12 +364,14 @@ def bf16_shape_plan(key: str, in_features: int, out_features: int) -> Bf16GemmPl
             pass
     weight = torch.randn(out_features, in_features, device="cpu").to(torch.bfloat16)
     layouts = dict.fromkeys(layout_for(name, in_features) for name in available_layouts())
-    timings = {layout: _measure_layout(layout, weight, in_features) for layout in layouts}
+    with OthersCpuShare() as busy:
+        timings = {layout: _measure_layout(layout, weight, in_features) for layout in layouts}
     # The layout whose worse decode-size ratio over torch is best.
     layout = max(timings, key=lambda name: min(timings[name][0]))
     decode, upcast, prefill = timings[layout]
     plan = _plan_from_timings(decode, upcast, layout, prefill)
     cached[shape] = {"plan": plan.__dict__, "version": SHAPE_PLAN_VERSION,
+                     "others_cpu_share": busy.share,
                      "torch_over_packed_time": {name: t[0] for name, t in timings.items()},
                      "upcast_over_packed_time": {name: t[1] for name, t in timings.items()},
                      "torch_over_prefill_time": {name: t[2] for name, t in timings.items()}}

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from triton_backend.engine.cache_dir import cache_root
-from triton_backend.engine.cpu.linear import (PackedBf16Linear, best_times, cached_plan,
-                                              keep_plan, upcast_threshold)
+from triton_backend.engine.cpu.linear import (OthersCpuShare, PackedBf16Linear, best_times,
+                                              cached_plan, keep_plan, upcast_threshold)
 from triton_backend.engine.quant import int4
 from triton_backend.engine.quant.linear import Int4WeightOnlyLinear
 
@@ -158,6 +158,21 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     cached, entry = cached_plan(path, shape, INT4_PLAN_VERSION)
     if entry is not None:
         return Int4Choice(**entry["choice"])
+    with OthersCpuShare() as busy:
+        choice, torch_over_ours, upcast_over_kernel = _measure_int4(in_features, out_features,
+                                                                    group_size)
+    cached[shape] = {"choice": choice.__dict__, "others_cpu_share": busy.share,
+                     "torch_over_ours_time": torch_over_ours,
+                     "upcast_over_kernel_time": upcast_over_kernel, "version": INT4_PLAN_VERSION}
+    keep_plan(path, cached)
+    log.info("INT4 %s: %s", shape, choice)
+    return choice
+
+
+def _measure_int4(in_features: int, out_features: int, group_size: int
+                  ) -> tuple[Int4Choice, list[float], dict[str, dict[int, float]]]:
+    """(the choice, torch's time over ours at 1 and 16 rows, dequantizing's over the winner's
+    at prefill sizes) for one shape, timed here and now."""
     q, scales = int4.quantize_rtn(torch.randn(out_features, in_features, device="cpu"), group_size)
     ours = pack_int4_dot(q, scales)
     theirs = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
@@ -188,11 +203,7 @@ def int4_kernel_choice(key: str, in_features: int, out_features: int, group_size
     largest = max(INT4_UPCAST_ROWS)
     dtype = min(upcast_over_kernel, key=lambda name: upcast_over_kernel[name][largest])
     choice = Int4Choice(winner, upcast_threshold(upcast_over_kernel[dtype]), dtype)
-    cached[shape] = {"choice": choice.__dict__, "torch_over_ours_time": torch_over_ours,
-                     "upcast_over_kernel_time": upcast_over_kernel, "version": INT4_PLAN_VERSION}
-    keep_plan(path, cached)
-    log.info("INT4 %s: %s", shape, choice)
-    return choice
+    return choice, torch_over_ours, upcast_over_kernel
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
