@@ -27,7 +27,7 @@ from builder.quantize.trtllm_checkpoint import KV_CACHE_QUANT_ALGOS
 from builder.quantize.zero_point import (calibrate_kv_cache, is_projection,
                                          observe_projection_inputs, quantize_projections)
 from builder.trtllm.families import OWN_WRITER
-from triton_backend.engine.config import (WEIGHTS_FILE, EngineConfig, QuantConfig)
+from triton_backend.engine.config import WEIGHTS_FILE, EngineConfig, QuantConfig
 from triton_backend.engine.quant.linear import FP8_MAX
 
 QUANT_ALGO = "FP8"

@@ -10,8 +10,10 @@ no calibration), `search` (llama.cpp's k-quant search: candidate scales, each re
 squares) or `activation` (the search weighted per input column by the RMS activation our runtime
 meets over the calibration text, the idea of llama.cpp's importance matrix). A checkpoint whose
 projections were stored at more than 4 bits (Gemma 3 270M's Q4_K_M GGUF holds most of them as
-Q5_0, Q6_K or Q8_0) loses much less to the searched grids. A one-byte KV cache (`kv_cache: int8 | fp8`) does: its per-layer
-scales come from ModelOpt's K/V quantizers run over the calibration text on the checkpoint with
+Q5_0, Q6_K or Q8_0) loses much less to the searched grids.
+
+A one-byte KV cache (`kv_cache: int8 | fp8`) is calibrated in every case: its per-layer scales
+come from ModelOpt's K/V quantizers run over the calibration text on the checkpoint with
 every quantized projection replaced by its INT4 dequantization, so the keys and values measured
 are the ones the engine will write.
 """

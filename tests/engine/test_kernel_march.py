@@ -62,7 +62,6 @@ def test_a_cpu_without_the_level_gets_the_torch_paths_without_building(monkeypat
     assert "lacks (avx, avx2, bmi1, bmi2, f16c, fma, abm, movbe, xsave)" in said[-1]
 
 
-
 def test_kernels_switched_off_for_a_while_come_back_when_the_switch_does(monkeypatch):
     """A calibration run (FP8 activation scales, `rounding: activation`) sets the switch to
     torch for its own engine; the quality gate's engine after it, in the same process, gets the
