@@ -648,12 +648,14 @@ def _fast_and_python_log_probs(engine_dir):
     return runs[0], runs[1], sum(covered)
 
 
-@pytest.mark.parametrize("shape", ["qwen3_qk_norm", "family:qwen3_moe", "family:mixtral"])
+@pytest.mark.parametrize("shape", ["qwen3_qk_norm", "family:qwen3_moe", "family:mixtral",
+                                   "family:gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_decode_fast_path_computes_qk_norm_and_experts_as_the_python_model(tmp_path, shape,
                                                                                 dtype):
-    """QK-norm (Qwen3) and a mixture of experts (Qwen3-MoE with a dense layer, Mixtral) in the
-    one-call path: the Python model's tokens and log probs, which the same kernels give."""
+    """QK-norm (Qwen3), a mixture of experts (Qwen3-MoE with a dense layer, Mixtral) and Gemma 3's
+    layer (local layers whose window the requests outgrow) in the one-call path: the Python
+    model's tokens and log probs, which the same kernels give."""
     import tiny
 
     engine_dir = tiny.build_engine(tmp_path, shape, dtype=dtype)
@@ -664,31 +666,33 @@ def test_the_decode_fast_path_computes_qk_norm_and_experts_as_the_python_model(t
                                rtol=0, atol=1e-5 if dtype == "float32" else 0)
 
 
-def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path):
-    """Gemma 3's layers (local attention, its own norms) are not in the C++ layer: its engine
-    takes the Python model, where Llama and Qwen3 engines of the same dtype take the fast path."""
+def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path, monkeypatch):
+    """Every family's layer is in the C++ step today; a family that says otherwise
+    (`fused_decode = False`) takes the Python model."""
     import tiny
     from triton_backend.engine.cpu.forward import DecodeForward
+    from triton_backend.engine.families.gemma3 import GEMMA3
     from triton_backend.engine.llm_engine import LLMEngine
 
-    for shape, declared in (("family:gemma3", False), ("qwen3_qk_norm", True),
-                            ("llama_gqa", True)):
-        engine_dir = tiny.build_engine(tmp_path / shape.replace(":", "-"), shape,
-                                       dtype="bfloat16")
+    engine_dir = tiny.build_engine(tmp_path, "family:gemma3", dtype="bfloat16")
+    for declared in (True, False):
+        monkeypatch.setattr(GEMMA3, "fused_decode", declared)
         runner = LLMEngine(engine_dir).runner
         assert DecodeForward(runner.model, runner.kv_cache, torch.bfloat16).supported is declared
-        if runner.ops.decode_forward is not None:
-            assert runner.ops.decode_forward.supported is declared
+        assert runner.ops.decode_forward is not None
+        assert runner.ops.decode_forward.supported is declared
 
 
 def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None,
-                           qk_norm=False):
+                           qk_norm=False, gemma=False):
     """decode_forward's arguments for a two-layer Llama layer of made-up weights: per layer the
     projections are INT4 (qkv with an AWQ scale, gate_up with zero points) and bf16 tiles (dense
     with a bias, down), over sequences of 20 + i cached tokens each adding `rows_per_seq[i]` rows;
     the cache in `dtype`, or of one byte per element (`kv_dtype`) with a scale per layer. The
     sequences from `prefill_from` on are the prefill kernel's (after the paged kernel's rows).
-    `qk_norm`: each layer norms its q and k heads first (Qwen3)."""
+    `qk_norm`: each layer norms its q and k heads first (Qwen3). `gemma`: Gemma 3's layer on top
+    (QK-norm, the attention's and the MLP's outputs normed, a GELU-tanh gate, the first layer
+    local: a window of 8 keys and a rotary table of its own)."""
     from triton_backend.engine.quant import int4
     from triton_backend.engine.cpu.quantized import pack_int4_dot
 
@@ -710,9 +714,10 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
                 weights += [pack_weight(w.bfloat16()), None, None,
                             torch.randn(n) * 0.1 if i == 1 else None]
     weights.append(1 + 0.1 * torch.randn(hidden, dtype=dtype))
+    norm = lambda n: 1 + 0.3 * torch.randn(n, dtype=dtype)  # noqa: E731
     layer_extras = [w for _ in range(layers) for w in (
-        1 + 0.3 * torch.randn(d, dtype=dtype), 1 + 0.3 * torch.randn(d, dtype=dtype), None,
-        None)] if qk_norm else []
+        norm(d), norm(d), None, None, *((norm(hidden), norm(hidden)) if gemma else (None, None)))
+        ] if qk_norm or gemma else []
     cached = [20 + i for i in range(len(rows_per_seq))]
     lens = [c + r for c, r in zip(cached, rows_per_seq)]
     per_seq = max(4, *(-(-n // block) for n in lens))  # blocks of the cache each sequence owns
@@ -725,6 +730,7 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
         starts.append(starts[-1] + r)
     angles = torch.arange(64)[:, None] * torch.rand(d // 2)[None]
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    local = torch.arange(64)[:, None] * torch.rand(d // 2)[None] * 0.3
     num_slots = per_seq * len(lens) * block
     cache = lambda: torch.randn(layers, num_slots, kv_heads, d).to(dtype)  # noqa: E731
     kv_scales = None
@@ -746,7 +752,10 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
                 out_features=[n for n, _ in shapes] * layers, group_sizes=[32, 0, 32, 0] * layers,
                 num_heads=heads, num_kv_heads=kv_heads, head_dim=d, tokens_per_block=block,
                 eps=1e-5, scale=d ** -0.5, lora=[], lora_runs=[], layer_extras=layer_extras,
-                routing=[], kv_scales=kv_scales)
+                routing=[], kv_scales=kv_scales,
+                **(dict(local_cos=torch.cat([local.cos()] * 2, -1),
+                        local_sin=torch.cat([local.sin()] * 2, -1), windows=[8, 0], gelu=True)
+                   if gemma else {}))
 
 
 @pytest.mark.parametrize("rows_per_seq, dtype, threads, kv_dtype, prefill_from", [
@@ -803,6 +812,32 @@ def test_the_one_region_decode_step_norms_q_and_k_heads_as_the_op_by_op_step(row
     assert torch.isfinite(out.float()).all()
     assert torch.equal(region_out, out) and torch.equal(region_k, k)
     assert not torch.equal(plain_out, out) and not torch.equal(plain_k, k)
+
+
+@pytest.mark.parametrize("rows_per_seq, dtype, kv_dtype, prefill_from", [
+    *[(rows, dtype, None, None) for rows in ([1], [1] * 9) for dtype in DTYPES],
+    *[([1, 1, 6], dtype, kv, 2) for dtype in DTYPES for kv in (None, "int8")]])
+def test_the_one_region_decode_step_computes_gemmas_layer_as_the_op_by_op_step(rows_per_seq, dtype,
+                                                                               kv_dtype,
+                                                                               prefill_from):
+    """Gemma 3's layer in the region (output norms, GELU-tanh, a local layer's window and rotary
+    table, with rows of the prefill kernel too): the op-by-op path's values, bit for bit; and
+    each of its parts changes them (the window, since every sequence holds more than 8 keys)."""
+    args = _decode_step_arguments(rows_per_seq, dtype, kv_dtype, prefill_from, gemma=True)
+    extras = args["layer_extras"]
+    no_out_norms = [None if i % 6 >= 4 else w for i, w in enumerate(extras)]
+    variants = [dict(), dict(single_region=False), dict(gelu=False), dict(windows=[]),
+                dict(local_cos=None, local_sin=None), dict(layer_extras=no_out_norms)]
+    results = []
+    for variant in variants:
+        run = dict(args, hidden=args["hidden"].clone(), k_cache=args["k_cache"].clone(),
+                   v_cache=args["v_cache"].clone(), **variant)
+        results.append(torch.ops.llm_forge.decode_forward(**run))
+    region, op_by_op, *others = results
+    assert torch.isfinite(region.float()).all()
+    assert torch.equal(region, op_by_op)
+    for variant, out in zip(variants[2:], others):
+        assert not torch.equal(out, region), variant
 
 
 def test_a_cache_the_kernels_cannot_read_is_refused_with_its_dtype_named():

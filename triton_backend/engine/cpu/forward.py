@@ -8,7 +8,10 @@ prefill kernel over the cache (chunks of several rows, verify steps), a cache th
 the activation dtype, or one byte per element), and projections that are
 packed bf16, packed INT4 (our kernel) or dense in the activation dtype (below the row count where
 bf16 projections switch to torch's GEMM).
-A layer may norm each head of q and k first (QK-norm: Qwen3), and may be a mixture of experts
+A layer may norm each head of q and k first (QK-norm: Qwen3); it may be Gemma 3's (a window of
+keys and a rotary table of its own on local layers, the attention's and the MLP's outputs normed
+before each residual add, a GELU-tanh gate, its own softmax scale; the embeddings' scale is
+applied here before the call), and it may be a mixture of experts
 (Qwen3-MoE, Mixtral) whose experts the fused kernel covers (`moe.py`): the router is projected
 like an MLP's gate_up, routed as `engine/moe.py` routes, and the experts' stacks run in one call
 (such steps run op by op in C++, not in the single parallel region).
@@ -54,15 +57,19 @@ class DecodeForward:
         shape = model.config.model
         self.dims = (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim)
         self.eps = shape.rms_norm_eps
-        self.scale = shape.head_dim ** -0.5
+        self.scale = shape.attention_scale or shape.head_dim ** -0.5
+        self.windows = [shape.window_of(i) or 0 for i in range(shape.num_hidden_layers)]
+        if not any(self.windows):
+            self.windows = []
+        self.gelu = shape.hidden_act == "gelu_pytorch_tanh"
         self.weights: list[torch.Tensor | None] = []
         self.kinds: list[int] = []
         self.out_features: list[int] = []
         self.group_sizes: list[int] = []
         self.upcast_min_rows: int | None = None
-        # Per layer: q and k head norms, a mixture of experts' gate_up and down stacks (None
-        # where absent); empty when no layer has any. routing: [top_k, renormalise,
-        # intermediate] of the experts, empty without them.
+        # Per layer: q and k head norms, a mixture of experts' gate_up and down stacks, the
+        # attention's and the MLP's output norms (None where absent); empty when no layer has
+        # any. routing: [top_k, renormalise, intermediate] of the experts, empty without them.
         self.layer_extras: list[torch.Tensor | None] = []
         self.routing: list[int] = []
         # Weights a row multiplies at most (every expert of a layer counted): sizes a step.
@@ -70,18 +77,20 @@ class DecodeForward:
         # The step in one parallel region of the C++ side where its projections allow (packed
         # INT4 or bf16 tiles, no LoRA rows); False: op by op (the same values, for tests).
         self.single_region = True
-        # The C++ side computes the Llama layer (global attention, optionally QK-normed, a
-        # SiLU MLP or experts the fused kernel covers, the default scale) and nothing else: a
-        # family must declare it, and its shape must be one.
-        llama_layers = (shape.sliding_window is None and shape.hidden_act == "silu"
-                        and shape.attention_scale is None)
-        self.supported = (families.get(shape.architecture).fused_decode and llama_layers
+        # The C++ side computes the layers above and nothing else: a family must declare it.
+        self.supported = (families.get(shape.architecture).fused_decode
                           and self._gather(model, dtype))
 
     def _gather(self, model: nn.Module, dtype: torch.dtype) -> bool:
         extras: list[torch.Tensor | None] = []
         for layer in model.transformer.layers:
-            self.weights += [layer.input_layernorm.weight, layer.post_layernorm.weight]
+            # Gemma's block: post_layernorm norms the attention's output, and the norm before
+            # the MLP takes the residual add (the Llama block's post_layernorm).
+            gemma = hasattr(layer, "post_feedforward_layernorm")
+            add_norm = layer.pre_feedforward_layernorm if gemma else layer.post_layernorm
+            self.weights += [layer.input_layernorm.weight, add_norm.weight]
+            out_norms = ([layer.post_layernorm.weight, layer.post_feedforward_layernorm.weight]
+                         if gemma else [None, None])
             attention, mlp = layer.attention, layer.mlp
             q_norm, k_norm = (getattr(attention, name, None) for name in ("q_layernorm",
                                                                            "k_layernorm"))
@@ -90,8 +99,8 @@ class DecodeForward:
             extras += [None, None] if q_norm is None else [q_norm.weight, k_norm.weight]
             if isinstance(mlp, SparseMoE):
                 packed = getattr(mlp, "packed_experts", None)
-                if packed is None or packed.activation_dtype != dtype:
-                    return False
+                if packed is None or packed.activation_dtype != dtype or self.gelu:
+                    return False  # the experts' kernel gates with SiLU
                 projections = (attention.qkv, attention.dense, mlp.router, None)
                 extras += [packed.gate_up, packed.down]
                 self.routing = [mlp.top_k, int(mlp.renormalise), packed.intermediate]
@@ -99,6 +108,7 @@ class DecodeForward:
             else:
                 projections = (attention.qkv, attention.dense, mlp.gate_up, mlp.proj)
                 extras += [None, None]
+            extras += out_norms
             for proj in projections:
                 if proj is None:  # a mixture of experts' proj slot
                     self.weights += [None] * 4
@@ -138,7 +148,10 @@ class DecodeForward:
                  meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the step's rows (the KV cache is written)."""
         hidden = self.model.transformer.vocab_embedding(input_ids)
-        rotary = self.model.rotary
+        multiplier = self.model.embedding_multiplier
+        if multiplier is not None:  # as the Python model scales them, in their dtype
+            hidden = hidden * torch.tensor(multiplier, dtype=hidden.dtype, device=hidden.device)
+        rotary, local = self.model.rotary, self.model.rotary_local
         lora_slots, lora_runs = ([], []) if lora is None else lora.kernel_arguments(
             len(self.model.transformer.layers))
         paged = (meta.block_tables, meta.seq_lens, meta.query_start)
@@ -155,4 +168,5 @@ class DecodeForward:
             self.cache.v, self.weights, self.kinds, self.out_features, self.group_sizes,
             *self.dims, self.cache.tokens_per_block, self.eps, self.scale, lora_slots, lora_runs,
             self.layer_extras, self.routing, self.single_region, self.cache.kernel_scales(),
-            *prefill)
+            *prefill, *((None, None) if local is rotary else (local.cos, local.sin)),
+            self.windows, self.gelu)

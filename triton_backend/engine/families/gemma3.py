@@ -81,7 +81,6 @@ class Gemma3Family(LlamaFamily):
         Weight("mlp.proj", ("mlp.down_proj",), "mlp_bias"),
         Weight("post_feedforward_layernorm", ("post_feedforward_layernorm",)),
     )
-    fused_decode = False
 
     def shape_fields(self, hf_config: dict) -> dict:
         hf_config = hf_config.get("text_config") or hf_config

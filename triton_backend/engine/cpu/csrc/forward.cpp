@@ -6,7 +6,9 @@
 // with projections of four kinds:
 // packed bf16, packed INT4 (ours, or torch's int4pack where the plan measured it faster), or a
 // dense weight in the activation dtype. A layer may norm each query and key head first
-// (QK-norm: Qwen3) and may be a mixture of experts (Qwen3-MoE, Mixtral): its router is projected
+// (QK-norm: Qwen3), may attend a window of its last keys with a rotary table of its own and norm
+// the attention's and the MLP's outputs before each residual add, with a GELU-tanh gate
+// (Gemma 3), and may be a mixture of experts (Qwen3-MoE, Mixtral): its router is projected
 // like the MLP's gate_up, routed as `engine/moe.py` routes, and its experts run in
 // `moe_experts` (moe.cpp) over stacks packed at load. LoRA adapters of the step's rows are added
 // after each projection, as `lora/batch.py` adds them in the Python model, with the same
@@ -37,11 +39,15 @@ enum LinearKind : int64_t { kPackedBf16 = 0, kPackedInt4 = 1, kDense = 2, kTorch
 // weight, scales, prequant, bias], then the final norm.
 constexpr int64_t kSlotsPerLinear = 4;
 constexpr int64_t kSlotsPerLayer = 2 + 4 * kSlotsPerLinear;
-// layer_extras (empty, or per layer): the q and k head norms (QK-norm), then a mixture of experts'
-// gate_up and down stacks; empty slots where the layer has none. A mixture-of-experts layer's
-// gate_up projection slot holds its router (out_features: the experts), its proj slot is empty;
-// routing: [top_k, renormalise, intermediate].
-constexpr int64_t kExtrasPerLayer = 4;
+// layer_extras (empty, or per layer): the q and k head norms (QK-norm), a mixture of experts'
+// gate_up and down stacks, then the norms of the attention's and of the MLP's outputs (Gemma's
+// post-attention and post-feedforward norms, applied before the residual add); empty slots where
+// the layer has none. A mixture-of-experts layer's gate_up projection slot holds its router
+// (out_features: the experts), its proj slot is empty; routing: [top_k, renormalise,
+// intermediate]. windows (empty, or per layer): the keys a local layer attends, its own included
+// (0: every key); a local layer rotates with local_cos / local_sin where given.
+constexpr int64_t kExtrasPerLayer = 6;
+constexpr int64_t kAttentionOutNorm = 4, kMlpOutNorm = 5;
 
 // LoRA: per layer, projection and run of rows, four slots: A^T [in, r] and B^T [r, out] in
 // float32, then A and B packed for the bf16 kernel when the run takes it (else empty). An empty
@@ -288,8 +294,22 @@ struct StepArgs {
   double eps, scale;
   const float* k_scales;  // per layer, for a one-byte cache (else null: scales of 1)
   const float* v_scales;
-  const Weights& extras;  // layer_extras: only QK-norm weights reach the region
+  const Weights& extras;  // layer_extras: QK-norm and output norms reach the region
+  const c10::optional<at::Tensor>&local_cos, &local_sin;
+  at::IntArrayRef windows;
+  bool gelu;  // the MLP's gate: GELU-tanh, else SiLU
 };
+
+// Layer `layer`'s window (0: global) and its rotary tables.
+int64_t window_of(at::IntArrayRef windows, int64_t layer) {
+  return windows.empty() ? 0 : windows[layer];
+}
+std::pair<const at::Tensor*, const at::Tensor*> rotary_of(
+    at::IntArrayRef windows, int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
+    const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin) {
+  if (window_of(windows, layer) > 0 && local_cos.has_value()) return {&*local_cos, &*local_sin};
+  return {&cos, &sin};
+}
 
 // T: the activations' dtype; C: the cache's (T, or a one-byte cache's int8 / fp8).
 template <typename T, typename C>
@@ -309,6 +329,7 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
   std::vector<at::Tensor> keep;  // fp32 biases
   std::vector<const T*> norms;
   std::vector<const T*> head_norms;  // per layer q, k: null without QK-norm
+  std::vector<const T*> out_norms;   // per layer the attention's, the MLP's output: null if none
   int64_t k_max = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t base = layer * kSlotsPerLayer;
@@ -324,6 +345,14 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
                   "decode_forward: QK-norm weights must match head_dim and the dtype");
       head_norms.push_back(head.has_value() ? head->data_ptr<T>() : nullptr);
     }
+    for (const int64_t j : {kAttentionOutNorm, kMlpOutNorm}) {
+      const c10::optional<at::Tensor> w =
+          args.extras.empty() ? c10::nullopt : args.extras.get(layer * kExtrasPerLayer + j);
+      TORCH_CHECK(!w.has_value() || (w->scalar_type() == x_in.scalar_type() &&
+                                     w->is_contiguous() && w->numel() == H),
+                  "decode_forward: output norm weights must match the hidden size and dtype");
+      out_norms.push_back(w.has_value() ? w->data_ptr<T>() : nullptr);
+    }
     for (int64_t i = 0; i < 4; ++i) {
       const int64_t p = 4 * layer + i;
       lin.push_back(region_linear(weights, base + 2 + i * kSlotsPerLinear, args.kinds[p],
@@ -336,10 +365,10 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
                 "decode_forward: the projections' shapes do not fit the layer");
   }
   const at::Tensor final_norm = required(weights, layers * kSlotsPerLayer);
-  TORCH_CHECK(cos.size(1) == D && sin.size(1) == D && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "cos/sin must be contiguous fp32 rows of head_dim");
+  for (const at::Tensor* t : {&cos, &sin, args.local_cos ? &*args.local_cos : &cos,
+                              args.local_sin ? &*args.local_sin : &sin})
+    TORCH_CHECK(t->size(1) == D && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "cos/sin must be contiguous fp32 rows of head_dim");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.size(2) == num_kv_heads && k_cache.size(3) == D,
               "the cache must be contiguous [layers, slots, Hkv, D]");
@@ -368,27 +397,31 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const step::Geometry g{num_heads, num_kv_heads, D, args.tokens_per_block, block_tables.size(1),
                          qkv_t.stride(0), D, kv_width, static_cast<float>(args.scale)};
-  step::AttentionPlan plan =
-      step::plan_attention(g, block_tables, seq_lens, query_start, threads);
-  const int64_t n_items = static_cast<int64_t>(plan.items.size());
   // Rows past the paged kernel's: the prefill kernel's works, claimed after its items.
   const int64_t first_prefill = paged_rows(seq_lens, query_start);
-  step::PrefillPlan prefill;
-  if (args.prefill.any())
-    prefill = step::plan_prefill({num_heads, num_kv_heads, D, args.tokens_per_block,
-                                  args.prefill.block_tables->size(1), qkv_t.stride(0), D,
-                                  kv_width, static_cast<float>(args.scale)},
-                                 *args.prefill.block_tables, *args.prefill.seq_lens,
-                                 *args.prefill.query_start, k_cache.size(1), M - first_prefill,
-                                 threads);
-  else
-    TORCH_CHECK(first_prefill == M, "decode_forward: query_start covers ", first_prefill,
-                " of the step's ", M, " rows");
-  const int64_t n_works = static_cast<int64_t>(prefill.work.size());
+  TORCH_CHECK(args.prefill.any() || first_prefill == M, "decode_forward: query_start covers ",
+              first_prefill, " of the step's ", M, " rows");
+  // One attention plan (and prefill plan) per window the layers use, shared by its layers.
+  std::vector<int64_t> windows, plan_of(layers);
+  std::vector<step::AttentionPlan> plans;
+  std::vector<step::PrefillPlan> prefills;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t window = window_of(args.windows, layer);
+    auto known = std::find(windows.begin(), windows.end(), window);
+    plan_of[layer] = known - windows.begin();
+    if (known != windows.end()) continue;
+    windows.push_back(window);
+    plans.push_back(step::plan_attention(g, block_tables, seq_lens, query_start, threads, window));
+    prefills.emplace_back();
+    if (args.prefill.any())
+      prefills.back() = step::plan_prefill(
+          {num_heads, num_kv_heads, D, args.tokens_per_block, args.prefill.block_tables->size(1),
+           qkv_t.stride(0), D, kv_width, static_cast<float>(args.scale)},
+          *args.prefill.block_tables, *args.prefill.seq_lens, *args.prefill.query_start,
+          k_cache.size(1), M - first_prefill, threads, window);
+  }
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
   C* kc = static_cast<C*>(k_cache.data_ptr());
   C* vc = static_cast<C*>(v_cache.data_ptr());
   const int64_t layer_stride = k_cache.stride(0);
@@ -466,12 +499,24 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       C* vl = vc + layer * layer_stride;
       const float k_scale = args.k_scales ? args.k_scales[layer] : 1.f;
       const float v_scale = args.v_scales ? args.v_scales[layer] : 1.f;
+      step::AttentionPlan& plan = plans[plan_of[layer]];
+      const step::PrefillPlan& prefill = prefills[plan_of[layer]];
+      const int64_t n_items = static_cast<int64_t>(plan.items.size());
+      const int64_t n_works = static_cast<int64_t>(prefill.work.size());
+      const auto [layer_cos, layer_sin] =
+          rotary_of(args.windows, layer, cos, sin, args.local_cos, args.local_sin);
+      const float* cp = layer_cos->data_ptr<float>();
+      const float* sp = layer_sin->data_ptr<float>();
+      const T* mlp_out_norm = layer == 0 ? nullptr : out_norms[2 * layer - 1];
       for (int64_t m = r_begin; m < r_end; ++m) {  // the previous layer's output joins the stream
-        if (layer == 0)
+        if (layer == 0) {
           layer_row::rms_norm(residual + m * H, norms[0], hb + m * H, H, feps);
-        else
+        } else {
+          if (mlp_out_norm != nullptr)
+            layer_row::rms_norm(xb + m * H, mlp_out_norm, xb + m * H, H, feps);
           layer_row::add_rms_norm(xb + m * H, residual + m * H, norms[2 * layer], hb + m * H, H,
                                   feps);
+        }
         prepare(L[0], hb, m);
       }
       wait_fetching(&L[0], c + 5);
@@ -512,6 +557,8 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
             [&](int64_t b, int64_t e) { project(L[1], db, b, e); });
       wait_fetching(&L[2], c + 7);
       for (int64_t m = r_begin; m < r_end; ++m) {
+        if (out_norms[2 * layer] != nullptr)
+          layer_row::rms_norm(db + m * H, out_norms[2 * layer], db + m * H, H, feps);
         layer_row::add_rms_norm(db + m * H, residual + m * H, norms[2 * layer + 1], hb + m * H,
                                 H, feps);
         prepare(L[2], hb, m);
@@ -521,7 +568,10 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
             [&](int64_t b, int64_t e) { project(L[2], gu, b, e); });
       wait_fetching(&L[3], c + 8);
       for (int64_t m = r_begin; m < r_end; ++m) {
-        layer_row::silu_mul(gu + m * L[2].N, act + m * L[3].K, L[3].K);
+        if (args.gelu)
+          layer_row::gelu_tanh_mul(gu + m * L[2].N, act + m * L[3].K, L[3].K);
+        else
+          layer_row::silu_mul(gu + m * L[2].N, act + m * L[3].K, L[3].K);
         prepare(L[3], act, m);
       }
       wait_fetching(&L[3], c + 8);
@@ -531,6 +581,9 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       wait_fetching(last ? nullptr : &L[4], last ? nullptr : c + kCounters + 5);
     }
   }
+  const T* last_norm = out_norms.back();
+  if (last_norm != nullptr) x_t = rms_norm(x_t, *args.extras.get((layers - 1) * kExtrasPerLayer +
+                                                                  kMlpOutNorm), eps);
   return add_rms_norm(x_t, x_in, final_norm, eps);
 }
 
@@ -549,7 +602,10 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           bool single_region, const c10::optional<at::Tensor>& kv_scales,
                           const c10::optional<at::Tensor>& prefill_block_tables,
                           const c10::optional<at::Tensor>& prefill_seq_lens,
-                          const c10::optional<at::Tensor>& prefill_query_start) {
+                          const c10::optional<at::Tensor>& prefill_query_start,
+                          const c10::optional<at::Tensor>& local_cos,
+                          const c10::optional<at::Tensor>& local_sin, at::IntArrayRef windows,
+                          bool gelu) {
   const PrefillRows prefill{prefill_block_tables, prefill_seq_lens, prefill_query_start};
   TORCH_CHECK(prefill_block_tables.has_value() == prefill_seq_lens.has_value() &&
                   prefill_seq_lens.has_value() == prefill_query_start.has_value(),
@@ -575,6 +631,12 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
   TORCH_CHECK(layer_extras.empty() ||
                   static_cast<int64_t>(layer_extras.size()) == layers * kExtrasPerLayer,
               "decode_forward: layer_extras for ", layers, " layers expected (or none)");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
+              "decode_forward: windows for ", layers, " layers expected (or none)");
+  for (const int64_t w : windows)
+    TORCH_CHECK(w >= 0, "decode_forward: a window is 0 (every key) or more, got ", w);
+  TORCH_CHECK(local_cos.has_value() == local_sin.has_value(),
+              "decode_forward: local_cos and local_sin come together");
   auto extra = [&](int64_t layer, int64_t i) -> c10::optional<at::Tensor> {
     return layer_extras.empty() ? c10::nullopt : layer_extras.get(layer * kExtrasPerLayer + i);
   };
@@ -587,7 +649,7 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     const StepArgs args{positions, slot_mapping, block_tables, seq_lens, query_start, cos, sin,
                         k_cache, v_cache, prefill, weights, kinds, out_features, group_sizes,
                         num_heads, num_kv_heads, head_dim, tokens_per_block, eps, scale,
-                        k_scales, v_scales, layer_extras};
+                        k_scales, v_scales, layer_extras, local_cos, local_sin, windows, gelu};
     at::Tensor out;
     auto run = [&](auto* activations) {
       using T = std::remove_pointer_t<decltype(activations)>;
@@ -603,20 +665,20 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
   // The paged kernel's rows, then the prefill kernel's, written into one output.
   const int64_t first_prefill = paged_rows(seq_lens, query_start);
   auto attend = [&](const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
-                    double k_scale, double v_scale) {
+                    double k_scale, double v_scale, int64_t window) {
     if (!prefill.any())
       return paged_attention(q, k_layer, v_layer, block_tables, seq_lens, query_start,
-                             tokens_per_block, scale, k_scale, v_scale);
+                             tokens_per_block, scale, k_scale, v_scale, window);
     at::Tensor o = at::empty({q.size(0), num_heads, head_dim}, q.options());
     if (first_prefill > 0)
       o.narrow(0, 0, first_prefill)
           .copy_(paged_attention(q.narrow(0, 0, first_prefill), k_layer, v_layer, block_tables,
                                  seq_lens, query_start, tokens_per_block, scale, k_scale,
-                                 v_scale));
+                                 v_scale, window));
     const int64_t rest = q.size(0) - first_prefill;
     prefill_attention(o.narrow(0, first_prefill, rest), q.narrow(0, first_prefill, rest), k_layer,
                       v_layer, *prefill.block_tables, *prefill.seq_lens, *prefill.query_start,
-                      tokens_per_block, scale, k_scale, v_scale);
+                      tokens_per_block, scale, k_scale, v_scale, window);
     return o;
   };
   at::Tensor x = hidden.contiguous();  // this step's own buffer: the residual stream lives in it
@@ -645,11 +707,15 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
     at::Tensor k_layer = k_cache.select(0, layer), v_layer = v_cache.select(0, layer);
     const double k_scale = one_byte ? k_scales[layer] : 1.0;
     const double v_scale = one_byte ? v_scales[layer] : 1.0;
-    rope_write_cache(qkv, positions, cos, sin, num_heads, num_kv_heads, k_layer, v_layer,
-                     slot_mapping, k_scale, v_scale);
+    const auto [layer_cos, layer_sin] = rotary_of(windows, layer, cos, sin, local_cos, local_sin);
+    rope_write_cache(qkv, positions, *layer_cos, *layer_sin, num_heads, num_kv_heads, k_layer,
+                     v_layer, slot_mapping, k_scale, v_scale);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads, head_dim});
-    at::Tensor o = attend(q, k_layer, v_layer, k_scale, v_scale);
-    h = add_rms_norm(proj(1, o.view({-1, q_size})), residual, required(weights, base + 1), eps);
+    at::Tensor o = attend(q, k_layer, v_layer, k_scale, v_scale, window_of(windows, layer));
+    at::Tensor attention_out = proj(1, o.view({-1, q_size}));
+    const c10::optional<at::Tensor> attention_norm = extra(layer, kAttentionOutNorm);
+    if (attention_norm.has_value()) attention_out = rms_norm(attention_out, *attention_norm, eps);
+    h = add_rms_norm(attention_out, residual, required(weights, base + 1), eps);
     const c10::optional<at::Tensor> gate_up_stack = extra(layer, 2);
     if (gate_up_stack.has_value()) {  // the router in the gate_up slot; no adapters on it
       const int64_t p = 4 * layer + 2;
@@ -659,8 +725,11 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
       TORCH_CHECK(down_stack.has_value(), "decode_forward: experts need a down stack too");
       x = sparse_moe(h, logits, routing, *gate_up_stack, *down_stack);
     } else {
-      x = proj(3, silu_mul(proj(2, h)));
+      const at::Tensor gate_up = proj(2, h);
+      x = proj(3, gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up));
     }
+    const c10::optional<at::Tensor> mlp_norm = extra(layer, kMlpOutNorm);
+    if (mlp_norm.has_value()) x = rms_norm(x, *mlp_norm, eps);
   }
   return add_rms_norm(x, residual, required(weights, layers * kSlotsPerLayer), eps);
 }

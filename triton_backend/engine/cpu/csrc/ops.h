@@ -118,6 +118,9 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           const c10::optional<at::Tensor>& kv_scales,
                           const c10::optional<at::Tensor>& prefill_block_tables,
                           const c10::optional<at::Tensor>& prefill_seq_lens,
-                          const c10::optional<at::Tensor>& prefill_query_start);
+                          const c10::optional<at::Tensor>& prefill_query_start,
+                          const c10::optional<at::Tensor>& local_cos,
+                          const c10::optional<at::Tensor>& local_sin, at::IntArrayRef windows,
+                          bool gelu);
 
 }  // namespace llm_forge

@@ -49,6 +49,8 @@ TORCH_LIBRARY(llm_forge, m) {
         "int tokens_per_block, float eps, float scale, Tensor?[] lora, int[] lora_runs, "
         "Tensor?[] layer_extras, int[] routing, bool single_region=True, "
         "Tensor? kv_scales=None, Tensor? prefill_block_tables=None, "
-        "Tensor? prefill_seq_lens=None, Tensor? prefill_query_start=None) -> Tensor",
+        "Tensor? prefill_seq_lens=None, Tensor? prefill_query_start=None, "
+        "Tensor? local_cos=None, Tensor? local_sin=None, int[] windows=[], bool gelu=False) "
+        "-> Tensor",
         &llm_forge::decode_forward);
 }
