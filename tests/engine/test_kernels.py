@@ -684,7 +684,7 @@ def test_the_decode_fast_path_runs_only_families_that_declare_it(tmp_path, monke
 
 
 def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None,
-                           qk_norm=False, gemma=False):
+                           qk_norm=False, gemma=False, bf16_layout="tiles"):
     """decode_forward's arguments for a two-layer Llama layer of made-up weights: per layer the
     projections are INT4 (qkv with an AWQ scale, gate_up with zero points) and bf16 tiles (dense
     with a bias, down), over sequences of 20 + i cached tokens each adding `rows_per_seq[i]` rows;
@@ -692,7 +692,8 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
     sequences from `prefill_from` on are the prefill kernel's (after the paged kernel's rows).
     `qk_norm`: each layer norms its q and k heads first (Qwen3). `gemma`: Gemma 3's layer on top
     (QK-norm, the attention's and the MLP's outputs normed, a GELU-tanh gate, the first layer
-    local: a window of 8 keys and a rotary table of its own)."""
+    local: a window of 8 keys and a rotary table of its own). `bf16_layout`: the bf16 projections'
+    packed layout."""
     from triton_backend.engine.quant import int4
     from triton_backend.engine.cpu.quantized import pack_int4_dot
 
@@ -711,7 +712,7 @@ def _decode_step_arguments(rows_per_seq, dtype, kv_dtype=None, prefill_from=None
                 prequant = 0.5 + torch.rand(k) if i == 0 else None
                 weights += [packed, params, prequant, None]
             else:
-                weights += [pack_weight(w.bfloat16()), None, None,
+                weights += [pack_weight(w.bfloat16(), bf16_layout), None, None,
                             torch.randn(n) * 0.1 if i == 1 else None]
     weights.append(1 + 0.1 * torch.randn(hidden, dtype=dtype))
     norm = lambda n: 1 + 0.3 * torch.randn(n, dtype=dtype)  # noqa: E731
@@ -812,6 +813,37 @@ def test_the_one_region_decode_step_norms_q_and_k_heads_as_the_op_by_op_step(row
     assert torch.isfinite(out.float()).all()
     assert torch.equal(region_out, out) and torch.equal(region_k, k)
     assert not torch.equal(plain_out, out) and not torch.equal(plain_k, k)
+
+
+@pytest.mark.parametrize("layout", ["pairs", "amx"])
+@pytest.mark.parametrize("rows_per_seq, prefill_from", [([1], None), ([1] * 9, None),
+                                                        ([1, 1, 6], 2), ([3] * 7 + [20], 6)])
+def test_the_one_region_decode_step_runs_the_in_place_bf16_layouts_as_the_op_by_op_step(
+        rows_per_seq, prefill_from, layout):
+    """bf16 projections in the dot-product kernel's pairs and on AMX tiles (the kernels that read
+    bf16 rows in place) in the region: the op-by-op path's values, bit for bit. The region takes
+    them in bf16, not under an AWQ scale (those steps run op by op)."""
+    if layout not in linear.available_layouts():
+        pytest.skip(f"this build of the kernels does not run the {layout} layout")
+    args = _decode_step_arguments(rows_per_seq, torch.bfloat16, None, prefill_from,
+                                  bf16_layout=layout)
+    supported = torch.ops.llm_forge.decode_region_supported
+    assert supported(args["weights"], args["kinds"], torch.bfloat16)
+    assert not supported(args["weights"], args["kinds"], torch.float32)
+    scaled = list(args["weights"])
+    scaled[2 + 4 + 2] = torch.ones(64)  # an AWQ scale on the first layer's dense (pairs / AMX)
+    assert not supported(scaled, args["kinds"], torch.bfloat16)
+    assert supported(_decode_step_arguments([1], torch.bfloat16)["weights"], args["kinds"],
+                     torch.float32)
+    results = []
+    for single_region in (False, True):
+        run = dict(args, hidden=args["hidden"].clone(), k_cache=args["k_cache"].clone(),
+                   v_cache=args["v_cache"].clone())
+        results.append((torch.ops.llm_forge.decode_forward(**run, single_region=single_region),
+                        run["k_cache"]))
+    (out, k), (region_out, region_k) = results
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(region_out, out) and torch.equal(region_k, k)
 
 
 @pytest.mark.parametrize("rows_per_seq, dtype, kv_dtype, prefill_from", [

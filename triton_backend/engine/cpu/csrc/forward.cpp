@@ -206,9 +206,15 @@ class TeamBarrier {
   alignas(64) std::atomic<int> sleepers_{0};
 };
 
+// A packed bf16 weight's layout, by its dims: tiles of 16 columns over fp32-widened rows
+// ([tiles, K, 16]), the dot-product kernel's pairs ([tiles, K / 2, 16, 2]) or AMX's
+// ([tiles, K / 32, 16, 16, 2]); the last two read bf16 rows in place.
+enum Bf16Layout : int64_t { kTiles = 3, kPairs = 4, kAmx = 5 };
+
 // One projection as the region runs it: raw pointers into weights the caller holds.
 struct RegionLinear {
-  int64_t kind, K, N, group, units;  // units: INT4 panels of 32 columns, or bf16 tiles of 16
+  int64_t kind, K, N, group, units;  // units: INT4 panels of 32 columns, bf16 tiles or groups
+  int64_t layout;                    // a packed bf16 weight's Bf16Layout
   const void* packed;
   int64_t packed_bytes;
   const at::Half* scale_offsets;
@@ -216,18 +222,24 @@ struct RegionLinear {
   bool prequant_bf16;
   const float* bias;
   int64_t chunk(int64_t team) const {
-    return kind == kPackedInt4 ? step::int4_chunk(units, team) : step::bf16_chunk(units, team);
+    if (kind == kPackedInt4) return step::int4_chunk(units, team);
+    if (layout == kPairs) return step::bf16_pairs_chunk(N / 16 + (N % 16 != 0), team);
+    if (layout == kAmx) return step::bf16_amx_chunk(units, team);
+    return step::bf16_chunk(units, team);
   }
 };
 
-// Whether the region runs these projections: packed INT4 or packed bf16 tiles (not the bf16
-// dot-product layout), AWQ scales in fp32 or bf16.
-bool region_supports(const Weights& weights, at::IntArrayRef kinds, int64_t layers) {
+// Whether the region runs these projections: packed INT4 or packed bf16 (tiles; pairs and AMX
+// for bf16 activations, with no AWQ scale), AWQ scales in fp32 or bf16.
+bool region_supports(const Weights& weights, at::IntArrayRef kinds, int64_t layers,
+                     at::ScalarType activations) {
   for (int64_t p = 0; p < 4 * layers; ++p) {
     const int64_t slot = (p / 4) * kSlotsPerLayer + 2 + (p % 4) * kSlotsPerLinear;
     const c10::optional<at::Tensor> w = weights.get(slot);
-    if (!w.has_value() || (kinds[p] != kPackedInt4 && kinds[p] != kPackedBf16) ||
-        (kinds[p] == kPackedBf16 && w->dim() != 3))
+    if (!w.has_value() || (kinds[p] != kPackedInt4 && kinds[p] != kPackedBf16)) return false;
+    const bool in_place = kinds[p] == kPackedBf16 && (w->dim() == kPairs || w->dim() == kAmx);
+    if (kinds[p] == kPackedBf16 && w->dim() != kTiles && !in_place) return false;
+    if (in_place && (activations != at::kBFloat16 || weights.get(slot + 2).has_value()))
       return false;
     const c10::optional<at::Tensor> pre = weights.get(slot + 2);
     if (pre.has_value() && (!pre->is_contiguous() || (pre->scalar_type() != at::kFloat &&
@@ -240,13 +252,22 @@ bool region_supports(const Weights& weights, at::IntArrayRef kinds, int64_t laye
 RegionLinear region_linear(const Weights& weights, int64_t slot, int64_t kind, int64_t N,
                            int64_t group, std::vector<at::Tensor>& keep) {
   const at::Tensor w = required(weights, slot);
-  RegionLinear l{kind, 0, N, group, w.size(0), w.data_ptr(), static_cast<int64_t>(w.nbytes()),
-                 nullptr, nullptr, false, nullptr};
+  RegionLinear l{kind, 0, N, group, w.size(0), w.dim(), w.data_ptr(),
+                 static_cast<int64_t>(w.nbytes()), nullptr, nullptr, false, nullptr};
   if (kind == kPackedInt4) {
     const at::Tensor so = required(weights, slot + 1);
     step::int4_check_layout(w, so, group, N);
     l.K = w.size(1) * 8;
     l.scale_offsets = so.data_ptr<at::Half>();
+  } else if (l.layout == kPairs || l.layout == kAmx) {
+    const bool pairs = l.layout == kPairs;
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                    w.size(pairs ? 2 : 3) == 16 && w.size(pairs ? 3 : 4) == 2 &&
+                    (pairs || w.size(2) == 16) && N > (w.size(0) - 1) * 16 && N <= w.size(0) * 16,
+                "decode_forward: a packed bf16 weight of ", w.sizes(), " does not fit ", N,
+                " outputs");
+    l.K = w.size(1) * (pairs ? 2 : 32);
+    l.units = pairs ? step::bf16_pairs_units(w.size(0)) : step::bf16_amx_units(w.size(0));
   } else {
     step::bf16_check_layout(w, N);
     l.K = w.size(1);
@@ -436,6 +457,7 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
   auto prepare = [&](const RegionLinear& l, const T* in, int64_t m) {
     const T* row = in + m * l.K;
     float* wide = widened.data() + m * l.K;
+    if (l.kind == kPackedBf16 && l.layout != kTiles) return;  // read in place
     if (l.prequant == nullptr && l.kind == kPackedBf16)
       step::widen_row(row, static_cast<const float*>(nullptr), l.K, wide);
     else if (l.prequant != nullptr && l.prequant_bf16)
@@ -452,7 +474,16 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
     else
       step::int4_quantize_row(row, l.K, l.group, q, a, sums);
   };
-  auto project = [&](const RegionLinear& l, T* out, int64_t u_begin, int64_t u_end) {
+  auto project = [&](const RegionLinear& l, const T* in, T* out, int64_t u_begin,
+                     int64_t u_end) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const auto* w = static_cast<const at::BFloat16*>(l.packed);
+      const int64_t tiles = (l.N + 15) / 16;
+      if (l.kind == kPackedBf16 && l.layout == kPairs)
+        return step::bf16_pairs_range(in, M, l.K, w, tiles, l.N, l.bias, out, u_begin, u_end);
+      if (l.kind == kPackedBf16 && l.layout == kAmx)
+        return step::bf16_amx_range(in, M, l.K, w, tiles, l.N, l.bias, out, u_begin, u_end);
+    }
     if (l.kind == kPackedInt4) {
       const step::Int4Rows x{q8.data(), block_scales.data(), group_sums.data(), l.K,
                              l.K / step::int4_block(l.group), l.K / l.group};
@@ -521,7 +552,7 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       }
       wait_fetching(&L[0], c + 5);
       claim(c + 0, L[0].units, L[0].chunk(team),
-            [&](int64_t b, int64_t e) { project(L[0], qkv, b, e); });
+            [&](int64_t b, int64_t e) { project(L[0], hb, qkv, b, e); });
       wait_fetching(&L[1], c + 6);
       const T* q_norm = head_norms[2 * layer];
       const T* k_norm = head_norms[2 * layer + 1];
@@ -554,7 +585,7 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       }
       wait_fetching(&L[1], c + 6);
       claim(c + 1, L[1].units, L[1].chunk(team),
-            [&](int64_t b, int64_t e) { project(L[1], db, b, e); });
+            [&](int64_t b, int64_t e) { project(L[1], ob, db, b, e); });
       wait_fetching(&L[2], c + 7);
       for (int64_t m = r_begin; m < r_end; ++m) {
         if (out_norms[2 * layer] != nullptr)
@@ -565,7 +596,7 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       }
       wait_fetching(&L[2], c + 7);
       claim(c + 2, L[2].units, L[2].chunk(team),
-            [&](int64_t b, int64_t e) { project(L[2], gu, b, e); });
+            [&](int64_t b, int64_t e) { project(L[2], hb, gu, b, e); });
       wait_fetching(&L[3], c + 8);
       for (int64_t m = r_begin; m < r_end; ++m) {
         if (args.gelu)
@@ -576,7 +607,7 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
       }
       wait_fetching(&L[3], c + 8);
       claim(c + 3, L[3].units, L[3].chunk(team),
-            [&](int64_t b, int64_t e) { project(L[3], xb, b, e); });
+            [&](int64_t b, int64_t e) { project(L[3], act, xb, b, e); });
       const bool last = layer + 1 == layers;
       wait_fetching(last ? nullptr : &L[4], last ? nullptr : c + kCounters + 5);
     }
@@ -588,6 +619,14 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
 }
 
 }  // namespace
+
+bool decode_region_supported(const Weights& weights, at::IntArrayRef kinds,
+                             at::ScalarType activations) {
+  const int64_t layers = static_cast<int64_t>(kinds.size()) / 4;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer + 1,
+              "decode_region_supported: weights for ", layers, " layers expected");
+  return region_supports(weights, kinds, layers, activations);
+}
 
 at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -644,7 +683,7 @@ at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
   for (int64_t layer = 0; layer < layers; ++layer) any_experts |= extra(layer, 2).has_value();
   // The region computes attention (with QK-norm) and dense MLPs: experts take the ops below.
   if (single_region && lora_runs.empty() && !any_experts && hidden.dim() == 2 &&
-      k_cache.dim() == 4 && region_supports(weights, kinds, layers)) {
+      k_cache.dim() == 4 && region_supports(weights, kinds, layers, hidden.scalar_type())) {
     const at::Tensor x_in = hidden.contiguous();
     const StepArgs args{positions, slot_mapping, block_tables, seq_lens, query_start, cos, sin,
                         k_cache, v_cache, prefill, weights, kinds, out_features, group_sizes,

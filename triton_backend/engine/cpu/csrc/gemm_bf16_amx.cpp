@@ -20,6 +20,7 @@
 // the process must also be granted the tile state by the kernel (Linux 5.16+), else
 // `bf16_amx_available()` is false and the Python side keeps the other kernels.
 #include "ops.h"
+#include "step.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -121,38 +122,46 @@ void amx_block(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* w, in
   }
 }
 
+// Groups [begin, end) of 4 column tiles against every row, on the calling thread. The tile
+// configuration is loaded here and released at the end: it is per thread, and other code on this
+// thread (oneDNN) may have loaded its own since.
+template <typename T>
+void amx_groups(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_tiles,
+                int64_t N, const float* bias, T* out, int64_t begin, int64_t end) {
+  const TileConfig full(kRows), tail(static_cast<int>(M % kRows));
+  const TileConfig* loaded = nullptr;
+  // Panels of rows against the range's groups: the panel's x and the range's weights both stay
+  // in L2 (a prefill's x read again for every group came from L3).
+  for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
+    const int64_t p_end = std::min(M, p0 + kRowPanel);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t tile0 = g * kGroup, nt = std::min(kGroup, num_tiles - tile0);
+      for (int64_t m0 = p0; m0 < p_end; m0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m0);
+        const TileConfig* want = rows == kRows ? &full : &tail;
+        if (want != loaded) {
+          _tile_loadconfig(want);
+          loaded = want;
+        }
+        amx_block(x + m0 * K, rows, K, w, tile0, nt, N, bias, out + m0 * N);
+      }
+    }
+  }
+  _tile_release();
+}
+
+int64_t amx_group_count(int64_t num_tiles) { return (num_tiles + kGroup - 1) / kGroup; }
+
 template <typename T>
 void run_amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_tiles,
                   int64_t N, const float* bias, T* out) {
   // Threads claim chunks of 4-tile groups (each streams its own weights, once: every row block
   // meets a group while its 4 tiles are in L2), about 8 chunks per thread.
-  const int64_t groups = (num_tiles + kGroup - 1) / kGroup;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(1, groups / (8 * threads));
-  const TileConfig full(kRows), tail(static_cast<int>(M % kRows));
-  parallel_chunks(groups, chunk, [&](int64_t begin, int64_t end) {
-    // The tile configuration is per thread, and other code on this thread (oneDNN) may have
-    // loaded its own since our last call.
-    const TileConfig* loaded = nullptr;
-    // Panels of rows against the chunk's groups: the panel's x and the chunk's weights both
-    // stay in L2 (a prefill's x read again for every group came from L3).
-    for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
-      const int64_t p_end = std::min(M, p0 + kRowPanel);
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t tile0 = g * kGroup, nt = std::min(kGroup, num_tiles - tile0);
-        for (int64_t m0 = p0; m0 < p_end; m0 += kRows) {
-          const int64_t rows = std::min<int64_t>(kRows, M - m0);
-          const TileConfig* want = rows == kRows ? &full : &tail;
-          if (want != loaded) {
-            _tile_loadconfig(want);
-            loaded = want;
-          }
-          amx_block(x + m0 * K, rows, K, w, tile0, nt, N, bias, out + m0 * N);
-        }
-      }
-    }
-    _tile_release();
-  });
+  const int64_t groups = amx_group_count(num_tiles);
+  parallel_chunks(groups, step::bf16_amx_chunk(groups, at::get_num_threads()),
+                  [&](int64_t begin, int64_t end) {
+                    amx_groups(x, M, K, w, num_tiles, N, bias, out, begin, end);
+                  });
 }
 
 }  // namespace
@@ -193,5 +202,38 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed,
                      "lacks AMX-BF16)");
 #endif
 }
+
+namespace step {
+
+int64_t bf16_amx_chunk(int64_t groups, int64_t threads) {
+  return std::max<int64_t>(1, groups / (8 * std::max<int64_t>(1, threads)));
+}
+
+int64_t bf16_amx_units(int64_t num_tiles) {
+#ifdef LLM_FORGE_AMX
+  return amx_group_count(num_tiles);
+#else
+  return 0;
+#endif
+}
+
+template <typename T>
+void bf16_amx_range(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed,
+                    int64_t num_tiles, int64_t N, const float* bias, T* out, int64_t u_begin,
+                    int64_t u_end) {
+#ifdef LLM_FORGE_AMX
+  amx_groups(reinterpret_cast<const uint16_t*>(x), M, K,
+             reinterpret_cast<const uint16_t*>(packed), num_tiles, N, bias, out, u_begin, u_end);
+#else
+  TORCH_CHECK(false, "this build of the kernels has no AMX GEMM");
+#endif
+}
+template void bf16_amx_range<float>(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*,
+                                    int64_t, int64_t, const float*, float*, int64_t, int64_t);
+template void bf16_amx_range<at::BFloat16>(const at::BFloat16*, int64_t, int64_t,
+                                           const at::BFloat16*, int64_t, int64_t, const float*,
+                                           at::BFloat16*, int64_t, int64_t);
+
+}  // namespace step
 
 }  // namespace llm_forge

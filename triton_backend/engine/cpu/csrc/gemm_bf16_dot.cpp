@@ -16,6 +16,7 @@
 // Compiled only where the compiler targets AVX-512 BF16 (`-march=native` on such a CPU); elsewhere
 // `bf16_dot_available()` is false and the Python side keeps the widening kernel.
 #include "ops.h"
+#include "step.h"
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -106,21 +107,28 @@ void dot_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_
   }
 }
 
+// Units [begin, end) on the calling thread: whole 4-tile groups, then the tiles past the last
+// whole group one at a time.
+constexpr int64_t kGroup = 4;
+template <typename T>
+void dot_units(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_tiles,
+               int64_t N, const float* bias, T* out, int64_t begin, int64_t end) {
+  const int64_t groups = num_tiles / kGroup;
+  for (int64_t i = begin; i < end; ++i) {
+    if (i < groups) dot_rows<kGroup>(x, M, K, w, i * kGroup, N, bias, out);
+    else dot_rows<1>(x, M, K, w, groups * kGroup + (i - groups), N, bias, out);
+  }
+}
+
 template <typename T>
 void run_dot_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t num_tiles,
                   int64_t N, const float* bias, T* out) {
-  // Threads claim chunks of whole 4-tile groups (each streams its own weights), about 8 per
-  // thread; the tiles past the last whole group run one at a time.
-  constexpr int64_t kGroup = 4;
-  const int64_t groups = num_tiles / kGroup;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(1, groups / (8 * threads));
-  parallel_chunks(groups + (num_tiles - groups * kGroup), chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (i < groups) dot_rows<kGroup>(x, M, K, w, i * kGroup, N, bias, out);
-      else dot_rows<1>(x, M, K, w, groups * kGroup + (i - groups), N, bias, out);
-    }
-  });
+  // Threads claim chunks of units (each streams its own weights), about 8 per thread.
+  parallel_chunks(step::bf16_pairs_units(num_tiles),
+                  step::bf16_pairs_chunk(num_tiles, at::get_num_threads()),
+                  [&](int64_t begin, int64_t end) {
+                    dot_units(x, M, K, w, num_tiles, N, bias, out, begin, end);
+                  });
 }
 
 }  // namespace
@@ -150,5 +158,32 @@ at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
                      "compiler target lacks AVX-512 BF16)");
 #endif
 }
+
+namespace step {
+
+int64_t bf16_pairs_units(int64_t num_tiles) { return num_tiles / 4 + num_tiles % 4; }
+
+int64_t bf16_pairs_chunk(int64_t num_tiles, int64_t threads) {
+  return std::max<int64_t>(1, num_tiles / 4 / (8 * std::max<int64_t>(1, threads)));
+}
+
+template <typename T>
+void bf16_pairs_range(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed,
+                      int64_t num_tiles, int64_t N, const float* bias, T* out, int64_t u_begin,
+                      int64_t u_end) {
+#ifdef LLM_FORGE_BF16_DOT
+  dot_units(reinterpret_cast<const uint16_t*>(x), M, K, reinterpret_cast<const uint16_t*>(packed),
+            num_tiles, N, bias, out, u_begin, u_end);
+#else
+  TORCH_CHECK(false, "this build of the kernels has no bf16 dot-product GEMM");
+#endif
+}
+template void bf16_pairs_range<float>(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*,
+                                      int64_t, int64_t, const float*, float*, int64_t, int64_t);
+template void bf16_pairs_range<at::BFloat16>(const at::BFloat16*, int64_t, int64_t,
+                                             const at::BFloat16*, int64_t, int64_t, const float*,
+                                             at::BFloat16*, int64_t, int64_t);
+
+}  // namespace step
 
 }  // namespace llm_forge

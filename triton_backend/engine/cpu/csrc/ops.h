@@ -102,6 +102,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
                        const at::Tensor& down, int64_t intermediate);
 bool moe_pairs_available();
 
+// Whether decode_forward runs a step of these projections in its one parallel region (without
+// LoRA rows or experts), for activations of that dtype; else it runs op by op.
+bool decode_region_supported(const c10::List<c10::optional<at::Tensor>>& weights,
+                             at::IntArrayRef kinds, at::ScalarType activations);
 at::Tensor decode_forward(const at::Tensor& hidden, const at::Tensor& positions,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& query_start,

@@ -42,6 +42,8 @@ TORCH_LIBRARY(llm_forge, m) {
   m.def("moe_experts(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor gate_up, "
         "Tensor down, int intermediate) -> Tensor", &llm_forge::moe_experts);
   m.def("moe_pairs_available() -> bool", &llm_forge::moe_pairs_available);
+  m.def("decode_region_supported(Tensor?[] weights, int[] kinds, ScalarType activations) -> bool",
+        &llm_forge::decode_region_supported);
   m.def("decode_forward(Tensor hidden, Tensor positions, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] weights, int[] kinds, "

@@ -53,6 +53,26 @@ void bf16_check_layout(const at::Tensor& packed, int64_t N);
 template <typename T, typename P>
 void widen_row(const T* x, const P* prequant, int64_t K, float* out);
 
+// ---- bf16 weights in pairs ([tiles, K / 2, 16, 2]: gemm_bf16_dot.cpp, AVX-512 BF16) and on
+// AMX tiles ([tiles, K / 32, 16, 16, 2]: gemm_bf16_amx.cpp), x as bf16 rows [M, K] ----
+
+// Units of work: the pairs kernel's 4-tile groups and then its last tiles one by one; AMX's
+// groups of up to 4 tiles. A chunk: the units a thread claims at a time.
+int64_t bf16_pairs_units(int64_t num_tiles);
+int64_t bf16_pairs_chunk(int64_t num_tiles, int64_t threads);
+int64_t bf16_amx_units(int64_t num_tiles);
+int64_t bf16_amx_chunk(int64_t groups, int64_t threads);
+// Units [u_begin, u_end) of y[M, N] = x . W^T + bias (AMX: the tile state loaded and released
+// on the calling thread).
+template <typename T>
+void bf16_pairs_range(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed,
+                      int64_t num_tiles, int64_t N, const float* bias, T* out, int64_t u_begin,
+                      int64_t u_end);
+template <typename T>
+void bf16_amx_range(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* packed,
+                    int64_t num_tiles, int64_t N, const float* bias, T* out, int64_t u_begin,
+                    int64_t u_end);
+
 // ---- the KV cache ----
 
 // Runs body(static_cast<C*>(nullptr)) with C the element type of the k and v caches, for
