@@ -3,7 +3,9 @@ door, measured by vLLM's own client on a matrix of shapes (`shapes.py`).
 
 Each server is started alone on loopback, driven through every shape by `vllm bench serve
 --backend openai` (/v1/completions, streamed; lengths forced with `--ignore-eos`, and
-`min_tokens` = OUT when they are fixed), and stopped before the next one starts; with repeats
+`min_tokens` = OUT when they are fixed; `--temperature` sent with every request, greedy by
+default, so both servers do the same work: left out, vLLM samples at its checkpoint's defaults
+and we decode greedily), and stopped before the next one starts; with repeats
 the servers alternate order and the table shows medians. Goodput is the client's `--goodput`:
 requests per second with TTFT <= slo_ttft_ms + slo_ttft_ms_per_token x IN and TPOT <=
 slo_tpot_ms. Both servers serve the checkpoint the repository's engine was built from, in bf16,
@@ -49,6 +51,7 @@ class Matrix:
     warmups: int = 2
     repeats: int = 1
     seed: int = 0
+    temperature: float = 0.0
     slo_ttft_ms: float = 2000.0
     slo_ttft_ms_per_token: float = 4.0
     slo_tpot_ms: float = 200.0
@@ -101,7 +104,8 @@ def client_command(matrix: Matrix, port: int, shape: Shape, result: Path) -> lis
                "--random-range-ratio", f"{shape.range_ratio:g}",
                "--num-prompts", str(shape.prompts), "--max-concurrency", str(shape.concurrency),
                "--request-rate", "inf", "--num-warmups", str(matrix.warmups),
-               "--seed", str(matrix.seed), "--ignore-eos",
+               "--seed", str(matrix.seed), "--temperature", f"{matrix.temperature:g}",
+               "--ignore-eos",
                "--goodput", f"ttft:{matrix.slo_ttft(shape):g}", f"tpot:{matrix.slo_tpot_ms:g}",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                "--disable-tqdm", "--save-result", "--save-detailed",

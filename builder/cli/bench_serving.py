@@ -43,6 +43,8 @@ def default_vllm_venv() -> str:
               help="Goodput: added to the TTFT SLO per prompt token.")
 @click.option("--slo-tpot-ms", type=float, default=200.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True,
+              help="Sent with every request to both servers (0: greedy).")
 @click.option("--vllm-kv-gib", type=click.IntRange(min=1), default=2, show_default=True,
               help="VLLM_CPU_KVCACHE_SPACE.")
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True)
@@ -50,8 +52,8 @@ def default_vllm_venv() -> str:
               help="Seconds one shape of the client may take.")
 @out_option("bench/matrix")
 def matrix_command(repository, more, against, shapes, checkpoint, vllm_venv, warmups, repeats,
-                   slo_ttft_ms, slo_ttft_ms_per_token, slo_tpot_ms, seed, vllm_kv_gib,
-                   ready_timeout, client_timeout, out_dir) -> None:
+                   slo_ttft_ms, slo_ttft_ms_per_token, slo_tpot_ms, seed, temperature,
+                   vllm_kv_gib, ready_timeout, client_timeout, out_dir) -> None:
     """Each server alone on loopback through every shape, driven by `vllm bench serve` (so the
     vLLM venv is needed even without --against vllm): per shape and server, output tok/s, TTFT
     p50/p99, ITL p50/p99, TPOT p50, goodput, and the ratios. Exit 1 when a shape failed."""
@@ -70,7 +72,8 @@ def matrix_command(repository, more, against, shapes, checkpoint, vllm_venv, war
                 raise ValueError(f"--forge {item!r}: expected LABEL=REPOSITORY, a new label")
             repositories[label] = path
         run = mod.Matrix(venv, repositories, parse_shapes(shapes), against == "vllm",
-                         warmups=warmups, repeats=repeats, seed=seed, slo_ttft_ms=slo_ttft_ms,
+                         warmups=warmups, repeats=repeats, seed=seed,
+                         temperature=temperature, slo_ttft_ms=slo_ttft_ms,
                          slo_ttft_ms_per_token=slo_ttft_ms_per_token, slo_tpot_ms=slo_tpot_ms,
                          vllm_kv_gib=vllm_kv_gib, ready_timeout=ready_timeout,
                          client_timeout=client_timeout)

@@ -35,6 +35,7 @@ def test_fixed_shapes_force_lengths_and_every_shape_has_its_goodput_slo(tmp_path
     assert command[command.index("--goodput") + 1:][:2] == ["ttft:4048", "tpot:200"]
     assert "--ignore-eos" in command and command[-1] == '{"min_tokens": 64}'
     assert command[command.index("--max-concurrency") + 1] == "8"
+    assert command[command.index("--temperature") + 1] == "0"  # both servers greedy
     command = client_command(matrix, 9000, mixed, tmp_path / "r.json")
     assert "--extra-body" not in command  # lengths vary: ignore_eos alone fixes each request's
     assert command[command.index("--random-range-ratio") + 1] == "0.5"

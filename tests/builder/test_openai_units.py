@@ -234,3 +234,41 @@ def test_bench_protocols_one_per_server():
     for bad in ("openai,grpc", "smtp"):
         with pytest.raises(_BadInput, match="--protocol must be one of grpc, http, openai"):
             _targets("a:1", None, bad, None, None, None, None)
+
+
+def test_a_stream_has_a_chunk_for_every_token_even_before_its_character_is_whole():
+    """The four bytes of an emoji come as four tokens: four chunks, the first three with empty
+    text (as vLLM streams them), so a client counts every token and times each; a response with
+    neither a token nor an end (the ensemble path sends no ids) is no chunk."""
+    import asyncio
+    import json
+
+    from builder.serving.openai.service import Generation
+    from builder.serving.openai.streaming import sse_events
+    from builder.serving.openai.triton import Chunk
+
+    class Service:
+        def logprobs(self, *args):
+            return None
+
+    request = CompletionRequest(model="m", prompt="p", stream=True,
+                                stream_options={"include_usage": True})
+    generation = Generation(request, {}, "prompt", False, ResponseBuilder("completion", "c", 0, "m"))
+    chunks = [Chunk("", "", 3, 1, token_ids=[7]), Chunk("", "", 3, 2, token_ids=[8]),
+              Chunk("", "", 3, 2), Chunk("", "", 3, 3, token_ids=[9]),
+              Chunk("\U0001f642", "", 3, 4, token_ids=[10]), Chunk("!", "length", 3, 5, token_ids=[11])]
+
+    async def rest():
+        for chunk in chunks[1:]:
+            yield 0, chunk
+
+    async def gather():
+        return [event async for event in sse_events(Service(), generation, (0, chunks[0]), rest())]
+
+    events = asyncio.run(gather())
+    assert events[-1] == "data: [DONE]\n\n"
+    bodies = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    texts = [b["choices"][0]["text"] for b in bodies if b["choices"]]
+    assert texts == ["", "", "", "\U0001f642", "!"]
+    assert [b["choices"][0]["finish_reason"] for b in bodies if b["choices"]][-1] == "length"
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 5

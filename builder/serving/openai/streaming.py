@@ -1,7 +1,9 @@
 """Server-sent events of one streamed generation: OpenAI chunks, `data: [DONE]` at the end.
 
 Chat streams open with the assistant role, then the content deltas; the chunk of the last
-Triton response carries the finish reason; with `stream_options.include_usage` every chunk has
+Triton response carries the finish reason; every response that carries tokens is a chunk, its
+text empty while the bytes of a character are not all there yet (vLLM's stream does the same,
+so a client counts tokens and inter-token times alike on both); with `stream_options.include_usage` every chunk has
 `usage: null` and a last chunk without choices carries the counts. With `n` choices each chunk
 names its choice's `index` (each chat choice opens with its role) and chunks of different
 choices interleave as they come. With tools, a choice's text is held until it ends (with `auto`
@@ -90,8 +92,8 @@ async def sse_events(service: OpenAIService, generation: Generation, first: tupl
                 chunk = Chunk(gathered.text, chunk.finish_reason, chunk.num_input_tokens,
                               chunk.num_output_tokens, gathered.log_probs, gathered.ids,
                               gathered.top)
-            if not (chunk.text or reason or (generation.log_probs and chunk.token_ids)):
-                continue  # nothing new (e.g. bytes of a character not complete yet)
+            if not (chunk.text or reason or chunk.token_ids):
+                continue  # no token and no end (the ensemble path does not send ids)
             logprobs = service.logprobs(generation, chunk.token_ids, chunk.log_probs,
                                         offsets[index], chunk.top)
             offsets[index] += len(chunk.text)
