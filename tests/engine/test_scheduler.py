@@ -137,17 +137,46 @@ def test_every_prompt_shares_the_room_the_started_one_first():
     bm = BlockManager(num_blocks=64, tokens_per_block=4)
     sched = measured(Scheduler(bm, max_num_tokens=64, max_batch_size=8, target_itl_ms="auto"),
                      0.002, 0.001)
-    for i in range(2):
+    for i in range(4):
         sched.add(seq(i, 3, max_tokens=40))
-    run(sched, 1)  # two decoding rows (4 ms a step): room for 3.5 x 4 - 4 = 10
-    sched.add(seq(5, 24, max_tokens=4))
-    assert run(sched, 1)[0] == [(0, 1), (1, 1), (5, 10)]
+    run(sched, 1)  # four decoding rows (6 ms a step): room for 3.5 x 6 - 6 = 15
+    decodes = [(i, 1) for i in range(4)]
+    sched.add(seq(5, 30, max_tokens=4))
+    assert run(sched, 1)[0] == decodes + [(5, 15)]
     sched.add(seq(6, 8, max_tokens=4))
     sched.add(seq(7, 4, max_tokens=4))
     steps = run(sched, 3)
-    assert steps[0] == [(0, 1), (1, 1), (5, 10)]           # the started prompt takes it all
-    assert steps[1] == [(0, 1), (1, 1), (5, 4), (6, 6)]    # its rest, then the next arrival
-    assert steps[2] == [(0, 1), (1, 1), (5, 1), (6, 2), (7, 4)]  # 3 decoding rows: room 12
+    assert steps[0] == decodes + [(5, 15)]           # the started prompt takes it all
+    assert steps[1] == decodes + [(5, 1), (6, 8), (7, 4)]  # its decode; the arrivals in line
+    assert steps[2] == decodes + [(5, 1), (6, 1), (7, 1)]
+
+
+def test_auto_sets_no_cap_while_as_many_prompts_wait_as_sequences_decode():
+    """A burst of arrivals beside few streams goes in within the budget alone (each stream is
+    delayed once, not every arrival's first token by more steps); once the streams outnumber
+    the prompts still waiting for a first token, the room applies again."""
+    bm = BlockManager(num_blocks=128, tokens_per_block=4)
+    sched = measured(Scheduler(bm, max_num_tokens=64, max_batch_size=8, target_itl_ms="auto"),
+                     0.002, 0.001)
+    sched.add(seq(0, 3, max_tokens=40))
+    run(sched, 1)  # one decoding row: room for 3.5 x 3 - 3 = 7 rows
+    for i in range(1, 4):
+        sched.add(seq(i, 20, max_tokens=40))
+    # three arrivals, one stream: the budget alone (63 rows beside the decode)
+    assert run(sched, 1)[0] == [(0, 1), (1, 20), (2, 20), (3, 20)]
+    for i in range(4, 6):
+        sched.add(seq(i, 20, max_tokens=40))
+    # two arrivals, four streams (6 ms a step): room for 3.5 x 6 - 6 = 15 rows
+    assert run(sched, 1)[0] == [(i, 1) for i in range(4)] + [(4, 15)]
+    full = Scheduler(BlockManager(num_blocks=128, tokens_per_block=4), max_num_tokens=64,
+                     max_batch_size=2, target_itl_ms="auto")
+    full = measured(full, 0.002, 0.001)
+    full.add(seq(0, 3, max_tokens=40))
+    run(full, 1)
+    for i in range(1, 5):
+        full.add(seq(i, 40, max_tokens=40))
+    # one slot left in the batch: one arrival is admissible, one stream decodes: no cap
+    assert run(full, 1)[0] == [(0, 1), (1, 40)]
 
 
 def test_a_target_in_ms_sizes_the_room_from_the_measured_step_cost():

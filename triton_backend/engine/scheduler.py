@@ -25,8 +25,13 @@ decode-only steps of the batch at hand, and the room is never below `min_prefill
 (AUTO_MIN_PREFILL_ROWS in the engine): on a compute-bound CPU every step pays its weights and its
 Python whatever its rows, and a request whose prompt goes in by slivers stays out of the decoding
 batch longer, so chunks of hundreds of rows keep the throughput and the TTFT of whole prompts
-while the streams beside them never wait for more than one chunk. An explicit target in ms is
-kept to the row. With nothing decoding, a prompt takes the whole `max_num_tokens` budget.
+while the streams beside them never wait for more than one chunk. And "auto" sets no cap while
+at least as many prompts wait for their first token as sequences decode (a burst of arrivals
+beside a few streams): a longer step delays each decoding stream once, where slices would delay
+every waiting prompt's first token by more steps and every stream by as many longer steps (16
+prompts of 128 ids arriving beside one stream went in 2 at a time: eight slow steps in a row for
+the streams admitted first). An explicit target in ms is kept to the row. With nothing decoding,
+a prompt takes the whole `max_num_tokens` budget.
 
 Pure Python (no torch).
 """
@@ -182,14 +187,17 @@ class Scheduler:
     def _room_beside_decodes(self) -> int | None:
         """Prefill rows this step may carry, or None (no cap: nothing decodes, or no target).
         Sized for the first prefill in line (the started ones come first, then the most urgent
-        arrival): deep in a long prompt each row attends more keys, so fewer rows fit."""
+        arrival): deep in a long prompt each row attends more keys, so fewer rows fit. With
+        "auto" there is no cap either while at least as many prompts wait for their first token
+        (started, or admissible now) as sequences decode."""
         if not self.target_itl_ms:
             return None
-        decode_rows = decode_keys = 0
+        decode_rows = decode_keys = decoding = 0
         start = None
         for seq in self.running:
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 rows = 1 + len(seq.draft_token_ids)
+                decoding += 1
                 decode_rows += rows
                 decode_keys += keys_of(seq.num_computed_tokens, rows)
             elif start is None:
@@ -197,6 +205,10 @@ class Scheduler:
         if decode_rows == 0:
             return None
         auto = self.target_itl_ms == "auto"
+        if auto:
+            admissible = min(len(self.waiting), self.max_batch_size - len(self.running))
+            if len(self.running) - decoding + admissible >= decoding:
+                return None
         seconds = None if auto else float(self.target_itl_ms) / 1000
         room = self.step_cost.extra_rows(decode_rows, seconds, AUTO_ITL_STEPS, decode_keys,
                                          start or 0)
