@@ -48,7 +48,7 @@ SOURCES = ("register.cpp", "gemm.cpp", "gemm_bf16_dot.cpp", "gemm_int4_dot.cpp",
            "attention.cpp", "prefill_attention.cpp", "forward.cpp", "lora.cpp", "sampling.cpp",
            "moe.cpp", "gemm_bf16_amx.cpp")
 HEADERS = ("vec.h", "ops.h", "step.h", "layer_rows.h", "prefill_tiles.h", "prefill_tiles_dot.h",
-           "prefill_groups.h", "prefill_item.h")
+           "prefill_tiles_amx.h", "prefill_groups.h", "prefill_item.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # No implicit FMA contraction: elementwise kernels round like the torch ops they replace; the
 # GEMM and dot products fuse explicitly.

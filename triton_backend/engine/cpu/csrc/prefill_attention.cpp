@@ -10,9 +10,11 @@
 // a work item is a block of query rows of one kv head (prefill_item.h), its rows times the query
 // heads of that kv head make the lanes (position-major, so a lane tile spans few positions and
 // the causal edge skips whole tiles), and keys stream past in blocks of kKeyBlock with an online
-// softmax (flash attention). Q.K^T and P.V run on the GEMM's instructions: vdpbf16ps where the
-// build has AVX-512 BF16 and the activations are bf16 (prefill_tiles_dot.h), 8-lane FMAs
-// otherwise (prefill_tiles.h).
+// softmax (flash attention). Q.K^T and P.V run on the GEMM's instructions: AMX tiles where the
+// build has AMX-BF16, the process was granted the tile state, the activations are bf16 and the
+// head dim a multiple of 32 (prefill_tiles_amx.h); else vdpbf16ps where the build has AVX-512
+// BF16 and the activations are bf16 (prefill_tiles_dot.h), 8-lane FMAs otherwise
+// (prefill_tiles.h).
 //
 // A local layer's rows (`window` > 0) see only their last `window` keys: an item starts at the key
 // block holding its first row's first key, and a lane tile skips the blocks before its window.
@@ -136,6 +138,17 @@ void prefill_work(const PrefillPlan& plan, const T* q, const C* k_cache, const C
   thread_local std::vector<float> buf;
   const Call<T, C> call{q, k_cache, v_cache, out, plan.tables, plan.seq_lens, plan.starts,
                         k_scale, v_scale};
+#ifdef LLM_FORGE_PREFILL_AMX
+  if constexpr (std::is_same<T, bf16>::value) {
+    if (plan.g.D % 32 == 0 && bf16_amx_available()) {
+      static const prefill::AmxTiles::Config config;
+      _tile_loadconfig(&config);
+      WorkItem<prefill::AmxTiles, T, C>(plan.g, call, plan.work[i], plan.window, buf).run();
+      _tile_release();
+      return;
+    }
+  }
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same<T, bf16>::value) {
     if (plan.g.D % 2 == 0)

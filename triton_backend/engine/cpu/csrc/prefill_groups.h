@@ -1,5 +1,5 @@
-// The loops around prefill attention's register tiles (prefill_tiles.h), shared by both
-// instruction sets: which tile shape each call gets, and an item's scratch.
+// The loops around prefill attention's register tiles (prefill_tiles.h), shared by the
+// instruction sets (a policy with kWholeBlock, AMX's, takes a whole key block per call): which tile shape each call gets, and an item's scratch.
 #pragma once
 
 #include "prefill_tiles.h"
@@ -56,13 +56,18 @@ void scores_group(const Lanes& ln, const typename Tiles::KeyBlock& block,
                   const typename Tiles::QElem* q, float* s, float* bmax, int64_t kb,
                   int64_t keys, int64_t t) {
   constexpr int L = Tiles::kL, NK = per_call<Tiles, NT>();
-  for (int64_t j = 0; j < keys; j += NK)
-    with_count<NK>(std::min<int64_t>(NK, keys - j), [&](auto nk) {
-      Tiles::template scores<decltype(nk)::value, NT>(ln, Tiles::key_ref(block, j, ln.D),
-                                                      q + t * L, ln.pos + t * L,
-                                                      s + j * ln.Rp + t * L, bmax + t * L,
-                                                      kb + j);
-    });
+  if constexpr (Tiles::kWholeBlock) {
+    Tiles::template scores_block<NT>(ln, block, q + t * L, ln.pos + t * L, s + t * L,
+                                     bmax + t * L, kb, keys);
+  } else {
+    for (int64_t j = 0; j < keys; j += NK)
+      with_count<NK>(std::min<int64_t>(NK, keys - j), [&](auto nk) {
+        Tiles::template scores<decltype(nk)::value, NT>(ln, Tiles::key_ref(block, j, ln.D),
+                                                        q + t * L, ln.pos + t * L,
+                                                        s + j * ln.Rp + t * L, bmax + t * L,
+                                                        kb + j);
+      });
+  }
 }
 
 // O^T of lane tiles [t, t + NT), every feature, over the block's first `rows` value rows.
@@ -70,11 +75,15 @@ template <class Tiles, int NT>
 void values_group(const Lanes& ln, const typename Tiles::PElem* v, const typename Tiles::PElem* p,
                   int64_t rows, float* ot, const float* alpha, int64_t t) {
   constexpr int L = Tiles::kL, ND = per_call<Tiles, NT>();
-  for (int64_t d = 0; d < ln.D; d += ND)
-    with_count<ND>(std::min<int64_t>(ND, ln.D - d), [&](auto nd) {
-      Tiles::template values<decltype(nd)::value, NT>(ln, v + d, p + t * L, rows,
-                                                      ot + d * ln.Rp + t * L, alpha + t * L);
-    });
+  if constexpr (Tiles::kWholeBlock) {
+    Tiles::template values_block<NT>(ln, v, p + t * L, rows, ot + t * L, alpha + t * L);
+  } else {
+    for (int64_t d = 0; d < ln.D; d += ND)
+      with_count<ND>(std::min<int64_t>(ND, ln.D - d), [&](auto nd) {
+        Tiles::template values<decltype(nd)::value, NT>(ln, v + d, p + t * L, rows,
+                                                        ot + d * ln.Rp + t * L, alpha + t * L);
+      });
+  }
 }
 
 // Lane tiles [t_first, tiles) in groups of Tiles::kTiles, then 2, then 1: f(group size, t).

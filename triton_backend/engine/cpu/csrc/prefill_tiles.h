@@ -1,6 +1,7 @@
-// The inner loops of prefill attention (prefill_attention.cpp), in two instruction sets behind
-// one interface: `DotTiles` multiplies bf16 pairs with AVX-512 BF16 (vdpbf16ps, as the bf16 GEMM
-// does), `WidenTiles` widens to fp32 and uses 8-lane FMAs (AVX2, or plain vectors elsewhere).
+// The inner loops of prefill attention (prefill_attention.cpp), in three instruction sets behind
+// one interface: `AmxTiles` multiplies bf16 on AMX tiles (prefill_tiles_amx.h), `DotTiles` bf16
+// pairs with AVX-512 BF16 (vdpbf16ps, as the bf16 GEMM does), `WidenTiles` widens to fp32 and
+// uses 8-lane FMAs (AVX2, or plain vectors elsewhere).
 //
 // Orientation: an item's query rows are the lanes. Queries are packed once per item (the GEMM's
 // "weights" side) and every key or value element is broadcast to all lanes, so keys and values
@@ -66,6 +67,7 @@ struct WidenTiles {
   static constexpr int kL = kLanes;
   // Register tiles: up to 3 lane tiles, 12 sums (AVX2 has 16 registers).
   static constexpr int kTiles = 3, kSums = 12;
+  static constexpr bool kWholeBlock = false;
   // A masked score. A lane whose keys so far were all masked (before its window) keeps m = -inf:
   // its alpha and probabilities come out of vexp2(nan) as exactly 0, and its sums stay 0.
   static constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -190,4 +192,8 @@ struct WidenTiles {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "prefill_tiles_dot.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define LLM_FORGE_PREFILL_AMX 1
+#include "prefill_tiles_amx.h"
+#endif
 #endif

@@ -86,6 +86,7 @@ struct DotTiles {
   static constexpr int kL = 16;
   // Register tiles: up to 4 lane tiles, 16 sums (as the GEMM's 4 x 4).
   static constexpr int kTiles = 4, kSums = 16;
+  static constexpr bool kWholeBlock = false;
   // A masked score (and the running max before any key): finite, so that 2^(score - max) needs
   // no test for -inf - -inf; vscalefps takes its huge negative exponent to exactly 0.
   static constexpr float kMasked = -1e30f;
