@@ -215,6 +215,7 @@ enum Bf16Layout : int64_t { kTiles = 3, kPairs = 4, kAmx = 5 };
 struct RegionLinear {
   int64_t kind, K, N, group, units;  // units: INT4 panels of 32 columns, bf16 tiles or groups
   int64_t layout;                    // a packed bf16 weight's Bf16Layout
+  int64_t tiles;                     // a packed bf16 weight's tiles of 16 columns
   const void* packed;
   int64_t packed_bytes;
   const at::Half* scale_offsets;
@@ -223,7 +224,7 @@ struct RegionLinear {
   const float* bias;
   int64_t chunk(int64_t team) const {
     if (kind == kPackedInt4) return step::int4_chunk(units, team);
-    if (layout == kPairs) return step::bf16_pairs_chunk(N / 16 + (N % 16 != 0), team);
+    if (layout == kPairs) return step::bf16_pairs_chunk(tiles, team);
     if (layout == kAmx) return step::bf16_amx_chunk(units, team);
     return step::bf16_chunk(units, team);
   }
@@ -252,22 +253,19 @@ bool region_supports(const Weights& weights, at::IntArrayRef kinds, int64_t laye
 RegionLinear region_linear(const Weights& weights, int64_t slot, int64_t kind, int64_t N,
                            int64_t group, std::vector<at::Tensor>& keep) {
   const at::Tensor w = required(weights, slot);
-  RegionLinear l{kind, 0, N, group, w.size(0), w.dim(), w.data_ptr(),
+  RegionLinear l{kind, 0, N, group, w.size(0), w.dim(), w.size(0), w.data_ptr(),
                  static_cast<int64_t>(w.nbytes()), nullptr, nullptr, false, nullptr};
   if (kind == kPackedInt4) {
     const at::Tensor so = required(weights, slot + 1);
     step::int4_check_layout(w, so, group, N);
     l.K = w.size(1) * 8;
     l.scale_offsets = so.data_ptr<at::Half>();
-  } else if (l.layout == kPairs || l.layout == kAmx) {
-    const bool pairs = l.layout == kPairs;
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
-                    w.size(pairs ? 2 : 3) == 16 && w.size(pairs ? 3 : 4) == 2 &&
-                    (pairs || w.size(2) == 16) && N > (w.size(0) - 1) * 16 && N <= w.size(0) * 16,
-                "decode_forward: a packed bf16 weight of ", w.sizes(), " does not fit ", N,
-                " outputs");
-    l.K = w.size(1) * (pairs ? 2 : 32);
-    l.units = pairs ? step::bf16_pairs_units(w.size(0)) : step::bf16_amx_units(w.size(0));
+  } else if (l.layout == kPairs) {
+    l.K = step::bf16_pairs_check_layout(w, N);
+    l.units = step::bf16_pairs_units(l.tiles);
+  } else if (l.layout == kAmx) {
+    l.K = step::bf16_amx_check_layout(w, N);
+    l.units = step::bf16_amx_units(l.tiles);
   } else {
     step::bf16_check_layout(w, N);
     l.K = w.size(1);
@@ -478,11 +476,10 @@ at::Tensor region_forward(const at::Tensor& x_in, const StepArgs& args) {
                      int64_t u_end) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       const auto* w = static_cast<const at::BFloat16*>(l.packed);
-      const int64_t tiles = (l.N + 15) / 16;
       if (l.kind == kPackedBf16 && l.layout == kPairs)
-        return step::bf16_pairs_range(in, M, l.K, w, tiles, l.N, l.bias, out, u_begin, u_end);
+        return step::bf16_pairs_range(in, M, l.K, w, l.tiles, l.N, l.bias, out, u_begin, u_end);
       if (l.kind == kPackedBf16 && l.layout == kAmx)
-        return step::bf16_amx_range(in, M, l.K, w, tiles, l.N, l.bias, out, u_begin, u_end);
+        return step::bf16_amx_range(in, M, l.K, w, l.tiles, l.N, l.bias, out, u_begin, u_end);
     }
     if (l.kind == kPackedInt4) {
       const step::Int4Rows x{q8.data(), block_scales.data(), group_sums.data(), l.K,

@@ -180,14 +180,9 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out) {
 #ifdef LLM_FORGE_AMX
   TORCH_CHECK(bf16_amx_available(), "the kernel did not grant this process the AMX tile state");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 &&
-                  packed.size(2) == kRows && packed.size(3) == kTile && packed.size(4) == 2 &&
-                  packed.is_contiguous(),
-              "packed weight must be a contiguous bf16 [tiles, K / 32, 16, 16, 2] tensor");
-  const int64_t num_tiles = packed.size(0), K = kKBlock * packed.size(1);
+  const int64_t num_tiles = packed.size(0), K = step::bf16_amx_check_layout(packed, N);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16 for the AMX GEMM");
-  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   GemmOutput o(x, bias, M, N, fp32_out);
@@ -204,6 +199,16 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed,
 }
 
 namespace step {
+
+int64_t bf16_amx_check_layout(const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 &&
+                  packed.size(2) == 16 && packed.size(3) == 16 && packed.size(4) == 2 &&
+                  packed.is_contiguous(),
+              "packed weight must be a contiguous bf16 [tiles, K / 32, 16, 16, 2] tensor");
+  TORCH_CHECK(N > (packed.size(0) - 1) * 16 && N <= packed.size(0) * 16,
+              "N does not fit the tiles");
+  return 32 * packed.size(1);
+}
 
 int64_t bf16_amx_chunk(int64_t groups, int64_t threads) {
   return std::max<int64_t>(1, groups / (8 * std::max<int64_t>(1, threads)));

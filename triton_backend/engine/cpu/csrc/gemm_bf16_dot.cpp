@@ -137,13 +137,9 @@ void run_dot_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, in
 at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias, int64_t N, bool fp32_out) {
 #ifdef LLM_FORGE_BF16_DOT
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                  packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous(),
-              "packed weight must be a contiguous bf16 [tiles, K / 2, 16, 2] tensor");
-  const int64_t num_tiles = packed.size(0), K = 2 * packed.size(1);
+  const int64_t num_tiles = packed.size(0), K = step::bf16_pairs_check_layout(packed, N);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16 for the bf16 dot-product GEMM");
-  TORCH_CHECK(N > (num_tiles - 1) * kTile && N <= num_tiles * kTile, "N does not fit the tiles");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   GemmOutput o(x, bias, M, N, fp32_out);
@@ -160,6 +156,15 @@ at::Tensor linear_bf16_pairs(const at::Tensor& x, const at::Tensor& packed,
 }
 
 namespace step {
+
+int64_t bf16_pairs_check_layout(const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
+              "packed weight must be a contiguous bf16 [tiles, K / 2, 16, 2] tensor");
+  TORCH_CHECK(N > (packed.size(0) - 1) * 16 && N <= packed.size(0) * 16,
+              "N does not fit the tiles");
+  return 2 * packed.size(1);
+}
 
 int64_t bf16_pairs_units(int64_t num_tiles) { return num_tiles / 4 + num_tiles % 4; }
 

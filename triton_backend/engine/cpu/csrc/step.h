@@ -58,6 +58,10 @@ void widen_row(const T* x, const P* prequant, int64_t K, float* out);
 
 // Units of work: the pairs kernel's 4-tile groups and then its last tiles one by one; AMX's
 // groups of up to 4 tiles. A chunk: the units a thread claims at a time.
+// The layout checks linear_bf16_pairs / linear_bf16_amx make (TORCH_CHECK): a contiguous bf16
+// [tiles, K / 2, 16, 2] or [tiles, K / 32, 16, 16, 2] weight whose tiles fit N outputs. Return K.
+int64_t bf16_pairs_check_layout(const at::Tensor& packed, int64_t N);
+int64_t bf16_amx_check_layout(const at::Tensor& packed, int64_t N);
 int64_t bf16_pairs_units(int64_t num_tiles);
 int64_t bf16_pairs_chunk(int64_t num_tiles, int64_t threads);
 int64_t bf16_amx_units(int64_t num_tiles);
