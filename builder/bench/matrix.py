@@ -159,10 +159,11 @@ def threads_of(label: str, log_path: Path) -> str:
     return ("engine on " if label == "vllm" and found else "") + ("; ".join(found) or "not reported")
 
 
-def probe(port: int, model: str) -> dict:
+def probe(port: int, model: str, temperature: float) -> dict:
     """One streamed completion shaped as the client's (its fields, plus the extra body), to see
     a refusal in full: the client itself keeps only the HTTP reason."""
     payload = {"model": model, "prompt": "An inference server is", "repetition_penalty": 1.0,
+               "temperature": temperature,
                "max_tokens": 4, "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 4}
     request = urllib.request.Request(f"http://{LOOPBACK}:{port}/v1/completions",
                                      json.dumps(payload).encode(),
@@ -198,7 +199,7 @@ def one_server(matrix: Matrix, label: str, run_dir: Path, log: Any) -> dict:
         try:
             record["ready_s"] = server.wait_ready(matrix.ready_timeout)
             record["threads"] = threads_of(label, log_path)
-            record["probe"] = probe(port, matrix.model_name)
+            record["probe"] = probe(port, matrix.model_name, matrix.temperature)
             log(f"  {label} ready after {record['ready_s']:.0f} s ({record['threads']}); probe: "
                 f"HTTP {record['probe']['status']}" + ("" if record["probe"]["ok"] else
                                                         f" {record['probe']['body'][:500]}"))

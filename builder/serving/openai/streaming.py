@@ -3,8 +3,9 @@
 Chat streams open with the assistant role, then the content deltas; the chunk of the last
 Triton response carries the finish reason; every response that carries tokens is a chunk, its
 text empty while the bytes of a character are not all there yet (vLLM's stream does the same,
-so a client counts tokens and inter-token times alike on both); with `stream_options.include_usage` every chunk has
-`usage: null` and a last chunk without choices carries the counts. With `n` choices each chunk
+so a client counts tokens and inter-token times alike on both); with
+`stream_options.include_usage` every chunk has `usage: null` and a last chunk without choices
+carries the counts. With `n` choices each chunk
 names its choice's `index` (each chat choice opens with its role) and chunks of different
 choices interleave as they come. With tools, a choice's text is held until it ends (with `auto`
 only while it may be a call: empty, or starting with `{`, `[` or `<`; a reply that starts as

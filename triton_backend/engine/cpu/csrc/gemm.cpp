@@ -240,8 +240,7 @@ void bf16_check_layout(const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
                   packed.size(2) == kTile && packed.is_contiguous(),
               "packed weight must be a contiguous bf16 [tiles, K, 16] tensor");
-  TORCH_CHECK(N > (packed.size(0) - 1) * kTile && N <= packed.size(0) * kTile,
-              "N does not fit the tiles");
+  bf16_check_tiles_fit(packed.size(0), N);
 }
 
 template <typename T, typename P>

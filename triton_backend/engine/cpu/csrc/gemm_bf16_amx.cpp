@@ -205,8 +205,7 @@ int64_t bf16_amx_check_layout(const at::Tensor& packed, int64_t N) {
                   packed.size(2) == 16 && packed.size(3) == 16 && packed.size(4) == 2 &&
                   packed.is_contiguous(),
               "packed weight must be a contiguous bf16 [tiles, K / 32, 16, 16, 2] tensor");
-  TORCH_CHECK(N > (packed.size(0) - 1) * 16 && N <= packed.size(0) * 16,
-              "N does not fit the tiles");
+  bf16_check_tiles_fit(packed.size(0), N);
   return 32 * packed.size(1);
 }
 

@@ -161,8 +161,7 @@ int64_t bf16_pairs_check_layout(const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
               "packed weight must be a contiguous bf16 [tiles, K / 2, 16, 2] tensor");
-  TORCH_CHECK(N > (packed.size(0) - 1) * 16 && N <= packed.size(0) * 16,
-              "N does not fit the tiles");
+  bf16_check_tiles_fit(packed.size(0), N);
   return 2 * packed.size(1);
 }
 

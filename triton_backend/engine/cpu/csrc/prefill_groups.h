@@ -1,5 +1,6 @@
 // The loops around prefill attention's register tiles (prefill_tiles.h), shared by the
-// instruction sets (a policy with kWholeBlock, AMX's, takes a whole key block per call): which tile shape each call gets, and an item's scratch.
+// instruction sets: which tile shape each call gets, and an item's scratch. A policy with
+// kWholeBlock (AMX's) takes a whole key block per call.
 #pragma once
 
 #include "prefill_tiles.h"

@@ -54,8 +54,8 @@ struct AmxTiles : DotTiles {
     for (int64_t r = 0; r * kRun < n; ++r) {
       const int64_t j0 = r * kRun, count = std::min(kRun, n - j0);
       if constexpr (std::is_same<C, bf16>::value) {
-        const int64_t step = rows[j0 + 1 < n ? j0 + 1 : j0] - rows[j0];
-        bool even = count == kRun && step > 0;
+        const int64_t step = count == kRun ? rows[j0 + 1] - rows[j0] : 0;
+        bool even = step > 0;
         for (int64_t i = 2; even && i < kRun; ++i) even = rows[j0 + i] - rows[j0] == i * step;
         if (even) {
           keys.rows[r] = reinterpret_cast<const uint16_t*>(rows[j0]);

@@ -49,6 +49,10 @@ void bf16_tiles(const float* x, int64_t M, int64_t K, const at::BFloat16* packed
 int64_t bf16_chunk(int64_t tiles, int64_t threads);  // tiles a thread claims at a time
 // The layout checks linear_bf16_packed makes for [tiles, K, 16] weights (TORCH_CHECK).
 void bf16_check_layout(const at::Tensor& packed, int64_t N);
+// Every packed bf16 layout's last check: its tiles of 16 columns hold exactly N outputs.
+inline void bf16_check_tiles_fit(int64_t tiles, int64_t N) {
+  TORCH_CHECK(N > (tiles - 1) * 16 && N <= tiles * 16, "N does not fit the tiles");
+}
 // One row as fp32, times the AWQ scale when given, rounded as torch rounds x * prequant.
 template <typename T, typename P>
 void widen_row(const T* x, const P* prequant, int64_t K, float* out);
@@ -56,12 +60,12 @@ void widen_row(const T* x, const P* prequant, int64_t K, float* out);
 // ---- bf16 weights in pairs ([tiles, K / 2, 16, 2]: gemm_bf16_dot.cpp, AVX-512 BF16) and on
 // AMX tiles ([tiles, K / 32, 16, 16, 2]: gemm_bf16_amx.cpp), x as bf16 rows [M, K] ----
 
-// Units of work: the pairs kernel's 4-tile groups and then its last tiles one by one; AMX's
-// groups of up to 4 tiles. A chunk: the units a thread claims at a time.
 // The layout checks linear_bf16_pairs / linear_bf16_amx make (TORCH_CHECK): a contiguous bf16
 // [tiles, K / 2, 16, 2] or [tiles, K / 32, 16, 16, 2] weight whose tiles fit N outputs. Return K.
 int64_t bf16_pairs_check_layout(const at::Tensor& packed, int64_t N);
 int64_t bf16_amx_check_layout(const at::Tensor& packed, int64_t N);
+// Units of work: the pairs kernel's 4-tile groups and then its last tiles one by one; AMX's
+// groups of up to 4 tiles. A chunk: the units a thread claims at a time.
 int64_t bf16_pairs_units(int64_t num_tiles);
 int64_t bf16_pairs_chunk(int64_t num_tiles, int64_t threads);
 int64_t bf16_amx_units(int64_t num_tiles);
